@@ -1,0 +1,17 @@
+//! Custom ops for ResNet training, each a candle custom op with a CPU reference and (feature `cuda`) a CUDA kernel.
+//!
+//! The CPU implementations are the references the CUDA kernels are tested against, and they are what the
+//! default (CPU-only) build runs.
+
+pub mod maxpool;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
+pub use maxpool::{max_pool2d, MaxPool2d};
+
+/// Errors of this crate's ops.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error("{op}: {msg}")]
+    Invalid { op: &'static str, msg: String },
+}

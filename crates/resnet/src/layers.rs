@@ -1,0 +1,191 @@
+//! Layers with torchvision's names and initialisation: Conv2d (no bias), BatchNorm2d (train/eval), Linear.
+
+use crate::autocast::{finish, operand};
+use crate::store::{Param, ParamKind, ParamStore};
+use candle_core::{DType, Result, Tensor, D};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, Normal, Uniform};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+/// Creates named, initialised tensors in a [`ParamStore`]; `pp` descends one name level (`layer1.0.conv1`).
+pub struct Builder<'a> {
+    store: &'a ParamStore,
+    rng: std::rc::Rc<std::cell::RefCell<ChaCha8Rng>>,
+    prefix: String,
+}
+
+impl<'a> Builder<'a> {
+    pub fn new(store: &'a ParamStore, seed: u64) -> Self {
+        Self { store, rng: std::rc::Rc::new(std::cell::RefCell::new(ChaCha8Rng::seed_from_u64(seed))), prefix: String::new() }
+    }
+    pub fn pp(&self, name: impl std::fmt::Display) -> Self {
+        let prefix = if self.prefix.is_empty() { name.to_string() } else { format!("{}.{name}", self.prefix) };
+        Self { store: self.store, rng: self.rng.clone(), prefix }
+    }
+    fn name(&self, leaf: &str) -> String {
+        if self.prefix.is_empty() { leaf.to_string() } else { format!("{}.{leaf}", self.prefix) }
+    }
+    fn host(&self, shape: &[usize], data: Vec<f32>, leaf: &str, kind: ParamKind) -> Result<Param> {
+        let t = Tensor::from_vec(data, shape, self.store.device())?;
+        self.store.insert(&self.name(leaf), t, kind)
+    }
+    fn normal(&self, shape: &[usize], std: f32, leaf: &str) -> Result<Param> {
+        let n: usize = shape.iter().product();
+        let dist = Normal::new(0f32, std).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        let mut rng = self.rng.borrow_mut();
+        let data = (0..n).map(|_| dist.sample(&mut *rng)).collect();
+        drop(rng);
+        self.host(shape, data, leaf, ParamKind::Param)
+    }
+    fn uniform(&self, shape: &[usize], bound: f32, leaf: &str) -> Result<Param> {
+        let n: usize = shape.iter().product();
+        let dist = Uniform::new_inclusive(-bound, bound).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        let mut rng = self.rng.borrow_mut();
+        let data = (0..n).map(|_| rng.sample(dist)).collect();
+        drop(rng);
+        self.host(shape, data, leaf, ParamKind::Param)
+    }
+    fn constant(&self, shape: &[usize], v: f32, leaf: &str, kind: ParamKind) -> Result<Param> {
+        let n: usize = shape.iter().product();
+        self.host(shape, vec![v; n], leaf, kind)
+    }
+    fn counter(&self, leaf: &str) -> Result<Param> {
+        let t = Tensor::new(0i64, self.store.device())?;
+        self.store.insert(&self.name(leaf), t, ParamKind::Buffer)
+    }
+}
+
+/// Per-forward settings: training mode and the low-precision dtype of convs/matmuls and activations.
+#[derive(Debug, Clone, Copy)]
+pub struct Ctx {
+    pub train: bool,
+    pub act: DType,
+}
+
+/// 2D convolution without bias (every ResNet conv feeds a BatchNorm). Weight: (out, in, k, k), FP32 master.
+#[derive(Debug, Clone)]
+pub struct Conv2d {
+    pub weight: Param,
+    pub stride: usize,
+    pub padding: usize,
+}
+
+impl Conv2d {
+    /// Kaiming-normal init, mode fan_out, ReLU gain (torchvision's ResNet init).
+    pub fn new(b: &Builder, c_in: usize, c_out: usize, k: usize, stride: usize, padding: usize) -> Result<Self> {
+        let std = (2.0 / (c_out * k * k) as f32).sqrt();
+        Ok(Self { weight: b.normal(&[c_out, c_in, k, k], std, "weight")?, stride, padding })
+    }
+
+    // x: [n, c_in, h, w] in ctx.act -> [n, c_out, h', w'] in ctx.act
+    pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
+        let w = operand(&self.weight.tensor(), ctx.act)?;
+        let x = operand(x, ctx.act)?;
+        finish(&x.conv2d(&w, self.padding, self.stride, 1, 1)?, ctx.act)
+    }
+}
+
+/// BatchNorm2d: batch statistics and running-stat updates in training mode, running statistics in eval mode.
+/// Statistics and normalisation are computed in FP32 whatever the activation dtype; the result is returned in
+/// the activation dtype. Running variance is updated with the unbiased batch variance, as PyTorch does.
+#[derive(Debug, Clone)]
+pub struct BatchNorm2d {
+    pub weight: Param,
+    pub bias: Param,
+    pub running_mean: Param,
+    pub running_var: Param,
+    pub num_batches_tracked: Param,
+    pub momentum: f64,
+    pub eps: f64,
+    /// When set, the layer uses its running statistics even in training mode and never updates them.
+    pub stats_frozen: Arc<AtomicBool>,
+}
+
+impl BatchNorm2d {
+    pub fn new(b: &Builder, c: usize, zero_weight: bool) -> Result<Self> {
+        Ok(Self {
+            weight: b.constant(&[c], if zero_weight { 0.0 } else { 1.0 }, "weight", ParamKind::Param)?,
+            bias: b.constant(&[c], 0.0, "bias", ParamKind::Param)?,
+            running_mean: b.constant(&[c], 0.0, "running_mean", ParamKind::Buffer)?,
+            running_var: b.constant(&[c], 1.0, "running_var", ParamKind::Buffer)?,
+            num_batches_tracked: b.counter("num_batches_tracked")?,
+            momentum: 0.1,
+            eps: 1e-5,
+            stats_frozen: Arc::new(AtomicBool::new(false)),
+        })
+    }
+
+    // x: [n, c, h, w] in ctx.act -> same shape and dtype
+    pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
+        let out_dtype = x.dtype();
+        let x = x.to_dtype(DType::F32)?;
+        let c = x.dim(1)?;
+        let w = self.weight.tensor().reshape((1, c, 1, 1))?;
+        let b = self.bias.tensor().reshape((1, c, 1, 1))?;
+        let use_batch = ctx.train && !self.stats_frozen.load(Ordering::Relaxed);
+        let y = if use_batch {
+            let (n, _, h, wd) = x.dims4()?;
+            let count = n * h * wd;
+            if count < 2 {
+                candle_core::bail!("BatchNorm2d in training mode needs more than one value per channel, got input {:?}", x.dims());
+            }
+            // Per-channel mean and biased variance over (n, h, w).
+            let mean = x.mean_keepdim((0, 2, 3))?; // [1, c, 1, 1]
+            let xc = x.broadcast_sub(&mean)?;
+            let var = xc.sqr()?.mean_keepdim((0, 2, 3))?;
+            let inv = (var.clone() + self.eps)?.sqrt()?.recip()?;
+            self.update_running(&mean.detach(), &var.detach(), count)?;
+            xc.broadcast_mul(&inv)?.broadcast_mul(&w)?.broadcast_add(&b)?
+        } else {
+            let mean = self.running_mean.tensor().reshape((1, c, 1, 1))?;
+            let var = self.running_var.tensor().reshape((1, c, 1, 1))?;
+            let scale = (var + self.eps)?.sqrt()?.recip()?.broadcast_mul(&w)?;
+            x.broadcast_sub(&mean)?.broadcast_mul(&scale)?.broadcast_add(&b)?
+        };
+        y.to_dtype(out_dtype)
+    }
+
+    fn update_running(&self, mean: &Tensor, var: &Tensor, count: usize) -> Result<()> {
+        let m = self.momentum;
+        let mean = mean.flatten_all()?;
+        let unbiased = (var.flatten_all()? * (count as f64 / (count - 1) as f64))?;
+        let rm = self.running_mean.var();
+        let rv = self.running_var.var();
+        rm.set(&((rm.as_tensor() * (1.0 - m))? + (mean * m)?)?)?;
+        rv.set(&((rv.as_tensor() * (1.0 - m))? + (unbiased * m)?)?)?;
+        let nb = self.num_batches_tracked.var();
+        nb.set(&(nb.as_tensor() + 1.0)?)?;
+        Ok(())
+    }
+}
+
+/// Fully connected layer, PyTorch's default init (uniform in ±1/sqrt(fan_in) for weight and bias).
+#[derive(Debug, Clone)]
+pub struct Linear {
+    pub weight: Param,
+    pub bias: Param,
+}
+
+impl Linear {
+    pub fn new(b: &Builder, c_in: usize, c_out: usize) -> Result<Self> {
+        let bound = 1.0 / (c_in as f32).sqrt();
+        Ok(Self { weight: b.uniform(&[c_out, c_in], bound, "weight")?, bias: b.uniform(&[c_out], bound, "bias")? })
+    }
+
+    // x: [n, c_in] -> [n, c_out] in ctx.act (the loss casts logits to FP32)
+    pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
+        let w = operand(&self.weight.tensor(), ctx.act)?;
+        let x = operand(x, ctx.act)?;
+        let y = x.matmul(&w.t()?)?;
+        let b = operand(&self.bias.tensor(), ctx.act)?;
+        finish(&y.broadcast_add(&b)?, ctx.act)
+    }
+}
+
+/// Global average pool over (h, w) with FP32 accumulation. x: [n, c, h, w] -> [n, c] in x's dtype.
+pub fn global_avg_pool(x: &Tensor) -> Result<Tensor> {
+    let dt = x.dtype();
+    x.to_dtype(DType::F32)?.flatten_from(2)?.mean(D::Minus1)?.to_dtype(dt)
+}

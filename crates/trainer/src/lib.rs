@@ -1,0 +1,3 @@
+//! The training library behind the `trainer` binary: configuration, data, optimisation, checkpoints.
+
+pub mod config;

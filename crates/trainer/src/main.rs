@@ -1,0 +1,4 @@
+//! `trainer`: train, evaluate, inspect and benchmark ResNets from a TOML config.
+fn main() -> anyhow::Result<()> {
+    Ok(())
+}
