@@ -3,10 +3,12 @@
 //! The CPU implementations are the references the CUDA kernels are tested against, and they are what the
 //! default (CPU-only) build runs.
 
+pub mod conv;
 pub mod maxpool;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
+pub use conv::conv2d;
 pub use maxpool::{max_pool2d, MaxPool2d};
 
 /// Errors of this crate's ops.

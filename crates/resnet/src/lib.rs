@@ -8,7 +8,7 @@ pub mod weights;
 
 pub use autocast::Precision;
 pub use model::{Arch, ResNet, ResNetConfig, Stem};
-pub use store::{Param, ParamKind, ParamStore};
+pub use store::{no_grad, Param, ParamKind, ParamStore};
 
 /// Errors of the model crate. Messages name the file, tensor or value at fault.
 #[derive(Debug, thiserror::Error)]

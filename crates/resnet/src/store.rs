@@ -5,6 +5,19 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
+thread_local! {
+    static NO_GRAD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with every parameter detached: no autograd graph is built, so activations are freed as soon as
+/// they are used (evaluation, benchmarks of the forward pass).
+pub fn no_grad<T>(f: impl FnOnce() -> T) -> T {
+    let prev = NO_GRAD.with(|c| c.replace(true));
+    let out = f();
+    NO_GRAD.with(|c| c.set(prev));
+    out
+}
+
 /// Whether an entry is trained (parameter) or tracked (buffer: running statistics, counters).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ParamKind {
@@ -20,9 +33,9 @@ pub struct Param {
 }
 
 impl Param {
-    /// The tensor to use in a forward pass: tracked for gradients unless frozen.
+    /// The tensor to use in a forward pass: tracked for gradients unless frozen or inside [`no_grad`].
     pub fn tensor(&self) -> Tensor {
-        if self.frozen.load(Ordering::Relaxed) {
+        if self.frozen.load(Ordering::Relaxed) || NO_GRAD.with(|f| f.get()) {
             self.var.as_tensor().detach()
         } else {
             self.var.as_tensor().clone()

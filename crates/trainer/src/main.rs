@@ -1,4 +1,143 @@
-//! `trainer`: train, evaluate, inspect and benchmark ResNets from a TOML config.
-fn main() -> anyhow::Result<()> {
+//! `trainer`: train, evaluate, inspect, benchmark and sweep ResNets from a TOML config.
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use std::path::PathBuf;
+use trainer::config::{self, Config};
+
+#[derive(Parser)]
+#[command(name = "trainer", version, about = "ResNet training on candle", args_conflicts_with_subcommands = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    train: TrainArgs,
+}
+
+#[derive(Args, Clone)]
+struct ConfigArgs {
+    /// Config file, or a bare name found in configs/ (e.g. resnet152.toml).
+    #[arg(long, short)]
+    config: Option<String>,
+    /// Override a key: --set train.batch_size=64 (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
+}
+
+impl ConfigArgs {
+    fn load(&self) -> Result<(Config, PathBuf)> {
+        let Some(name) = &self.config else { bail!("--config is required (e.g. --config quickstart.toml)") };
+        let path = config::resolve_path(name)?;
+        Ok((Config::load(&path, &self.set)?, path))
+    }
+}
+
+#[derive(Args, Clone)]
+struct TrainArgs {
+    #[command(flatten)]
+    cfg: ConfigArgs,
+    /// Run directory (default: runs/<config name>).
+    #[arg(long)]
+    run_dir: Option<PathBuf>,
+    /// Continue from the latest checkpoint in the run directory.
+    #[arg(long)]
+    resume: bool,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Train (the default command).
+    Train(TrainArgs),
+    /// Evaluate a checkpoint (or torchvision-format weights) on the validation set.
+    Eval {
+        #[command(flatten)]
+        cfg: ConfigArgs,
+        #[arg(long)]
+        checkpoint: PathBuf,
+    },
+    /// Print the model summary: stage output shapes and the parameter count.
+    Info {
+        #[command(flatten)]
+        cfg: ConfigArgs,
+    },
+}
+
+fn main() {
+    if let Err(e) = run() {
+        // One line: the chain of contexts, outermost first.
+        let msg = e.chain().map(|c| c.to_string()).collect::<Vec<_>>().join(": ");
+        eprintln!("error: {}", msg.replace('\n', " "));
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        None => train(cli.train),
+        Some(Command::Train(a)) => train(a),
+        Some(Command::Eval { cfg, checkpoint }) => eval(cfg, checkpoint),
+        Some(Command::Info { cfg }) => info(cfg),
+    }
+}
+
+fn train(a: TrainArgs) -> Result<()> {
+    let (cfg, path) = a.cfg.load()?;
+    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("run").to_string();
+    let run_dir = a.run_dir.unwrap_or_else(|| PathBuf::from("runs").join(stem));
+    if !a.resume && trainer::checkpoint::latest(&run_dir.join("checkpoints")).is_some() {
+        bail!(
+            "run directory {} already holds checkpoints: pass --resume to continue it, or --run-dir for a new run",
+            run_dir.display()
+        );
+    }
+    std::fs::create_dir_all(&run_dir).with_context(|| format!("cannot create run directory {}", run_dir.display()))?;
+    let text = cfg.to_toml();
+    eprintln!("# resolved config ({})\n{text}", path.display());
+    std::fs::write(run_dir.join("config.toml"), &text).with_context(|| format!("cannot write {}/config.toml", run_dir.display()))?;
+    let s = trainer::train::train(&cfg, &run_dir, a.resume)?;
+    eprintln!(
+        "done: {} steps, last loss {:.4}{}; run directory {}",
+        s.steps,
+        s.last_loss,
+        s.val.map(|v| format!(", val top1 {:.2}% top5 {:.2}%", v.top1, v.top5)).unwrap_or_default(),
+        s.run_dir.display()
+    );
+    Ok(())
+}
+
+fn eval(c: ConfigArgs, ckpt: PathBuf) -> Result<()> {
+    let (cfg, _) = c.load()?;
+    let device = trainer::train::select_device(&cfg.device)?;
+    let model = trainer::train::build_model(&Config { model: config::ModelSection { init_from: String::new(), ..cfg.model.clone() }, ..cfg.clone() }, &device)?;
+    // A trainer checkpoint, or plain weights in torchvision format.
+    match trainer::checkpoint::load(&ckpt) {
+        Ok(l) => resnet::weights::load_tensors(&model, &l.model, false).map_err(|m| anyhow::anyhow!("{}: {m}", ckpt.display()))?,
+        Err(_) => resnet::weights::load_into(&model, &ckpt, false)?,
+    };
+    let val = trainer::data::open(&cfg.data, trainer::data::Split::Val, cfg.seed, cfg.model.num_classes)?;
+    let r = trainer::train::validate(&model, val, &cfg, trainer::train::precision(&cfg))?;
+    println!(
+        "{}: {} images, loss {:.4}, top1 {:.2}%, top5 {:.2}%, {:.1} img/s",
+        ckpt.display(),
+        r.samples,
+        r.loss,
+        r.top1,
+        r.top5,
+        r.img_per_s
+    );
+    Ok(())
+}
+
+fn info(c: ConfigArgs) -> Result<()> {
+    let (cfg, _) = c.load()?;
+    let model = trainer::train::build_model(&Config { model: config::ModelSection { init_from: String::new(), ..cfg.model.clone() }, ..cfg.clone() }, &candle_core::Device::Cpu)?;
+    println!("model: {} ({} stem, {} classes) at {}x{}", cfg.model.arch, cfg.model.stem, cfg.model.num_classes, cfg.data.image_size, cfg.data.image_size);
+    for s in model.stage_shapes(cfg.train.batch_size, cfg.data.image_size) {
+        println!("  {:<8} {:?}", s.name, s.shape);
+    }
+    let trainable: usize = model.store().trainable().iter().map(|(_, v)| v.elem_count()).sum();
+    println!("parameters: {}", model.store().num_parameters());
+    println!("trainable: {trainable}");
     Ok(())
 }

@@ -1,0 +1,129 @@
+//! Checkpoints: model + optimizer tensors and the trainer state (epoch/step, scheduler, loss scaler, data order,
+//! meters) in one safetensors file, written atomically (temporary file, then rename); keep the last N and the best.
+
+use crate::scaler::LossScaler;
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::{Device, Tensor};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+pub const FORMAT: &str = "resnet-trainer-checkpoint/1";
+const STATE_KEY: &str = "trainer_state";
+
+/// Running sums of the epoch in progress (so a resumed epoch reports what an uninterrupted one would).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct EpochMeters {
+    pub loss_sum: f64,
+    pub correct: u64,
+    pub seen: u64,
+    pub steps: u64,
+}
+
+/// Everything besides tensors that a resume needs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainState {
+    pub format: String,
+    pub arch: String,
+    pub num_classes: usize,
+    /// Epoch in progress (0-based) and micro-batches of it already consumed.
+    pub epoch: usize,
+    pub batch_in_epoch: usize,
+    /// Optimizer steps attempted (the schedule's clock; skipped steps included).
+    pub step: usize,
+    /// Updates actually applied (AdamW's bias correction).
+    pub optimizer_steps: u64,
+    pub scaler: LossScaler,
+    /// Seed of data order and augmentation; order is a function of (seed, epoch).
+    pub seed: u64,
+    pub meters: EpochMeters,
+    pub best_top1: Option<f64>,
+    /// Lines of metrics.jsonl written when this checkpoint was taken (a resume truncates to it).
+    pub metrics_lines: usize,
+}
+
+pub struct Loaded {
+    pub model: HashMap<String, Tensor>,
+    pub optim: BTreeMap<String, Tensor>,
+    pub state: TrainState,
+}
+
+/// Writes a checkpoint atomically: `path` either holds the previous complete file or the new complete file.
+pub fn save(path: &Path, model: &BTreeMap<String, Tensor>, optim: &BTreeMap<String, Tensor>, state: &TrainState) -> Result<()> {
+    let mut tensors: Vec<(String, Tensor)> = Vec::with_capacity(model.len() + optim.len());
+    for (k, v) in model {
+        tensors.push((format!("model.{k}"), v.to_device(&Device::Cpu)?));
+    }
+    for (k, v) in optim {
+        tensors.push((format!("optim.{k}"), v.to_device(&Device::Cpu)?));
+    }
+    let meta = HashMap::from([(STATE_KEY.to_string(), serde_json::to_string(state)?)]);
+    let tmp = path.with_extension("tmp");
+    safetensors::serialize_to_file(tensors.iter().map(|(k, v)| (k.as_str(), v)), Some(meta), &tmp)
+        .with_context(|| format!("cannot write checkpoint {}", tmp.display()))?;
+    // Flush to disk before the rename so a crash cannot leave a renamed but empty file.
+    std::fs::File::open(&tmp).and_then(|f| f.sync_all()).with_context(|| format!("cannot sync {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("cannot move checkpoint into place at {}", path.display()))?;
+    Ok(())
+}
+
+/// Reads a checkpoint; a truncated, foreign or unreadable file is an error naming it.
+pub fn load(path: &Path) -> Result<Loaded> {
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read checkpoint {}", path.display()))?;
+    let bad = |why: String| anyhow!("{} is not a usable checkpoint: {why}", path.display());
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| bad(format!("{e:?} (truncated or not safetensors)")))?;
+    let state_json = meta
+        .metadata()
+        .as_ref()
+        .and_then(|m| m.get(STATE_KEY))
+        .ok_or_else(|| bad("no trainer state in it (model weights alone? use model.init_from for those)".into()))?;
+    let state: TrainState = serde_json::from_str(state_json).map_err(|e| bad(format!("trainer state unreadable ({e})")))?;
+    if state.format != FORMAT {
+        bail!("{}: checkpoint format `{}`, this trainer reads `{FORMAT}`", path.display(), state.format);
+    }
+    let all = candle_core::safetensors::load_buffer(&bytes, &Device::Cpu).map_err(|e| bad(format!("{e} (truncated?)")))?;
+    let mut model = HashMap::new();
+    let mut optim = BTreeMap::new();
+    for (k, v) in all {
+        if let Some(n) = k.strip_prefix("model.") {
+            model.insert(n.to_string(), v);
+        } else if let Some(n) = k.strip_prefix("optim.") {
+            optim.insert(n.to_string(), v);
+        } else {
+            return Err(bad(format!("unexpected tensor {k}")));
+        }
+    }
+    Ok(Loaded { model, optim, state })
+}
+
+/// Name of a periodic checkpoint; names sort in training order.
+pub fn step_name(step: usize) -> String {
+    format!("step-{step:09}.safetensors")
+}
+
+/// Periodic checkpoints in `dir`, oldest first (`best.safetensors` excluded).
+pub fn list(dir: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("step-") && n.ends_with(".safetensors")))
+        .collect();
+    v.sort();
+    v
+}
+
+pub fn latest(dir: &Path) -> Option<PathBuf> {
+    list(dir).pop()
+}
+
+/// Deletes all but the newest `keep` periodic checkpoints.
+pub fn prune(dir: &Path, keep: usize) -> Result<()> {
+    let all = list(dir);
+    let n = all.len().saturating_sub(keep.max(1));
+    for p in &all[..n] {
+        std::fs::remove_file(p).with_context(|| format!("cannot remove old checkpoint {}", p.display()))?;
+    }
+    Ok(())
+}

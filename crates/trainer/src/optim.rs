@@ -1,0 +1,142 @@
+//! Optimizers on FP32 master weights: SGD (momentum, Nesterov, weight decay) and AdamW, PyTorch's update rules.
+
+use anyhow::{bail, Result};
+use candle_core::{DType, Tensor, Var};
+use std::collections::BTreeMap;
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum OptimKind {
+    Sgd { momentum: f64, nesterov: bool },
+    AdamW { beta1: f64, beta2: f64, eps: f64 },
+}
+
+/// One trained tensor with its optimizer state.
+struct Slot {
+    name: String,
+    var: Var,
+    weight_decay: f64,
+    lr_mult: f64,
+    /// SGD: [momentum_buffer]; AdamW: [exp_avg, exp_avg_sq]. Created lazily at the first step.
+    state: Vec<Tensor>,
+}
+
+pub struct Optimizer {
+    kind: OptimKind,
+    slots: Vec<Slot>,
+    /// Optimizer steps taken (skipped steps excluded), AdamW's bias-correction count.
+    pub steps: u64,
+}
+
+/// Per-parameter options, decided by the trainer from the config.
+pub struct ParamOptions {
+    pub weight_decay: f64,
+    pub lr_mult: f64,
+}
+
+impl Optimizer {
+    pub fn new(kind: OptimKind, params: Vec<(String, Var, ParamOptions)>) -> Self {
+        let slots = params
+            .into_iter()
+            .map(|(name, var, o)| Slot { name, var, weight_decay: o.weight_decay, lr_mult: o.lr_mult, state: vec![] })
+            .collect();
+        Self { kind, slots, steps: 0 }
+    }
+
+    pub fn vars(&self) -> impl Iterator<Item = (&str, &Var)> {
+        self.slots.iter().map(|s| (s.name.as_str(), &s.var))
+    }
+
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    /// Applies one update. `grads[i]` is the (unscaled, clipped) FP32 gradient of the i-th parameter.
+    pub fn step(&mut self, grads: &[Tensor], lr: f64) -> Result<()> {
+        if grads.len() != self.slots.len() {
+            bail!("optimizer: {} gradients for {} parameters", grads.len(), self.slots.len());
+        }
+        self.steps += 1;
+        let t = self.steps as i32;
+        for (slot, g) in self.slots.iter_mut().zip(grads) {
+            let p = slot.var.as_tensor();
+            let g = g.to_dtype(DType::F32)?;
+            let lr = lr * slot.lr_mult;
+            match self.kind {
+                OptimKind::Sgd { momentum, nesterov } => {
+                    let g = if slot.weight_decay > 0.0 { (g + (p * slot.weight_decay)?)? } else { g };
+                    let d = if momentum > 0.0 {
+                        let buf = match slot.state.first() {
+                            // PyTorch: the first step's buffer is the gradient itself.
+                            None => g.copy()?,
+                            Some(b) => ((b * momentum)? + &g)?,
+                        };
+                        slot.state = vec![buf.clone()];
+                        if nesterov { (g + (buf * momentum)?)? } else { buf }
+                    } else {
+                        g
+                    };
+                    slot.var.set(&(p - (d * lr)?)?)?;
+                }
+                OptimKind::AdamW { beta1, beta2, eps } => {
+                    if slot.state.is_empty() {
+                        slot.state = vec![p.zeros_like()?, p.zeros_like()?];
+                    }
+                    let p = if slot.weight_decay > 0.0 { (p * (1.0 - lr * slot.weight_decay))? } else { p.clone() };
+                    let m = ((&slot.state[0] * beta1)? + (&g * (1.0 - beta1))?)?;
+                    let v = ((&slot.state[1] * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
+                    let bc1 = 1.0 - beta1.powi(t);
+                    let bc2 = 1.0 - beta2.powi(t);
+                    let denom = ((v.clone() / bc2)?.sqrt()? + eps)?;
+                    let upd = ((m.clone() / bc1)? / denom)?;
+                    slot.var.set(&(p - (upd * lr)?)?)?;
+                    slot.state = vec![m, v];
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn state_names(&self) -> &'static [&'static str] {
+        match self.kind {
+            OptimKind::Sgd { .. } => &["momentum_buffer"],
+            OptimKind::AdamW { .. } => &["exp_avg", "exp_avg_sq"],
+        }
+    }
+
+    /// State tensors keyed `<param>.<slot>` (for checkpoints).
+    pub fn state_tensors(&self) -> Result<BTreeMap<String, Tensor>> {
+        let names = self.state_names();
+        let mut out = BTreeMap::new();
+        for s in &self.slots {
+            for (t, n) in s.state.iter().zip(names) {
+                out.insert(format!("{}.{n}", s.name), t.copy()?);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Restores state saved by [`state_tensors`]; a parameter without saved state starts fresh.
+    pub fn load_state(&mut self, tensors: &BTreeMap<String, Tensor>, steps: u64) -> Result<()> {
+        let names = self.state_names();
+        for s in &mut self.slots {
+            let found: Vec<Option<&Tensor>> = names.iter().map(|n| tensors.get(&format!("{}.{n}", s.name))).collect();
+            s.state.clear();
+            if found.iter().all(Option::is_none) {
+                continue;
+            }
+            for (t, n) in found.into_iter().zip(names) {
+                let Some(t) = t else { bail!("optimizer state {}.{n} is missing", s.name) };
+                if t.dims() != s.var.dims() {
+                    bail!("optimizer state {}.{n} has shape {:?}, parameter has {:?}", s.name, t.dims(), s.var.dims());
+                }
+                s.state.push(t.to_dtype(DType::F32)?.to_device(s.var.device())?);
+            }
+        }
+        self.steps = steps;
+        Ok(())
+    }
+}

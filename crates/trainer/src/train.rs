@@ -1,0 +1,497 @@
+//! The training loop: `train_epoch` / `validate` with meters, mixed precision with loss scaling, gradient
+//! accumulation and clipping, checkpoints and resume, fine-tuning.
+
+use crate::checkpoint::{self, EpochMeters, TrainState};
+use crate::config::Config;
+use crate::data::{self, Dataset, HostBatch, Loader, LoaderOptions, Split};
+use crate::metrics::MetricsWriter;
+use crate::optim::{OptimKind, Optimizer, ParamOptions};
+use crate::scaler::LossScaler;
+use crate::sched::Schedule;
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::{DType, Device, Tensor, D};
+use indicatif::{ProgressBar, ProgressStyle};
+use resnet::{weights, Arch, Precision, ResNet, ResNetConfig, Stem};
+use serde_json::json;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Parses `cpu`, `cuda`, `cuda:N`.
+pub fn select_device(spec: &str) -> Result<Device> {
+    if spec == "cpu" {
+        return Ok(Device::Cpu);
+    }
+    let ordinal = match spec {
+        "cuda" => 0,
+        s => s.strip_prefix("cuda:").and_then(|n| n.parse().ok()).ok_or_else(|| anyhow!("device = \"{s}\": expected cpu, cuda or cuda:N"))?,
+    };
+    if !cfg!(feature = "cuda") {
+        bail!("device = \"{spec}\": this trainer was built without CUDA (rebuild with `--features cuda`, see the README)");
+    }
+    Device::new_cuda(ordinal).map_err(|e| anyhow!("device = \"{spec}\": cannot open the GPU ({e})"))
+}
+
+pub fn precision(cfg: &Config) -> Precision {
+    Precision::parse(&cfg.amp.dtype).unwrap_or(Precision::F32)
+}
+
+/// Whether dynamic loss scaling is on: amp.loss_scaling = "on"/"off", or "auto" (fp16 only).
+pub fn scaling_enabled(cfg: &Config) -> bool {
+    match cfg.amp.loss_scaling.as_str() {
+        "on" => true,
+        "off" => false,
+        _ => cfg.amp.dtype == "fp16",
+    }
+}
+
+/// Builds the model of the config: initialisation, `model.init_from` (head replaced when the class count differs),
+/// frozen modules and BatchNorm statistics.
+pub fn build_model(cfg: &Config, device: &Device) -> Result<ResNet> {
+    let mc = ResNetConfig {
+        arch: Arch::parse(&cfg.model.arch)?,
+        num_classes: cfg.model.num_classes,
+        stem: Stem::parse(&cfg.model.stem)?,
+        zero_init_residual: cfg.model.zero_init_residual,
+        seed: cfg.seed,
+    };
+    let model = ResNet::new(mc, device)?;
+    if !cfg.model.init_from.is_empty() {
+        let path = Path::new(&cfg.model.init_from);
+        let report = weights::load_into(&model, path, true).with_context(|| "model.init_from".to_string())?;
+        eprintln!(
+            "loaded {} tensors from {}{}",
+            report.loaded,
+            path.display(),
+            if report.head_replaced { format!(" (new {}-class head)", cfg.model.num_classes) } else { String::new() }
+        );
+    }
+    if !cfg.finetune.freeze.is_empty() {
+        let names: Vec<String> = model.store().entries().into_iter().map(|(n, _)| n).collect();
+        for p in &cfg.finetune.freeze {
+            if !names.iter().any(|n| n == p || n.starts_with(&format!("{p}."))) {
+                bail!("finetune.freeze: `{p}` names no module of {} (e.g. conv1, bn1, layer1, layer2.0, fc)", cfg.model.arch);
+            }
+        }
+        model.store().freeze_prefixes(&cfg.finetune.freeze);
+    }
+    model.freeze_bn_stats(cfg.finetune.bn_frozen);
+    Ok(model)
+}
+
+/// Mean cross-entropy with label smoothing, in FP32. logits: [n, k] any float dtype, labels: [n] u32.
+pub fn cross_entropy(logits: &Tensor, labels: &Tensor, smoothing: f64) -> candle_core::Result<Tensor> {
+    let logp = candle_nn::ops::log_softmax(&logits.to_dtype(DType::F32)?, D::Minus1)?;
+    let nll = logp.gather(&labels.unsqueeze(1)?, 1)?.mean_all()?.neg()?;
+    if smoothing == 0.0 {
+        return Ok(nll);
+    }
+    let uniform = logp.mean(D::Minus1)?.mean_all()?.neg()?;
+    (nll * (1.0 - smoothing))? + (uniform * smoothing)?
+}
+
+/// Number of samples whose label is among the top `k` logits. logits: [n, classes], labels: [n].
+fn topk_correct(logits: &Tensor, labels: &Tensor, k: usize) -> candle_core::Result<Tensor> {
+    let logits = logits.to_dtype(DType::F32)?;
+    let target = logits.gather(&labels.unsqueeze(1)?, 1)?; // [n, 1]
+    // Rank of the target = number of logits strictly greater than it.
+    let rank = logits.broadcast_gt(&target)?.to_dtype(DType::F32)?.sum(D::Minus1)?;
+    rank.lt(k as f64)?.to_dtype(DType::F32)?.sum_all()
+}
+
+pub struct Batch {
+    pub images: Tensor,
+    pub labels: Tensor,
+    pub n: usize,
+}
+
+pub fn to_device(b: HostBatch, device: &Device) -> Result<Batch> {
+    let images = Tensor::from_vec(b.images, (b.n, 3, b.size, b.size), device)?;
+    let labels = Tensor::from_vec(b.labels, b.n, device)?;
+    Ok(Batch { images, labels, n: b.n })
+}
+
+/// Result of one optimizer step.
+#[derive(Debug, Clone)]
+pub struct StepOutput {
+    pub loss: f64,
+    pub correct: u64,
+    pub samples: usize,
+    pub skipped: bool,
+    pub loss_scale: f64,
+    pub grad_norm: f64,
+}
+
+/// Model, optimizer and scaler: what one training step needs.
+pub struct StepRunner {
+    pub model: ResNet,
+    pub opt: Optimizer,
+    pub scaler: LossScaler,
+    pub precision: Precision,
+    pub label_smoothing: f64,
+    pub clip_grad_norm: f64,
+}
+
+impl StepRunner {
+    pub fn new(cfg: &Config, model: ResNet) -> Result<Self> {
+        let kind = match cfg.optim.name.as_str() {
+            "adamw" => OptimKind::AdamW { beta1: cfg.optim.beta1, beta2: cfg.optim.beta2, eps: cfg.optim.eps },
+            _ => OptimKind::Sgd { momentum: cfg.optim.momentum, nesterov: cfg.optim.nesterov },
+        };
+        let params = model
+            .store()
+            .trainable()
+            .into_iter()
+            .map(|(name, var)| {
+                let no_decay = cfg.optim.no_decay_bn_bias && var.rank() <= 1;
+                let lr_mult = if name.starts_with("fc.") { cfg.finetune.head_lr_mult } else { 1.0 };
+                let o = ParamOptions { weight_decay: if no_decay { 0.0 } else { cfg.optim.weight_decay }, lr_mult };
+                (name, var, o)
+            })
+            .collect::<Vec<_>>();
+        if params.is_empty() {
+            bail!("finetune.freeze leaves nothing to train");
+        }
+        Ok(Self {
+            opt: Optimizer::new(kind, params),
+            scaler: LossScaler::new(&cfg.amp, scaling_enabled(cfg)),
+            precision: precision(cfg),
+            label_smoothing: cfg.train.label_smoothing,
+            clip_grad_norm: cfg.train.clip_grad_norm,
+            model,
+        })
+    }
+
+    /// Forward + backward over the micro-batches, then unscale, inf/NaN check, clip, update or skip, and update the
+    /// scale (PyTorch GradScaler's order). One device-to-host transfer per step.
+    pub fn step(&mut self, micro: &[Batch], lr: f64) -> Result<StepOutput> {
+        let scale = self.scaler.scale();
+        let accum = micro.len() as f64;
+        let vars: Vec<_> = self.opt.vars().map(|(_, v)| v.clone()).collect();
+        let mut acc: Vec<Option<Tensor>> = vec![None; vars.len()];
+        let mut loss_sum: Option<Tensor> = None;
+        let mut correct_sum: Option<Tensor> = None;
+        let mut samples = 0;
+        for b in micro {
+            let logits = self.model.forward(&b.images, true, self.precision)?;
+            let loss = cross_entropy(&logits, &b.labels, self.label_smoothing)?;
+            let correct = topk_correct(&logits.detach(), &b.labels, 1)?;
+            let grads = (&loss * (scale / accum))?.backward()?;
+            for (slot, v) in acc.iter_mut().zip(&vars) {
+                if let Some(g) = grads.get(v.as_tensor()) {
+                    let g = g.to_dtype(DType::F32)?;
+                    *slot = Some(match slot.take() {
+                        None => g,
+                        Some(a) => (a + g)?,
+                    });
+                }
+            }
+            let l = loss.detach();
+            loss_sum = Some(match loss_sum {
+                None => l,
+                Some(s) => (s + l)?,
+            });
+            correct_sum = Some(match correct_sum {
+                None => correct,
+                Some(s) => (s + correct)?,
+            });
+            samples += b.n;
+        }
+        let grads: Vec<Tensor> = acc
+            .into_iter()
+            .zip(&vars)
+            .map(|(g, v)| match g {
+                Some(g) => Ok((g * (1.0 / scale))?),
+                None => Ok(v.as_tensor().zeros_like()?),
+            })
+            .collect::<Result<_>>()?;
+        // Sum of squares of all unscaled gradients: non-finite iff some gradient is inf/NaN (or overflows).
+        let sq: Vec<Tensor> = grads.iter().map(|g| g.sqr()?.sum_all()).collect::<candle_core::Result<_>>()?;
+        let total_sq = Tensor::stack(&sq, 0)?.sum_all()?;
+        let (loss_sum, correct_sum) = (loss_sum.ok_or_else(|| anyhow!("empty step"))?, correct_sum.ok_or_else(|| anyhow!("empty step"))?);
+        let host: Vec<f32> = Tensor::stack(&[loss_sum.to_dtype(DType::F32)?, correct_sum, total_sq], 0)?.to_vec1()?;
+        let loss = host[0] as f64 / accum;
+        let norm_sq = host[2] as f64;
+        let found_inf = !norm_sq.is_finite();
+        let skipped = found_inf;
+        let grad_norm = norm_sq.sqrt();
+        if !found_inf {
+            let coef = if self.clip_grad_norm > 0.0 && grad_norm > self.clip_grad_norm { self.clip_grad_norm / (grad_norm + 1e-6) } else { 1.0 };
+            let grads = if coef < 1.0 { grads.iter().map(|g| g * coef).collect::<candle_core::Result<Vec<_>>>()? } else { grads };
+            self.opt.step(&grads, lr)?;
+        }
+        self.scaler.update(found_inf);
+        Ok(StepOutput { loss, correct: host[1] as u64, samples, skipped, loss_scale: scale, grad_norm })
+    }
+}
+
+/// Validation result.
+#[derive(Debug, Clone, Copy)]
+pub struct EvalResult {
+    pub loss: f64,
+    pub top1: f64,
+    pub top5: f64,
+    pub samples: usize,
+    pub img_per_s: f64,
+}
+
+/// Loss, top-1 and top-5 (in %) over a whole data set, eval-mode BatchNorm, no autograd graph.
+pub fn validate(model: &ResNet, ds: Arc<dyn Dataset>, cfg: &Config, prec: Precision) -> Result<EvalResult> {
+    let bs = if cfg.train.eval_batch_size > 0 { cfg.train.eval_batch_size } else { cfg.train.batch_size };
+    let loader = Loader::new(ds, loader_options(cfg, bs, false, 0, 0));
+    let (mut loss, mut c1, mut c5, mut n) = (0f64, 0f64, 0f64, 0usize);
+    let t0 = Instant::now();
+    for b in loader {
+        let b = to_device(b?, model.device())?;
+        let v: Vec<f32> = resnet::no_grad(|| -> Result<Vec<f32>> {
+            let logits = model.forward(&b.images, false, prec)?;
+            let l = (cross_entropy(&logits, &b.labels, 0.0)? * b.n as f64)?;
+            let k5 = 5.min(model.config.num_classes);
+            let t = Tensor::stack(&[l, topk_correct(&logits, &b.labels, 1)?, topk_correct(&logits, &b.labels, k5)?], 0)?;
+            Ok(t.to_vec1()?)
+        })?;
+        loss += v[0] as f64;
+        c1 += v[1] as f64;
+        c5 += v[2] as f64;
+        n += b.n;
+    }
+    if n == 0 {
+        bail!("the validation set is empty");
+    }
+    let n_f = n as f64;
+    Ok(EvalResult { loss: loss / n_f, top1: 100.0 * c1 / n_f, top5: 100.0 * c5 / n_f, samples: n, img_per_s: n_f / t0.elapsed().as_secs_f64() })
+}
+
+fn loader_options(cfg: &Config, batch_size: usize, shuffle: bool, epoch: usize, skip_batches: usize) -> LoaderOptions {
+    LoaderOptions {
+        batch_size,
+        shuffle,
+        seed: cfg.seed,
+        epoch,
+        workers: cfg.data.workers,
+        prefetch: cfg.data.prefetch,
+        skip_corrupt: cfg.data.on_corrupt == "skip",
+        skip_batches,
+    }
+}
+
+/// Final figures of a run (also written to metrics.jsonl).
+#[derive(Debug, Clone)]
+pub struct Summary {
+    pub steps: usize,
+    pub last_loss: f64,
+    pub losses: Vec<f64>,
+    pub val: Option<EvalResult>,
+    pub best_top1: Option<f64>,
+    pub run_dir: PathBuf,
+}
+
+/// Opens both splits; the class count must match the model's head.
+pub fn open_data(cfg: &Config) -> Result<(Arc<dyn Dataset>, Arc<dyn Dataset>)> {
+    let train = data::open(&cfg.data, Split::Train, cfg.seed, cfg.model.num_classes)?;
+    let val = data::open(&cfg.data, Split::Val, cfg.seed, cfg.model.num_classes)?;
+    if train.num_classes() != cfg.model.num_classes {
+        bail!(
+            "model.num_classes = {} but data.kind = \"{}\" has {} classes (set model.num_classes = {})",
+            cfg.model.num_classes,
+            cfg.data.kind,
+            train.num_classes(),
+            train.num_classes()
+        );
+    }
+    if train.len() == 0 {
+        bail!("the training set is empty");
+    }
+    Ok((train, val))
+}
+
+/// Trains as the config says, in `run_dir`; with `resume`, continues from the latest checkpoint there.
+pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
+    std::fs::create_dir_all(run_dir.join("checkpoints")).with_context(|| format!("cannot create run directory {}", run_dir.display()))?;
+    let ckpt_dir = run_dir.join("checkpoints");
+    let device = select_device(&cfg.device)?;
+    let (train_ds, val_ds) = open_data(cfg)?;
+    let model = build_model(cfg, &device)?;
+    let mut runner = StepRunner::new(cfg, model)?;
+
+    let accum = cfg.train.grad_accum;
+    let batches_per_epoch = data::num_batches(train_ds.len(), cfg.train.batch_size);
+    let steps_per_epoch = batches_per_epoch.div_ceil(accum);
+    let mut total_steps = steps_per_epoch * cfg.train.epochs;
+    if cfg.train.max_steps > 0 {
+        total_steps = total_steps.min(cfg.train.max_steps);
+    }
+    let sched = Schedule::new(&cfg.sched, cfg.optim.lr, steps_per_epoch, total_steps);
+
+    let mut state = TrainState {
+        format: checkpoint::FORMAT.into(),
+        arch: cfg.model.arch.clone(),
+        num_classes: cfg.model.num_classes,
+        epoch: 0,
+        batch_in_epoch: 0,
+        step: 0,
+        optimizer_steps: 0,
+        scaler: runner.scaler.clone(),
+        seed: cfg.seed,
+        meters: EpochMeters::default(),
+        best_top1: None,
+        metrics_lines: 0,
+    };
+    let mut metrics_keep = None;
+    if resume {
+        let path = checkpoint::latest(&ckpt_dir).ok_or_else(|| anyhow!("--resume: no checkpoint in {}", ckpt_dir.display()))?;
+        let loaded = checkpoint::load(&path)?;
+        if loaded.state.arch != cfg.model.arch || loaded.state.num_classes != cfg.model.num_classes {
+            bail!(
+                "{}: checkpoint is {} with {} classes, the config asks for {} with {}",
+                path.display(),
+                loaded.state.arch,
+                loaded.state.num_classes,
+                cfg.model.arch,
+                cfg.model.num_classes
+            );
+        }
+        weights::load_tensors(&runner.model, &loaded.model, false).map_err(|m| anyhow!("{}: {m}", path.display()))?;
+        runner.opt.load_state(&loaded.optim, loaded.state.optimizer_steps).with_context(|| path.display().to_string())?;
+        runner.scaler = loaded.state.scaler.clone();
+        state = loaded.state;
+        metrics_keep = Some(state.metrics_lines);
+        eprintln!("resuming from {} (epoch {}, step {})", path.display(), state.epoch + 1, state.step);
+    }
+    let mut metrics = MetricsWriter::open(&run_dir.join("metrics.jsonl"), metrics_keep)?;
+    let mut losses = Vec::new();
+    let mut last_val = None;
+
+    let save = |runner: &StepRunner, state: &mut TrainState, metrics: &MetricsWriter, name: &str| -> Result<PathBuf> {
+        state.scaler = runner.scaler.clone();
+        state.optimizer_steps = runner.opt.steps;
+        state.metrics_lines = metrics.lines();
+        let path = ckpt_dir.join(name);
+        checkpoint::save(&path, &runner.model.store().snapshot()?, &runner.opt.state_tensors()?, state)?;
+        Ok(path)
+    };
+
+    let show_progress = cfg.log.progress && std::io::IsTerminal::is_terminal(&std::io::stderr());
+    'epochs: while state.epoch < cfg.train.epochs {
+        if state.step >= total_steps && state.batch_in_epoch == 0 {
+            break;
+        }
+        let epoch = state.epoch;
+        let loader = Loader::new(train_ds.clone(), loader_options(cfg, cfg.train.batch_size, true, epoch, state.batch_in_epoch));
+        let bar = if show_progress { ProgressBar::new(steps_per_epoch as u64) } else { ProgressBar::hidden() };
+        bar.set_style(
+            ProgressStyle::with_template("epoch {prefix} [{bar:30}] {pos}/{len} {msg} eta {eta}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar())
+                .progress_chars("=> "),
+        );
+        bar.set_prefix(format!("{}/{}", epoch + 1, cfg.train.epochs));
+        bar.set_position((state.batch_in_epoch / accum) as u64);
+        let mut loader = loader.peekable();
+        let t_epoch = Instant::now();
+        let mut epoch_images = 0usize;
+        let mut t_log = Instant::now();
+        let mut images_since_log = 0usize;
+        while loader.peek().is_some() {
+            if state.step >= total_steps {
+                break;
+            }
+            let mut micro = Vec::with_capacity(accum);
+            for _ in 0..accum {
+                match loader.next() {
+                    Some(b) => micro.push(to_device(b?, &device)?),
+                    None => break,
+                }
+            }
+            let lr = sched.lr(state.step);
+            let out = runner.step(&micro, lr)?;
+            state.batch_in_epoch += micro.len();
+            state.step += 1;
+            if !out.loss.is_finite() && !runner.scaler.enabled {
+                let last = checkpoint::latest(&ckpt_dir).map(|p| p.display().to_string()).unwrap_or_else(|| "none yet".into());
+                bail!(
+                    "loss became {} at step {} (epoch {}, lr {lr:.3e}, {}): training stopped; last good checkpoint: {last}",
+                    out.loss,
+                    state.step,
+                    epoch + 1,
+                    cfg.amp.dtype
+                );
+            }
+            if out.skipped && !runner.scaler.enabled {
+                eprintln!("warning: non-finite gradients at step {}: update skipped", state.step);
+            }
+            if !out.skipped {
+                state.meters.loss_sum += out.loss * out.samples as f64;
+                state.meters.correct += out.correct;
+                state.meters.seen += out.samples as u64;
+            }
+            state.meters.steps += 1;
+            losses.push(out.loss);
+            epoch_images += out.samples;
+            images_since_log += out.samples;
+            bar.inc(1);
+            if state.step % cfg.log.every_steps == 0 || state.step == total_steps {
+                let ips = images_since_log as f64 / t_log.elapsed().as_secs_f64();
+                t_log = Instant::now();
+                images_since_log = 0;
+                metrics.write(&json!({
+                    "kind": "step", "step": state.step, "epoch": epoch + 1, "loss": out.loss, "lr": lr,
+                    "loss_scale": out.loss_scale, "skipped": out.skipped, "grad_norm": out.grad_norm, "img_per_s": ips,
+                }))?;
+                let acc = 100.0 * state.meters.correct as f64 / state.meters.seen.max(1) as f64;
+                bar.set_message(format!("loss {:.4} acc {acc:.1}% lr {lr:.2e} scale {} {ips:.0} img/s", out.loss, out.loss_scale));
+            }
+            if cfg.checkpoint.every_steps > 0 && state.step % cfg.checkpoint.every_steps == 0 {
+                let name = checkpoint::step_name(state.step);
+                save(&runner, &mut state, &metrics, &name)?;
+                checkpoint::prune(&ckpt_dir, cfg.checkpoint.keep_last)?;
+            }
+        }
+        bar.finish_and_clear();
+        let epoch_done = state.batch_in_epoch >= batches_per_epoch;
+        let train_ips = epoch_images as f64 / t_epoch.elapsed().as_secs_f64();
+        let train_loss = state.meters.loss_sum / state.meters.seen.max(1) as f64;
+        let train_top1 = 100.0 * state.meters.correct as f64 / state.meters.seen.max(1) as f64;
+        let val = if val_ds.len() > 0 { Some(validate(&runner.model, val_ds.clone(), cfg, runner.precision)?) } else { None };
+        metrics.write(&json!({
+            "kind": "epoch", "epoch": epoch + 1, "step": state.step, "train_loss": train_loss, "train_top1": train_top1,
+            "val_loss": val.map(|v| v.loss), "val_top1": val.map(|v| v.top1), "val_top5": val.map(|v| v.top5),
+            "img_per_s": train_ips, "complete": epoch_done,
+        }))?;
+        eprintln!(
+            "epoch {}/{}: train loss {train_loss:.4} top1 {train_top1:.2}%{} | {train_ips:.1} img/s",
+            epoch + 1,
+            cfg.train.epochs,
+            val.map(|v| format!(" | val loss {:.4} top1 {:.2}% top5 {:.2}%", v.loss, v.top1, v.top5)).unwrap_or_default()
+        );
+        last_val = val;
+        if epoch_done {
+            state.epoch += 1;
+            state.batch_in_epoch = 0;
+            state.meters = EpochMeters::default();
+        }
+        let last = state.epoch >= cfg.train.epochs || state.step >= total_steps;
+        if let Some(v) = val {
+            if state.best_top1.is_none_or(|b| v.top1 > b) {
+                state.best_top1 = Some(v.top1);
+                save(&runner, &mut state, &metrics, "best.safetensors")?;
+            }
+        }
+        if last || (cfg.checkpoint.every_epochs > 0 && state.epoch % cfg.checkpoint.every_epochs == 0) {
+            let name = checkpoint::step_name(state.step);
+                save(&runner, &mut state, &metrics, &name)?;
+            checkpoint::prune(&ckpt_dir, cfg.checkpoint.keep_last)?;
+        }
+        if last {
+            break 'epochs;
+        }
+    }
+    weights::save(&runner.model, &run_dir.join("model.safetensors"))?;
+    Ok(Summary {
+        steps: state.step,
+        last_loss: losses.last().copied().unwrap_or(f64::NAN),
+        losses,
+        val: last_val,
+        best_top1: state.best_top1,
+        run_dir: run_dir.to_path_buf(),
+    })
+}
