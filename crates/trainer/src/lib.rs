@@ -1,3 +1,4 @@
 //! The training library behind the `trainer` binary: configuration, data, optimisation, checkpoints.
 
 pub mod config;
+pub mod data;

@@ -1,0 +1,562 @@
+//! Batch loader: a producer thread decodes and augments samples on a rayon pool and sends ordered batches ahead.
+
+use super::{mix_seed, DataError, Dataset};
+use crate::config::DataSection;
+use crossbeam_channel::{bounded, Receiver};
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+/// One batch on the host: `images` is NCHW (n * 3 * size * size), normalised.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostBatch {
+    pub images: Vec<f32>,
+    pub labels: Vec<u32>,
+    pub n: usize,
+    pub size: usize,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LoaderOptions {
+    pub batch_size: usize,
+    pub shuffle: bool,
+    /// With `epoch`, fixes the order and every sample's augmentation.
+    pub seed: u64,
+    pub epoch: usize,
+    /// Decoding threads (0: one per core).
+    pub workers: usize,
+    /// Finished batches buffered ahead of the consumer.
+    pub prefetch: usize,
+    /// Warn and substitute the next loadable sample instead of failing on an unreadable one.
+    pub skip_corrupt: bool,
+    /// Batches at the start of the epoch to leave out, undecoded (resuming mid-epoch).
+    pub skip_batches: usize,
+}
+
+impl LoaderOptions {
+    /// Options from the `[data]` section (workers, prefetch, on_corrupt), starting at batch 0.
+    pub fn from_config(
+        cfg: &DataSection,
+        batch_size: usize,
+        shuffle: bool,
+        seed: u64,
+        epoch: usize,
+    ) -> Self {
+        Self {
+            batch_size,
+            shuffle,
+            seed,
+            epoch,
+            workers: cfg.workers,
+            prefetch: cfg.prefetch,
+            skip_corrupt: cfg.on_corrupt == "skip",
+            skip_batches: 0,
+        }
+    }
+}
+
+/// Number of batches per epoch: the last partial batch is kept.
+pub fn num_batches(len: usize, batch_size: usize) -> usize {
+    len.div_ceil(batch_size.max(1))
+}
+
+/// Sample order of an epoch: the identity, or a Fisher-Yates permutation determined by (seed, epoch) alone.
+pub fn epoch_order(len: usize, shuffle: bool, seed: u64, epoch: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..len).collect();
+    if shuffle {
+        order.shuffle(&mut ChaCha8Rng::seed_from_u64(mix_seed(&[
+            seed,
+            epoch as u64,
+            0x5348_5546,
+        ])));
+    }
+    order
+}
+
+/// The augmentation RNG of the sample in slot `index`, independent of threads and batch boundaries.
+pub fn sample_rng(seed: u64, epoch: usize, index: usize) -> ChaCha8Rng {
+    ChaCha8Rng::seed_from_u64(mix_seed(&[seed, epoch as u64, index as u64, 0x4155_4721]))
+}
+
+#[derive(Default)]
+struct Stats {
+    images: AtomicU64,
+    nanos: AtomicU64,
+}
+
+type Message = Result<HostBatch, DataError>;
+
+/// Iterator over one epoch's batches, in order. Dropping it stops the producer and joins it.
+pub struct Loader {
+    rx: Option<Receiver<Message>>,
+    producer: Option<JoinHandle<()>>,
+    stop: Arc<AtomicBool>,
+    stats: Arc<Stats>,
+    num_batches: usize,
+    remaining: usize,
+    done: bool,
+}
+
+impl Loader {
+    pub fn new(ds: Arc<dyn Dataset>, opts: LoaderOptions) -> Self {
+        let len = ds.len();
+        let bs = opts.batch_size.max(1);
+        let num_batches = num_batches(len, bs);
+        let first = opts.skip_batches.min(num_batches);
+        let (tx, rx) = bounded::<Message>(opts.prefetch.min(num_batches - first));
+        let stop = Arc::new(AtomicBool::new(false));
+        let stats = Arc::new(Stats::default());
+        let order = epoch_order(len, opts.shuffle, opts.seed, opts.epoch);
+        let (stop2, stats2) = (stop.clone(), stats.clone());
+        let work = move || {
+            let pool = match rayon::ThreadPoolBuilder::new()
+                .num_threads(opts.workers)
+                .thread_name(|i| format!("data-worker-{i}"))
+                .build()
+            {
+                Ok(pool) => pool,
+                Err(e) => {
+                    let _ = tx.send(Err(DataError::Loader(format!(
+                        "cannot start {} worker threads: {e}",
+                        opts.workers
+                    ))));
+                    return;
+                }
+            };
+            for b in first..num_batches {
+                if stop2.load(Ordering::Relaxed) {
+                    return;
+                }
+                let slots = &order[b * bs..((b + 1) * bs).min(len)];
+                let t0 = Instant::now();
+                let batch = pool.install(|| load_batch(&*ds, slots, &opts, &stop2));
+                stats2
+                    .images
+                    .fetch_add(slots.len() as u64, Ordering::Relaxed);
+                stats2
+                    .nanos
+                    .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                let failed = batch.is_err();
+                if tx.send(batch).is_err() || failed {
+                    return;
+                }
+            }
+        };
+        let (rx, producer) = match std::thread::Builder::new()
+            .name("data-loader".into())
+            .spawn(work)
+        {
+            Ok(h) => (Some(rx), Some(h)),
+            // The closure (and the sender) is gone: the iterator reports the failure below.
+            Err(_) => (None, None),
+        };
+        Self {
+            rx,
+            producer,
+            stop,
+            stats,
+            num_batches,
+            remaining: num_batches - first,
+            done: false,
+        }
+    }
+
+    /// Batches of the whole epoch, including skipped ones.
+    pub fn num_batches(&self) -> usize {
+        self.num_batches
+    }
+
+    /// Images decoded and augmented per second of the producer's batch-building time.
+    pub fn images_per_sec(&self) -> f64 {
+        let secs = self.stats.nanos.load(Ordering::Relaxed) as f64 * 1e-9;
+        if secs > 0.0 {
+            self.stats.images.load(Ordering::Relaxed) as f64 / secs
+        } else {
+            0.0
+        }
+    }
+}
+
+impl Iterator for Loader {
+    type Item = Result<HostBatch, DataError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.done || self.remaining == 0 {
+            return None;
+        }
+        let received = match &self.rx {
+            Some(rx) => rx.recv().ok(),
+            None => None,
+        };
+        match received {
+            Some(Ok(batch)) => {
+                self.remaining -= 1;
+                Some(Ok(batch))
+            }
+            Some(Err(e)) => {
+                self.done = true;
+                Some(Err(e))
+            }
+            None => {
+                self.done = true;
+                let msg = format!(
+                    "producer thread stopped with {} of {} batches left",
+                    self.remaining, self.num_batches
+                );
+                Some(Err(DataError::Loader(msg)))
+            }
+        }
+    }
+}
+
+impl Drop for Loader {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        // Unblocks a producer waiting on a full channel: its send fails and it returns.
+        drop(self.rx.take());
+        if let Some(h) = self.producer.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+fn load_batch(
+    ds: &dyn Dataset,
+    slots: &[usize],
+    opts: &LoaderOptions,
+    stop: &AtomicBool,
+) -> Message {
+    let samples: Vec<_> = slots
+        .par_iter()
+        .map(|&i| {
+            if stop.load(Ordering::Relaxed) {
+                return Err(DataError::Loader("stopped".into()));
+            }
+            load_sample(ds, i, opts)
+        })
+        .collect();
+    let mut images = Vec::new();
+    let mut labels = Vec::with_capacity(slots.len());
+    let mut size = 0;
+    for (&i, sample) in slots.iter().zip(samples) {
+        let (x, y) = sample?;
+        if labels.is_empty() {
+            size = ((x.len() / 3) as f64).sqrt().round() as usize;
+            images.reserve(slots.len() * x.len());
+        }
+        if x.len() != 3 * size * size || x.is_empty() {
+            let msg = format!(
+                "{} gave {} values, expected 3 x {size} x {size}",
+                ds.describe(i),
+                x.len()
+            );
+            return Err(DataError::Loader(msg));
+        }
+        images.extend_from_slice(&x);
+        labels.push(y);
+    }
+    Ok(HostBatch {
+        images,
+        n: labels.len(),
+        labels,
+        size,
+    })
+}
+
+/// Sample `index` with the slot's own RNG; when skipping, the next loadable index (wrapping) stands in.
+fn load_sample(
+    ds: &dyn Dataset,
+    index: usize,
+    opts: &LoaderOptions,
+) -> Result<(Vec<f32>, u32), DataError> {
+    let len = ds.len();
+    let mut first_error = None;
+    for k in 0..len {
+        let j = (index + k) % len;
+        let desc = opts.skip_corrupt.then(|| ds.describe(j));
+        if desc.as_ref().is_some_and(|d| is_known_bad(d)) {
+            continue;
+        }
+        match ds.get(j, &mut sample_rng(opts.seed, opts.epoch, index)) {
+            Ok(sample) => return Ok(sample),
+            Err(e) => match desc {
+                Some(desc) => {
+                    warn_once(desc, &e);
+                    first_error.get_or_insert(e);
+                }
+                None => return Err(e),
+            },
+        }
+    }
+    let first = first_error.map_or_else(
+        || "all are known to be unreadable".to_string(),
+        |e| e.to_string(),
+    );
+    Err(DataError::Loader(format!(
+        "no sample of the {len} in the dataset could be loaded (first error: {first})"
+    )))
+}
+
+fn bad_samples() -> &'static Mutex<HashSet<String>> {
+    static BAD: OnceLock<Mutex<HashSet<String>>> = OnceLock::new();
+    BAD.get_or_init(Default::default)
+}
+
+fn is_known_bad(desc: &str) -> bool {
+    bad_samples().lock().is_ok_and(|s| s.contains(desc))
+}
+
+/// One warning per unreadable sample per process.
+fn warn_once(desc: String, e: &DataError) {
+    let first = bad_samples()
+        .lock()
+        .map(|mut s| s.insert(desc.clone()))
+        .unwrap_or(true);
+    if first {
+        let msg = e.to_string();
+        let what = if msg.contains(&desc) {
+            String::new()
+        } else {
+            format!("{desc}: ")
+        };
+        eprintln!("warning: {what}{msg}; using the next readable sample instead (data.on_corrupt = \"skip\")");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::{Shapes, Split, Transform};
+    use std::time::Duration;
+
+    /// Sample i is a 2x2 image filled with i, label i; optionally slow.
+    struct Indexed {
+        len: usize,
+        delay: Duration,
+    }
+
+    impl Dataset for Indexed {
+        fn len(&self) -> usize {
+            self.len
+        }
+        fn num_classes(&self) -> usize {
+            self.len
+        }
+        fn get(&self, index: usize, _rng: &mut ChaCha8Rng) -> Result<(Vec<f32>, u32), DataError> {
+            std::thread::sleep(self.delay);
+            Ok((vec![index as f32; 12], index as u32))
+        }
+        fn describe(&self, index: usize) -> String {
+            format!("indexed #{index}")
+        }
+    }
+
+    fn opts(batch_size: usize, seed: u64, epoch: usize, workers: usize) -> LoaderOptions {
+        LoaderOptions {
+            batch_size,
+            shuffle: true,
+            seed,
+            epoch,
+            workers,
+            prefetch: 2,
+            skip_corrupt: false,
+            skip_batches: 0,
+        }
+    }
+
+    fn labels(ds: &Arc<dyn Dataset>, o: LoaderOptions) -> Vec<u32> {
+        Loader::new(ds.clone(), o)
+            .flat_map(|b| b.unwrap().labels)
+            .collect()
+    }
+
+    #[test]
+    fn every_index_once_and_last_partial_batch_kept() {
+        let ds: Arc<dyn Dataset> = Arc::new(Indexed {
+            len: 23,
+            delay: Duration::ZERO,
+        });
+        let loader = Loader::new(ds.clone(), opts(5, 0, 0, 2));
+        assert_eq!(loader.num_batches(), 5);
+        let batches: Vec<HostBatch> = loader.map(Result::unwrap).collect();
+        assert_eq!(
+            batches.iter().map(|b| b.n).collect::<Vec<_>>(),
+            [5, 5, 5, 5, 3]
+        );
+        for b in &batches {
+            assert_eq!((b.size, b.images.len(), b.labels.len()), (2, b.n * 12, b.n));
+            // Image j of the batch belongs to its label.
+            for (j, &l) in b.labels.iter().enumerate() {
+                assert!(b.images[j * 12..(j + 1) * 12]
+                    .iter()
+                    .all(|&v| v == l as f32));
+            }
+        }
+        let mut seen: Vec<u32> = batches.iter().flat_map(|b| b.labels.clone()).collect();
+        assert_ne!(seen, (0..23).collect::<Vec<_>>(), "shuffled");
+        seen.sort();
+        assert_eq!(seen, (0..23).collect::<Vec<_>>());
+        assert_eq!(num_batches(23, 5), 5);
+        assert_eq!(num_batches(20, 5), 4);
+        assert_eq!(num_batches(0, 5), 0);
+        let plain = LoaderOptions {
+            shuffle: false,
+            ..opts(5, 0, 0, 2)
+        };
+        assert_eq!(labels(&ds, plain), (0..23).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn order_depends_on_seed_and_epoch_only() {
+        let ds: Arc<dyn Dataset> = Arc::new(Indexed {
+            len: 40,
+            delay: Duration::ZERO,
+        });
+        let base = labels(&ds, opts(7, 1, 0, 1));
+        assert_eq!(labels(&ds, opts(7, 1, 0, 3)), base);
+        assert_eq!(
+            labels(&ds, opts(4, 1, 0, 2)),
+            base,
+            "batch size does not change the order"
+        );
+        assert_ne!(labels(&ds, opts(7, 1, 1, 1)), base);
+        assert_ne!(labels(&ds, opts(7, 2, 0, 1)), base);
+    }
+
+    #[test]
+    fn augmented_batches_identical_across_worker_counts() {
+        let t = Transform {
+            size: 16,
+            val_resize: 16,
+            augment: true,
+        };
+        let ds: Arc<dyn Dataset> = Arc::new(Shapes::new(30, 10, t, 5, Split::Train));
+        let run = |workers| -> Vec<u32> {
+            Loader::new(ds.clone(), opts(8, 3, 2, workers))
+                .flat_map(|b| b.unwrap().images)
+                .map(f32::to_bits)
+                .collect()
+        };
+        let one = run(1);
+        assert_eq!(one.len(), 30 * 3 * 16 * 16);
+        assert_eq!(run(3), one);
+        let mut other_epoch = opts(8, 3, 3, 1);
+        other_epoch.shuffle = false;
+        let mut same_order = opts(8, 3, 2, 1);
+        same_order.shuffle = false;
+        let imgs = |o| {
+            Loader::new(ds.clone(), o)
+                .flat_map(|b| b.unwrap().images)
+                .collect::<Vec<_>>()
+        };
+        assert_ne!(
+            imgs(other_epoch),
+            imgs(same_order),
+            "augmentation changes with the epoch"
+        );
+    }
+
+    #[test]
+    fn skip_batches_resumes_mid_epoch() {
+        let ds: Arc<dyn Dataset> = Arc::new(Indexed {
+            len: 23,
+            delay: Duration::ZERO,
+        });
+        let full = labels(&ds, opts(5, 9, 4, 2));
+        let loader = Loader::new(
+            ds.clone(),
+            LoaderOptions {
+                skip_batches: 3,
+                ..opts(5, 9, 4, 2)
+            },
+        );
+        assert_eq!(loader.num_batches(), 5);
+        let rest: Vec<u32> = loader.flat_map(|b| b.unwrap().labels).collect();
+        assert_eq!(rest, full[15..]);
+        assert_eq!(
+            Loader::new(
+                ds,
+                LoaderOptions {
+                    skip_batches: 9,
+                    ..opts(5, 9, 4, 2)
+                }
+            )
+            .count(),
+            0
+        );
+    }
+
+    #[test]
+    fn dropping_mid_epoch_does_not_hang() {
+        let (done_tx, done_rx) = crossbeam_channel::bounded(1);
+        std::thread::spawn(move || {
+            let ds: Arc<dyn Dataset> = Arc::new(Indexed {
+                len: 10_000,
+                delay: Duration::from_millis(1),
+            });
+            let mut loader = Loader::new(
+                ds,
+                LoaderOptions {
+                    prefetch: 1,
+                    ..opts(16, 0, 0, 2)
+                },
+            );
+            assert!(loader.next().unwrap().is_ok());
+            assert!(loader.images_per_sec() > 0.0);
+            drop(loader);
+            let _ = done_tx.send(());
+        });
+        assert!(
+            done_rx.recv_timeout(Duration::from_secs(10)).is_ok(),
+            "drop hung or panicked"
+        );
+    }
+
+    struct Flaky;
+
+    impl Dataset for Flaky {
+        fn len(&self) -> usize {
+            6
+        }
+        fn num_classes(&self) -> usize {
+            6
+        }
+        fn get(&self, index: usize, _rng: &mut ChaCha8Rng) -> Result<(Vec<f32>, u32), DataError> {
+            match index {
+                2 | 3 => Err(DataError::Decode {
+                    path: format!("/flaky/{index}.jpg"),
+                    msg: "bad".into(),
+                }),
+                _ => Ok((vec![0.0; 3], index as u32)),
+            }
+        }
+        fn describe(&self, index: usize) -> String {
+            format!("/flaky/{index}.jpg")
+        }
+    }
+
+    #[test]
+    fn corrupt_samples_error_or_are_replaced_deterministically() {
+        let ds: Arc<dyn Dataset> = Arc::new(Flaky);
+        let plain = LoaderOptions {
+            shuffle: false,
+            ..opts(4, 0, 0, 2)
+        };
+        let first: Vec<_> = Loader::new(ds.clone(), plain.clone()).collect();
+        assert_eq!(first.len(), 1);
+        let e = first[0].as_ref().unwrap_err().to_string();
+        assert_eq!(e, "cannot decode image /flaky/2.jpg: bad");
+        let skip = LoaderOptions {
+            skip_corrupt: true,
+            ..plain
+        };
+        assert_eq!(labels(&ds, skip.clone()), [0, 1, 4, 4, 4, 5]);
+        assert_eq!(labels(&ds, skip), [0, 1, 4, 4, 4, 5]);
+    }
+}
