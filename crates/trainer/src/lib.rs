@@ -1,4 +1,10 @@
 //! The training library behind the `trainer` binary: configuration, data, optimisation, checkpoints.
 
+pub mod checkpoint;
 pub mod config;
 pub mod data;
+pub mod metrics;
+pub mod optim;
+pub mod scaler;
+pub mod sched;
+pub mod train;
