@@ -5,6 +5,8 @@ pub mod config;
 pub mod data;
 pub mod metrics;
 pub mod optim;
+pub mod plot;
 pub mod scaler;
 pub mod sched;
+pub mod telemetry;
 pub mod train;
