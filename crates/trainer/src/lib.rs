@@ -1,5 +1,6 @@
 //! The training library behind the `trainer` binary: configuration, data, optimisation, checkpoints.
 
+pub mod bench;
 pub mod checkpoint;
 pub mod config;
 pub mod data;

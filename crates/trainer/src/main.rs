@@ -60,6 +60,41 @@ enum Command {
         #[command(flatten)]
         cfg: ConfigArgs,
     },
+    /// Time training steps on synthetic data made on the device: img/s, step ms, peak memory.
+    Bench {
+        #[command(flatten)]
+        cfg: ConfigArgs,
+        /// Comma-separated dtypes (default: amp.dtype of the config).
+        #[arg(long, value_delimiter = ',')]
+        dtypes: Vec<String>,
+        /// Comma-separated batch sizes (default: train.batch_size of the config).
+        #[arg(long, value_delimiter = ',')]
+        batch_sizes: Vec<usize>,
+        #[arg(long, default_value_t = 3)]
+        warmup: usize,
+        #[arg(long, default_value_t = 10)]
+        steps: usize,
+    },
+    /// img/s and peak memory per batch size; --max searches for the largest batch that fits.
+    Sweep {
+        #[command(flatten)]
+        cfg: ConfigArgs,
+        /// Comma-separated batch sizes; with --max, the first is where the search starts.
+        #[arg(long, value_delimiter = ',')]
+        batch_sizes: Vec<usize>,
+        /// Double the batch until it no longer fits, then bisect to --granularity.
+        #[arg(long)]
+        max: bool,
+        #[arg(long, default_value_t = 16)]
+        granularity: usize,
+        #[arg(long, default_value_t = 2)]
+        warmup: usize,
+        #[arg(long, default_value_t = 5)]
+        steps: usize,
+        /// Folder for sweep.csv and sweep.png (default: runs/sweep-<config name>).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
 }
 
 fn main() {
@@ -78,6 +113,10 @@ fn run() -> Result<()> {
         Some(Command::Train(a)) => train(a),
         Some(Command::Eval { cfg, checkpoint }) => eval(cfg, checkpoint),
         Some(Command::Info { cfg }) => info(cfg),
+        Some(Command::Bench { cfg, dtypes, batch_sizes, warmup, steps }) => bench(cfg, dtypes, batch_sizes, warmup, steps),
+        Some(Command::Sweep { cfg, batch_sizes, max, granularity, warmup, steps, out }) => {
+            sweep(cfg, batch_sizes, max, granularity, warmup, steps, out)
+        }
     }
 }
 
@@ -139,5 +178,77 @@ fn info(c: ConfigArgs) -> Result<()> {
     let trainable: usize = model.store().trainable().iter().map(|(_, v)| v.elem_count()).sum();
     println!("parameters: {}", model.store().num_parameters());
     println!("trainable: {trainable}");
+    Ok(())
+}
+
+fn bench(c: ConfigArgs, dtypes: Vec<String>, batch_sizes: Vec<usize>, warmup: usize, steps: usize) -> Result<()> {
+    let (cfg, _) = c.load()?;
+    let dtypes = if dtypes.is_empty() { vec![cfg.amp.dtype.clone()] } else { dtypes };
+    for d in &dtypes {
+        if resnet::Precision::parse(d).is_none() {
+            bail!("--dtypes: `{d}` is not one of fp32, bf16, fp16");
+        }
+    }
+    let sizes = if batch_sizes.is_empty() { vec![cfg.train.batch_size] } else { batch_sizes };
+    if sizes.contains(&0) || steps == 0 {
+        bail!("--batch-sizes and --steps must be at least 1");
+    }
+    eprintln!("bench: {} at {}x{} on {}, {warmup} warm-up + {steps} timed steps", cfg.model.arch, cfg.data.image_size, cfg.data.image_size, cfg.device);
+    trainer::bench::print_header();
+    let mut failed = 0;
+    for d in &dtypes {
+        for &bs in &sizes {
+            let r = trainer::bench::bench_one(&cfg, d, bs, warmup, steps);
+            trainer::bench::print_row(&r);
+            println!("BENCH_JSON {}", serde_json::to_string(&r)?);
+            failed += usize::from(r.error.is_some() && !r.oom);
+        }
+    }
+    if failed > 0 {
+        bail!("{failed} benchmark configuration(s) failed");
+    }
+    Ok(())
+}
+
+fn sweep(c: ConfigArgs, batch_sizes: Vec<usize>, max: bool, granularity: usize, warmup: usize, steps: usize, out: Option<PathBuf>) -> Result<()> {
+    let (cfg, path) = c.load()?;
+    if batch_sizes.is_empty() && !max {
+        bail!("sweep needs --batch-sizes 64,128,... and/or --max");
+    }
+    if batch_sizes.contains(&0) || steps == 0 {
+        bail!("--batch-sizes and --steps must be at least 1");
+    }
+    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("run").to_string();
+    let out = out.unwrap_or_else(|| PathBuf::from("runs").join(format!("sweep-{stem}")));
+    std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
+    trainer::bench::print_header();
+    let show = |r: &trainer::bench::BenchResult| trainer::bench::print_row(r);
+    let mut rows: Vec<trainer::bench::BenchResult> = if max {
+        let start = batch_sizes.first().copied().unwrap_or(cfg.train.batch_size);
+        trainer::bench::sweep_max(&cfg, &cfg.amp.dtype, start, granularity, warmup, steps, show)
+    } else {
+        batch_sizes
+            .iter()
+            .map(|&bs| {
+                let r = trainer::bench::bench_one(&cfg, &cfg.amp.dtype, bs, warmup, steps);
+                show(&r);
+                r
+            })
+            .collect()
+    };
+    rows.sort_by_key(|r| r.batch_size);
+    if let Some(best) = rows.iter().filter(|r| r.img_per_s.is_some()).map(|r| r.batch_size).max() {
+        println!("largest batch that fits: {best}");
+    }
+    trainer::bench::write_csv(&rows, &out.join("sweep.csv"))?;
+    let plot_rows: Vec<trainer::plot::SweepRow> = rows
+        .iter()
+        .map(|r| trainer::plot::SweepRow { batch_size: r.batch_size, img_per_s: r.img_per_s, peak_gib: r.peak_gib, oom: r.oom })
+        .collect();
+    let title = format!("{} {} on {}", cfg.model.arch, cfg.amp.dtype, cfg.device);
+    if let Err(e) = trainer::plot::sweep_plot(&plot_rows, &title, &out.join("sweep.png")) {
+        eprintln!("warning: no sweep plot: {e:#}");
+    }
+    println!("wrote {}/sweep.csv and sweep.png", out.display());
     Ok(())
 }

@@ -359,6 +359,13 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
         eprintln!("resuming from {} (epoch {}, step {})", path.display(), state.epoch + 1, state.step);
     }
     let mut metrics = MetricsWriter::open(&run_dir.join("metrics.jsonl"), metrics_keep)?;
+    let telemetry = match (&device, cfg.telemetry.enabled) {
+        (Device::Cuda(_), true) => {
+            let ordinal = cfg.device.strip_prefix("cuda:").and_then(|n| n.parse().ok()).unwrap_or(0);
+            crate::telemetry::Telemetry::start(ordinal, std::time::Duration::from_millis(cfg.telemetry.interval_ms.max(50)))
+        }
+        _ => None,
+    };
     let mut losses = Vec::new();
     let mut last_val = None;
 
@@ -438,7 +445,30 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
                     "loss_scale": out.loss_scale, "skipped": out.skipped, "grad_norm": out.grad_norm, "img_per_s": ips,
                 }))?;
                 let acc = 100.0 * state.meters.correct as f64 / state.meters.seen.max(1) as f64;
-                bar.set_message(format!("loss {:.4} acc {acc:.1}% lr {lr:.2e} scale {} {ips:.0} img/s", out.loss, out.loss_scale));
+                let mut msg = format!("loss {:.4} acc {acc:.1}% lr {lr:.2e} scale {} {ips:.0} img/s", out.loss, out.loss_scale);
+                if let Some(t) = &telemetry {
+                    if let Some(sample) = t.latest() {
+                        let mut rec = serde_json::to_value(&sample)?;
+                        rec["kind"] = json!("telemetry");
+                        rec["step"] = json!(state.step);
+                        metrics.write(&rec)?;
+                    }
+                    msg.push_str(&format!(" | {}", t.summary()));
+                }
+                bar.set_message(msg);
+            }
+            if let Some(t) = &telemetry {
+                for ev in t.events() {
+                    match ev {
+                        crate::telemetry::Event::Warning(w) => bar.suspend(|| eprintln!("warning: {w}")),
+                        crate::telemetry::Event::Fatal(f) => {
+                            bar.finish_and_clear();
+                            let name = checkpoint::step_name(state.step);
+                            let p = save(&runner, &mut state, &metrics, &name)?;
+                            bail!("GPU health: {f}; checkpoint saved to {} and training stopped", p.display());
+                        }
+                    }
+                }
             }
             if cfg.checkpoint.every_steps > 0 && state.step % cfg.checkpoint.every_steps == 0 {
                 let name = checkpoint::step_name(state.step);
@@ -486,6 +516,12 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
         }
     }
     weights::save(&runner.model, &run_dir.join("model.safetensors"))?;
+    drop(telemetry);
+    match crate::plot::training_curves(metrics.path(), &run_dir.join("curves.png")) {
+        Ok(Some(note)) => eprintln!("note: {note}"),
+        Ok(None) => {}
+        Err(e) => eprintln!("warning: no training-curve plot: {e:#}"),
+    }
     Ok(Summary {
         steps: state.step,
         last_loss: losses.last().copied().unwrap_or(f64::NAN),

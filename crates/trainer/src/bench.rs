@@ -1,0 +1,203 @@
+//! `trainer bench` and `trainer sweep`: timed training steps on synthetic data made on the device, img/s, step time
+//! and peak device memory per dtype and batch size; out-of-memory batches are recorded, released, and skipped.
+
+use crate::config::Config;
+use crate::train::{build_model, select_device, Batch, StepRunner};
+use anyhow::{Context, Result};
+use candle_core::{DType, Device, Tensor};
+use serde::Serialize;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchResult {
+    pub arch: String,
+    pub dtype: String,
+    pub batch_size: usize,
+    pub img_per_s: Option<f64>,
+    pub step_ms: Option<f64>,
+    /// Peak device memory used during the timed steps, above what was in use before the model was built.
+    pub peak_gib: Option<f64>,
+    pub oom: bool,
+    pub error: Option<String>,
+}
+
+/// Samples the GPU's used memory through NVML every few milliseconds and keeps the maximum.
+struct PeakMemory {
+    stop: Arc<AtomicBool>,
+    peak: Arc<AtomicU64>,
+    base: u64,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+impl PeakMemory {
+    fn start(ordinal: u32) -> Option<Self> {
+        let nvml = nvml_wrapper::Nvml::init().ok()?;
+        let base = nvml.device_by_index(ordinal).ok()?.memory_info().ok()?.used;
+        let stop = Arc::new(AtomicBool::new(false));
+        let peak = Arc::new(AtomicU64::new(base));
+        let (s, p) = (stop.clone(), peak.clone());
+        let handle = std::thread::spawn(move || {
+            let Ok(dev) = nvml.device_by_index(ordinal) else { return };
+            while !s.load(Ordering::Relaxed) {
+                if let Ok(m) = dev.memory_info() {
+                    p.fetch_max(m.used, Ordering::Relaxed);
+                }
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+        });
+        Some(Self { stop, peak, base, handle: Some(handle) })
+    }
+
+    fn finish(mut self) -> f64 {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+        (self.peak.load(Ordering::Relaxed).saturating_sub(self.base)) as f64 / (1u64 << 30) as f64
+    }
+}
+
+fn ordinal(cfg: &Config) -> u32 {
+    cfg.device.strip_prefix("cuda:").and_then(|n| n.parse().ok()).unwrap_or(0)
+}
+
+/// Synthetic batch made on the device (no host transfer in the timed loop).
+fn synthetic(device: &Device, n: usize, size: usize, classes: usize, seed: u64) -> Result<Batch> {
+    if device.is_cuda() {
+        device.set_seed(seed)?;
+    }
+    let images = Tensor::randn(0f32, 1.0, (n, 3, size, size), device)?;
+    let labels = (Tensor::rand(0f32, classes as f32, n, device)?.floor()?.to_dtype(DType::U32))?;
+    Ok(Batch { images, labels, n })
+}
+
+fn is_oom(e: &anyhow::Error) -> bool {
+    let s = format!("{e:#}").to_lowercase();
+    s.contains("out of memory") || s.contains("out_of_memory")
+}
+
+/// Builds the model, runs `warmup` then `steps` timed training steps at batch `bs` in `dtype`.
+pub fn bench_one(cfg: &Config, dtype: &str, bs: usize, warmup: usize, steps: usize) -> BenchResult {
+    let mut r = BenchResult {
+        arch: cfg.model.arch.clone(),
+        dtype: dtype.to_string(),
+        batch_size: bs,
+        img_per_s: None,
+        step_ms: None,
+        peak_gib: None,
+        oom: false,
+        error: None,
+    };
+    let mut cfg = cfg.clone();
+    cfg.amp.dtype = dtype.to_string();
+    cfg.train.batch_size = bs;
+    let run = || -> Result<(f64, Option<f64>)> {
+        let device = select_device(&cfg.device)?;
+        let mem = if device.is_cuda() { PeakMemory::start(ordinal(&cfg)) } else { None };
+        let model = build_model(&cfg, &device)?;
+        let mut runner = StepRunner::new(&cfg, model)?;
+        let batch = synthetic(&device, bs, cfg.data.image_size, cfg.model.num_classes, cfg.seed)?;
+        let lr = cfg.optim.lr;
+        for _ in 0..warmup {
+            runner.step(std::slice::from_ref(&batch), lr)?;
+        }
+        device.synchronize()?;
+        let t = Instant::now();
+        for _ in 0..steps {
+            runner.step(std::slice::from_ref(&batch), lr)?;
+        }
+        device.synchronize()?;
+        let secs = t.elapsed().as_secs_f64();
+        drop(runner);
+        drop(batch);
+        device.synchronize()?;
+        Ok((secs, mem.map(PeakMemory::finish)))
+    };
+    match run() {
+        Ok((secs, peak)) => {
+            r.step_ms = Some(1000.0 * secs / steps as f64);
+            r.img_per_s = Some((bs * steps) as f64 / secs);
+            r.peak_gib = peak;
+        }
+        Err(e) => {
+            r.oom = is_oom(&e);
+            r.error = Some(format!("{e:#}").replace('\n', " "));
+        }
+    }
+    r
+}
+
+pub fn print_header() {
+    println!("{:<10} {:<5} {:>6} {:>10} {:>9} {:>9}", "arch", "dtype", "batch", "img/s", "step ms", "peak GiB");
+}
+
+pub fn print_row(r: &BenchResult) {
+    let f = |v: Option<f64>, p: usize| v.map(|v| format!("{v:.p$}")).unwrap_or_else(|| "-".into());
+    let status = if r.oom { "  out of memory".to_string() } else { r.error.as_ref().map(|e| format!("  error: {e}")).unwrap_or_default() };
+    println!("{:<10} {:<5} {:>6} {:>10} {:>9} {:>9}{status}", r.arch, r.dtype, r.batch_size, f(r.img_per_s, 1), f(r.step_ms, 1), f(r.peak_gib, 2));
+}
+
+/// Batch sizes to try with `--max`: doubling from `start` until one fails, then bisection to `granularity`.
+pub fn sweep_max(cfg: &Config, dtype: &str, start: usize, granularity: usize, warmup: usize, steps: usize, mut on_result: impl FnMut(&BenchResult)) -> Vec<BenchResult> {
+    let mut out = Vec::new();
+    let mut good = 0usize;
+    let mut bad = None;
+    let mut bs = start.max(1);
+    let mut run = |bs: usize, out: &mut Vec<BenchResult>| -> bool {
+        let r = bench_one(cfg, dtype, bs, warmup, steps);
+        on_result(&r);
+        let ok = r.img_per_s.is_some();
+        out.push(r);
+        ok
+    };
+    while bad.is_none() {
+        if run(bs, &mut out) {
+            good = bs;
+            bs *= 2;
+            if bs > 1 << 16 {
+                break;
+            }
+        } else {
+            bad = Some(bs);
+        }
+    }
+    if let Some(mut hi) = bad {
+        let mut lo = good;
+        while hi - lo > granularity.max(1) {
+            let mid = (lo + hi) / 2 / granularity.max(1) * granularity.max(1);
+            let mid = if mid <= lo { lo + granularity.max(1) } else { mid };
+            if mid >= hi {
+                break;
+            }
+            if run(mid, &mut out) {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+    }
+    out.sort_by_key(|r| r.batch_size);
+    out
+}
+
+/// Writes sweep.csv.
+pub fn write_csv(rows: &[BenchResult], path: &std::path::Path) -> Result<()> {
+    let mut s = String::from("arch,dtype,batch_size,img_per_s,step_ms,peak_gib,oom,error\n");
+    for r in rows {
+        let f = |v: Option<f64>| v.map(|v| format!("{v:.3}")).unwrap_or_default();
+        s.push_str(&format!(
+            "{},{},{},{},{},{},{},\"{}\"\n",
+            r.arch,
+            r.dtype,
+            r.batch_size,
+            f(r.img_per_s),
+            f(r.step_ms),
+            f(r.peak_gib),
+            r.oom,
+            r.error.clone().unwrap_or_default().replace('"', "'")
+        ));
+    }
+    std::fs::write(path, s).with_context(|| format!("cannot write {}", path.display()))
+}
