@@ -153,10 +153,10 @@ impl BatchNorm2d {
         let unbiased = (var.flatten_all()? * (count as f64 / (count - 1) as f64))?;
         let rm = self.running_mean.var();
         let rv = self.running_var.var();
-        rm.set(&((rm.as_tensor() * (1.0 - m))? + (mean * m)?)?)?;
-        rv.set(&((rv.as_tensor() * (1.0 - m))? + (unbiased * m)?)?)?;
+        rm.set(&((rm.as_tensor().detach() * (1.0 - m))? + (mean * m)?)?)?;
+        rv.set(&((rv.as_tensor().detach() * (1.0 - m))? + (unbiased * m)?)?)?;
         let nb = self.num_batches_tracked.var();
-        nb.set(&(nb.as_tensor() + 1.0)?)?;
+        nb.set(&(nb.as_tensor().detach() + 1.0)?)?;
         Ok(())
     }
 }

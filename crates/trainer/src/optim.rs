@@ -62,8 +62,10 @@ impl Optimizer {
         self.steps += 1;
         let t = self.steps as i32;
         for (slot, g) in self.slots.iter_mut().zip(grads) {
-            let p = slot.var.as_tensor();
-            let g = g.to_dtype(DType::F32)?;
+            // Detached: an update must not record an autograd graph, or each step's state would keep the previous
+            // step's tensors alive through it.
+            let p = &slot.var.as_tensor().detach();
+            let g = g.to_dtype(DType::F32)?.detach();
             let lr = lr * slot.lr_mult;
             match self.kind {
                 OptimKind::Sgd { momentum, nesterov } => {

@@ -1,0 +1,129 @@
+//! End-to-end training on the CPU: overfitting, learning, optimizers, fine-tuning and mixed precision.
+
+mod common;
+use common::{tiny, TempDir};
+use trainer::train;
+
+#[test]
+fn overfits_one_batch() {
+    let dir = TempDir::new("overfit");
+    // One batch of 16 samples seen 30 times: the loss must collapse.
+    let cfg = tiny(&["data.num_samples=16", "train.epochs=30", "optim.lr=0.02", "optim.weight_decay=0", "checkpoint.every_epochs=0"]);
+    let s = train::train(&cfg, dir.path(), false).unwrap();
+    assert_eq!(s.steps, 30);
+    let first = s.losses[0];
+    assert!(s.last_loss < 0.1 * first && s.last_loss < 0.2, "loss {first} -> {}", s.last_loss);
+}
+
+#[test]
+fn learns_generated_data_and_writes_run_folder() {
+    let dir = TempDir::new("learn");
+    let cfg = tiny(&["data.num_samples=192", "train.epochs=4", "sched.name=\"cosine\"", "sched.warmup_epochs=0.5"]);
+    let s = train::train(&cfg, dir.path(), false).unwrap();
+    let val = s.val.unwrap();
+    let l = &s.losses;
+    let median = |v: &[f64]| {
+        let mut v = v.to_vec();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    // Medians: a single spiky step at this tiny batch size must not decide the test.
+    let (head, tail) = (median(&l[..12]), median(&l[l.len() - 12..]));
+    eprintln!("train loss {head:.3} -> {tail:.3}, val top1 {:.1}%", val.top1);
+    assert!(tail < 0.8 * head, "train loss did not fall: {head} -> {tail}");
+    assert!(val.top1 > 45.0, "val top1 {} (chance 25%)", val.top1);
+    // Run folder: metrics with step and epoch records, checkpoints, best, final weights, plot.
+    let metrics = std::fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap();
+    let recs: Vec<serde_json::Value> = metrics.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let epochs: Vec<_> = recs.iter().filter(|r| r["kind"] == "epoch").collect();
+    assert_eq!(epochs.len(), 4);
+    for k in ["train_loss", "val_loss", "val_top1", "val_top5", "img_per_s"] {
+        assert!(epochs[3][k].is_number(), "{k}");
+    }
+    let step = recs.iter().find(|r| r["kind"] == "step").unwrap();
+    for k in ["step", "epoch", "loss", "lr", "loss_scale", "skipped", "img_per_s"] {
+        assert!(!step[k].is_null(), "{k}");
+    }
+    assert!(dir.path().join("checkpoints/best.safetensors").is_file());
+    assert_eq!(trainer::checkpoint::list(&dir.path().join("checkpoints")).len(), 2, "keep_last = 2");
+    assert!(dir.path().join("model.safetensors").is_file());
+    assert!(dir.path().join("curves.png").is_file());
+}
+
+#[test]
+fn adamw_grad_accum_clipping_and_smoothing_train() {
+    let dir = TempDir::new("adamw");
+    let cfg = tiny(&[
+        "optim.name=\"adamw\"",
+        "optim.lr=0.003",
+        "optim.weight_decay=0.05",
+        "optim.no_decay_bn_bias=true",
+        "train.grad_accum=2",
+        "train.batch_size=8",
+        "train.clip_grad_norm=1.0",
+        "train.label_smoothing=0.1",
+        "sched.name=\"multistep\"",
+        "sched.milestones=[1]",
+        "train.epochs=3",
+    ]);
+    let s = train::train(&cfg, dir.path(), false).unwrap();
+    // 64 samples / 8 per micro-batch / 2 per step = 4 steps per epoch.
+    assert_eq!(s.steps, 12);
+    assert!(s.losses.iter().all(|l| l.is_finite()));
+    let grad_norms: Vec<f64> = std::fs::read_to_string(dir.path().join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["kind"] == "step")
+        .map(|v| v["grad_norm"].as_f64().unwrap())
+        .collect();
+    assert_eq!(grad_norms.len(), 12);
+    assert!(s.losses[8..].iter().sum::<f64>() < s.losses[..4].iter().sum::<f64>());
+}
+
+#[test]
+fn max_steps_stops_early() {
+    let dir = TempDir::new("maxsteps");
+    let s = train::train(&tiny(&["train.max_steps=3", "train.epochs=5"]), dir.path(), false).unwrap();
+    assert_eq!(s.steps, 3);
+}
+
+#[test]
+fn fine_tuning_freezes_and_replaces_the_head() {
+    let dir = TempDir::new("finetune");
+    // Pretrain a 4-class model, then fine-tune it on 3 classes with the stem and layer1 frozen.
+    let pre = train::train(&tiny(&["train.epochs=1"]), &dir.path().join("pre"), false).unwrap();
+    let weights = pre.run_dir.join("model.safetensors");
+    let cfg = tiny(&[
+        "model.num_classes=3",
+        &format!("model.init_from=\"{}\"", weights.display()),
+        "finetune.freeze=[\"conv1\", \"bn1\", \"layer1\"]",
+        "finetune.head_lr_mult=2",
+        "optim.lr=0.005",
+        "finetune.bn_frozen=true",
+        "train.epochs=1",
+    ]);
+    let model = train::build_model(&cfg, &candle_core::Device::Cpu).unwrap();
+    assert_eq!(model.store().get("fc.weight").unwrap().param.var().dims(), &[3, 512]);
+    let trainable: Vec<String> = model.store().trainable().into_iter().map(|(n, _)| n).collect();
+    assert!(trainable.iter().all(|n| !n.starts_with("layer1.") && !n.starts_with("conv1") && !n.starts_with("bn1")));
+    assert!(trainable.iter().any(|n| n == "fc.weight") && trainable.iter().any(|n| n.starts_with("layer2.")));
+    let runner = train::StepRunner::new(&cfg, model).unwrap();
+    assert_eq!(runner.opt.len(), trainable.len(), "no optimizer state for frozen parameters");
+
+    let before = resnet::weights::read_safetensors(&weights).unwrap();
+    let s = train::train(&cfg, &dir.path().join("ft"), false).unwrap();
+    let after = resnet::weights::read_safetensors(&s.run_dir.join("model.safetensors")).unwrap();
+    let same = |k: &str| before[k].flatten_all().unwrap().to_vec1::<f32>().unwrap() == after[k].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    assert!(same("conv1.weight") && same("layer1.1.conv2.weight") && same("bn1.weight"), "frozen tensors changed");
+    assert!(same("layer2.0.bn1.running_mean"), "bn_frozen: running statistics changed");
+    assert!(!same("layer2.0.conv1.weight"), "trainable tensors did not change");
+    assert_eq!(after["fc.weight"].dims(), &[3, 512]);
+}
+
+#[test]
+fn unknown_freeze_prefix_is_named() {
+    let cfg = tiny(&["finetune.freeze=[\"layer9\"]"]);
+    let e = train::build_model(&cfg, &candle_core::Device::Cpu).unwrap_err().to_string();
+    assert!(e.contains("layer9"), "{e}");
+}
