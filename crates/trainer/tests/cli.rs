@@ -1,0 +1,185 @@
+//! The `trainer` binary: kill -9 then --resume ends where an uninterrupted run ends; bad inputs give one-line errors.
+
+mod common;
+use common::{step_losses, TempDir, TINY};
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_trainer");
+
+fn trainer(args: &[&str]) -> Output {
+    Command::new(BIN).args(args).output().expect("run trainer")
+}
+
+fn write_config(dir: &Path, extra: &str) -> String {
+    let p = dir.join("tiny.toml");
+    std::fs::write(&p, format!("{TINY}\n{extra}")).unwrap();
+    p.display().to_string()
+}
+
+/// Asserts a failure with one `error:` line on stderr that contains every `needle`, and no panic.
+fn assert_error(out: &Output, needles: &[&str]) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "expected failure, stderr: {err}");
+    assert_eq!(out.status.code(), Some(1), "exit code, stderr: {err}");
+    assert!(!err.contains("panicked"), "panic: {err}");
+    let line = err.lines().find(|l| l.starts_with("error:")).unwrap_or_else(|| panic!("no error line in: {err}"));
+    for n in needles {
+        assert!(line.contains(n), "`{n}` not in: {line}");
+    }
+}
+
+#[test]
+fn kill_9_then_resume_matches_uninterrupted_run() {
+    let dir = TempDir::new("kill9");
+    // 3 epochs of 4 steps, a checkpoint every 2 steps.
+    let cfg = write_config(dir.path(), "");
+    let sets = ["--set", "train.epochs=3", "--set", "checkpoint.every_steps=2", "--set", "checkpoint.every_epochs=0"];
+    let full = dir.path().join("full");
+    let out = Command::new(BIN).args(["--config", &cfg, "--run-dir", full.to_str().unwrap()]).args(sets).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+
+    let cut = dir.path().join("cut");
+    let mut child = Command::new(BIN)
+        .args(["--config", &cfg, "--run-dir", cut.to_str().unwrap()])
+        .args(sets)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Kill once a mid-run checkpoint (step 6 or later, i.e. inside epoch 2) is on disk.
+    let t0 = Instant::now();
+    loop {
+        let latest = trainer::checkpoint::latest(&cut.join("checkpoints"));
+        if latest.is_some_and(|p| p.file_name().unwrap().to_str().unwrap() >= "step-000000006") {
+            break;
+        }
+        assert!(child.try_wait().unwrap().is_none(), "training finished before it could be killed");
+        assert!(t0.elapsed() < Duration::from_secs(600), "no checkpoint appeared");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    let out = Command::new(BIN).args(["--config", &cfg, "--run-dir", cut.to_str().unwrap(), "--resume"]).args(sets).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (a, b) = (step_losses(&full), step_losses(&cut));
+    assert_eq!(a.len(), 12);
+    assert_eq!(a, b, "resumed losses differ from the uninterrupted run");
+    // The final weights are identical too.
+    let wa = std::fs::read(full.join("model.safetensors")).unwrap();
+    let wb = std::fs::read(cut.join("model.safetensors")).unwrap();
+    assert!(wa == wb, "final weights differ");
+    // Without --resume the run directory is protected.
+    let out = Command::new(BIN).args(["--config", &cfg, "--run-dir", cut.to_str().unwrap()]).output().unwrap();
+    assert_error(&out, &["already holds checkpoints", "--resume"]);
+}
+
+#[test]
+fn bad_configs_name_the_culprit() {
+    let dir = TempDir::new("badcfg");
+    let cfg = write_config(dir.path(), "");
+    let run = dir.path().join("run");
+    let r = run.to_str().unwrap();
+    // (extra args, substrings the error line must hold)
+    let cases: Vec<(Vec<&str>, Vec<&str>)> = vec![
+        (vec!["--set", "train.nope=1"], vec!["train.nope"]),
+        (vec!["--set", "train.batch_size=abc"], vec!["batch_size"]),
+        (vec!["--set", "model.arch=resnet19"], vec!["model.arch", "resnet19"]),
+        (vec!["--set", "train.batch_size=0"], vec!["train.batch_size"]),
+        (vec!["--set", "optim.lr=-1"], vec!["optim.lr"]),
+        (vec!["--set", "train"], vec!["--set", "key=value"]),
+        (vec!["--set", "data.kind=\"cifar10\"", "--set", "data.dir=\"/nonexistent/cifar\"", "--set", "model.num_classes=10"], vec!["/nonexistent/cifar"]),
+        (vec!["--set", "data.kind=\"imagefolder\"", "--set", "data.train_dir=\"/nonexistent/train\"", "--set", "data.val_dir=\"/nonexistent/val\""], vec!["/nonexistent/train"]),
+        (vec!["--set", "model.init_from=\"/nonexistent/w.safetensors\""], vec!["/nonexistent/w.safetensors"]),
+        (vec!["--set", "device=\"tpu\""], vec!["device", "tpu"]),
+        (vec!["--resume"], vec!["no checkpoint"]),
+    ];
+    for (extra, needles) in cases {
+        let mut args = vec!["--config", cfg.as_str(), "--run-dir", r];
+        args.extend(extra.iter());
+        let out = trainer(&args);
+        assert_error(&out, &needles);
+    }
+    assert_error(&trainer(&["--config", "/nonexistent/x.toml"]), &["/nonexistent/x.toml", "not found"]);
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, "[train]\nbatchsize = 3\n").unwrap();
+    assert_error(&trainer(&["--config", bad.to_str().unwrap()]), &["bad.toml", "batchsize"]);
+    std::fs::write(&bad, "[train\n").unwrap();
+    assert_error(&trainer(&["--config", bad.to_str().unwrap()]), &["bad.toml"]);
+    if !cfg!(feature = "cuda") {
+        assert_error(&trainer(&["--config", &cfg, "--run-dir", r, "--set", "device=\"cuda\""]), &["without CUDA"]);
+    }
+}
+
+#[test]
+fn bad_files_name_the_file() {
+    let dir = TempDir::new("badfiles");
+    let cfg = write_config(dir.path(), "");
+    // A corrupt JPEG in an image folder: stop and name it, or skip it when asked.
+    for split in ["train", "val"] {
+        for class in ["a", "b"] {
+            let d = dir.path().join(split).join(class);
+            std::fs::create_dir_all(&d).unwrap();
+            for i in 0..4 {
+                let img = image::RgbImage::from_fn(12, 12, |x, y| image::Rgb([(x * 20) as u8, (y * 20) as u8, if class == "a" { 0 } else { 255 }]));
+                img.save(d.join(format!("{i}.png"))).unwrap();
+            }
+        }
+    }
+    let broken = dir.path().join("train/a/broken.jpg");
+    std::fs::write(&broken, b"\xff\xd8\xff\xe0 definitely not a jpeg").unwrap();
+    let folder = [
+        "--set",
+        "data.kind=\"imagefolder\"",
+        "--set",
+        "model.num_classes=2",
+        "--set",
+        "train.epochs=1",
+    ];
+    let td = format!("data.train_dir=\"{}\"", dir.path().join("train").display());
+    let vd = format!("data.val_dir=\"{}\"", dir.path().join("val").display());
+    let run = dir.path().join("run1");
+    let mut args = vec!["--config", cfg.as_str(), "--run-dir", run.to_str().unwrap(), "--set", &td, "--set", &vd];
+    args.extend(folder);
+    assert_error(&trainer(&args), &["broken.jpg"]);
+    let run2 = dir.path().join("run2");
+    args[3] = run2.to_str().unwrap();
+    args.extend(["--set", "data.on_corrupt=\"skip\""]);
+    let out = trainer(&args);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("broken.jpg"), "no warning naming the skipped file");
+
+    // A truncated checkpoint and a foreign file given to `eval`.
+    let ck = trainer::checkpoint::latest(&run2.join("checkpoints")).unwrap();
+    let bytes = std::fs::read(&ck).unwrap();
+    let cut = dir.path().join("truncated.safetensors");
+    std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
+    let mut eval = vec!["eval", "--config", cfg.as_str(), "--checkpoint", cut.to_str().unwrap(), "--set", &td, "--set", &vd];
+    eval.extend(folder);
+    assert_error(&trainer(&eval), &["truncated.safetensors"]);
+    let foreign = dir.path().join("foreign.safetensors");
+    std::fs::write(&foreign, b"PK\x03\x04 a zip file").unwrap();
+    eval[4] = foreign.to_str().unwrap();
+    assert_error(&trainer(&eval), &["foreign.safetensors"]);
+    // A good checkpoint evaluates.
+    eval[4] = ck.to_str().unwrap();
+    let out = trainer(&eval);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("top1"));
+    // Weights of another architecture for init_from: one error listing the tensors.
+    let w = run2.join("model.safetensors");
+    let out = trainer(&["--config", &cfg, "--run-dir", dir.path().join("run3").to_str().unwrap(), "--set", "model.arch=resnet34", "--set", &format!("model.init_from=\"{}\"", w.display())]);
+    assert_error(&out, &["model.safetensors", "missing", "layer1.2"]);
+}
+
+#[test]
+fn info_prints_stages_and_parameter_count() {
+    let dir = TempDir::new("info");
+    let cfg = write_config(dir.path(), "");
+    let out = trainer(&["info", "--config", &cfg, "--set", "model.arch=resnet152", "--set", "model.num_classes=1000", "--set", "model.stem=imagenet", "--set", "data.image_size=224", "--set", "data.val_resize=256", "--set", "train.batch_size=2"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("parameters: 60192808"), "{text}");
+    assert!(text.contains("layer4   [2, 2048, 7, 7]"), "{text}");
+}
