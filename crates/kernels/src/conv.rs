@@ -8,6 +8,7 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
+use std::sync::atomic::{AtomicU8, Ordering};
 
 /// Stride and symmetric zero padding of a square-kernel convolution (dilation 1, one group).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -16,8 +17,32 @@ pub struct Conv2dParams {
     pub padding: usize,
 }
 
-/// Convolution with the backward described above. x: (n, c_in, h, w), w: (c_out, c_in, k, k).
+/// Which convolution the model runs (`kernels.conv` in the trainer's config).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConvImpl {
+    /// candle's conv2d with the backward of this module (forward convs only). The default.
+    FwdConv = 0,
+    /// candle's conv2d with candle's own backward (conv_transpose2d for grad-input): the baseline.
+    Candle = 1,
+}
+
+static CONV_IMPL: AtomicU8 = AtomicU8::new(ConvImpl::FwdConv as u8);
+
+/// Selects the convolution for every later [`conv2d`] call in this process.
+pub fn set_conv_impl(c: ConvImpl) {
+    CONV_IMPL.store(c as u8, Ordering::Relaxed);
+}
+
+pub fn conv_impl() -> ConvImpl {
+    if CONV_IMPL.load(Ordering::Relaxed) == ConvImpl::Candle as u8 { ConvImpl::Candle } else { ConvImpl::FwdConv }
+}
+
+/// Convolution with the backward described above (or candle's, see [`set_conv_impl`]).
+/// x: (n, c_in, h, w), w: (c_out, c_in, k, k).
 pub fn conv2d(x: &Tensor, w: &Tensor, stride: usize, padding: usize) -> Result<Tensor> {
+    if conv_impl() == ConvImpl::Candle {
+        return x.conv2d(w, padding, stride, 1, 1);
+    }
     let y = x.detach().conv2d(&w.detach(), padding, stride, 1, 1)?;
     if !(x.track_op() || w.track_op()) {
         return Ok(y);

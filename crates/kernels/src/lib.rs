@@ -8,7 +8,7 @@ pub mod maxpool;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
-pub use conv::conv2d;
+pub use conv::{conv2d, set_conv_impl, ConvImpl};
 pub use maxpool::{max_pool2d, MaxPool2d};
 
 /// Errors of this crate's ops.

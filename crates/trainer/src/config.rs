@@ -276,7 +276,8 @@ impl Default for FinetuneSection {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct KernelsSection {
-    /// "candle" (candle's built-in ops)
+    /// "fwdconv" (candle's conv2d forward, backward through forward convs) | "candle" (candle's conv2d and its
+    /// conv_transpose2d backward)
     pub conv: String,
     /// "cublas" (candle's built-in matmul)
     pub matmul: String,
@@ -284,7 +285,7 @@ pub struct KernelsSection {
 
 impl Default for KernelsSection {
     fn default() -> Self {
-        Self { conv: "candle".into(), matmul: "cublas".into() }
+        Self { conv: "fwdconv".into(), matmul: "cublas".into() }
     }
 }
 
@@ -408,7 +409,7 @@ impl Config {
         one_of("sched.name", &self.sched.name, &["cosine", "step", "multistep", "constant"])?;
         one_of("amp.dtype", &self.amp.dtype, &["fp32", "bf16", "fp16"])?;
         one_of("amp.loss_scaling", &self.amp.loss_scaling, &["auto", "on", "off"])?;
-        one_of("kernels.conv", &self.kernels.conv, &["candle"])?;
+        one_of("kernels.conv", &self.kernels.conv, &["fwdconv", "candle"])?;
         one_of("kernels.matmul", &self.kernels.matmul, &["cublas"])?;
         let dev = self.device.as_str();
         if !(dev == "cpu" || dev == "cuda" || dev.strip_prefix("cuda:").is_some_and(|n| n.parse::<usize>().is_ok())) {

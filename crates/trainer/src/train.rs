@@ -48,6 +48,7 @@ pub fn scaling_enabled(cfg: &Config) -> bool {
 /// Builds the model of the config: initialisation, `model.init_from` (head replaced when the class count differs),
 /// frozen modules and BatchNorm statistics.
 pub fn build_model(cfg: &Config, device: &Device) -> Result<ResNet> {
+    kernels::set_conv_impl(if cfg.kernels.conv == "candle" { kernels::ConvImpl::Candle } else { kernels::ConvImpl::FwdConv });
     let mc = ResNetConfig {
         arch: Arch::parse(&cfg.model.arch)?,
         num_classes: cfg.model.num_classes,

@@ -25,7 +25,10 @@ pub fn class_names(dir: &str, key: &str) -> Result<Vec<String>, DataError> {
     if !root.is_dir() {
         return Err(DataError::Missing {
             path: format!("{key} {dir}"),
-            hint: " (or is not a folder)".into(),
+            hint: " (or is not a folder): it must hold one sub-folder of JPEG/PNG images per class, e.g. ImageNet's \
+                   ILSVRC2012 train/val images from https://image-net.org arranged as <dir>/<wnid>/*.JPEG (torchvision's \
+                   ImageFolder layout); set data.train_dir and data.val_dir to those folders"
+                .into(),
         });
     }
     let mut classes = Vec::new();
