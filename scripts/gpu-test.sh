@@ -51,13 +51,13 @@ main() {
     if [ "${SANITIZE:-1}" = 1 ] && [ -n "$san" ]; then
         echo "== compute-sanitizer memcheck on the max-pool correctness tests"
         t0=$SECONDS
-        timeout 240 "$san" --tool memcheck --error-exitcode 99 "$bin/gpu-tests" --test-threads=1 \
+        timeout 150 "$san" --tool memcheck --error-exitcode 99 "$bin/gpu-tests" --test-threads=1 \
             maxpool_cuda_matches_cpu maxpool_cuda_nan_matches_cpu > "$out/memcheck.log" 2>&1
         local rc=$?
         grep -E "^test |ERROR SUMMARY|test result" "$out/memcheck.log"
         case $rc in
             0) echo "memcheck: ok ($((SECONDS - t0)) s)" ;;
-            124) echo "memcheck: timed out after 240 s (not counted as a failure)" ;;
+            124) echo "memcheck: timed out after 150 s (not counted as a failure)" ;;
             *) echo "memcheck: FAILED (rc $rc)"; tail -40 "$out/memcheck.log"; fails=$((fails + 1)) ;;
         esac
     else
