@@ -233,6 +233,12 @@ fn train_step(model: &ResNet, x: &Tensor, labels: &Tensor, precision: Precision,
 }
 
 /// ResNet-18 (CIFAR and ImageNet stems, 64x64, batch 4) forward + backward in f32: CUDA vs CPU.
+///
+/// Logits and loss must agree to 1e-3 (relative L2). A gradient must agree to max(1e-3, 3 x its f32 noise floor),
+/// the floor being how far the CPU's own gradient moves when the same batch is fed in another order (the same
+/// mathematics, other summation orders). Most floors are ~1e-6; with the CIFAR stem at 64x64 the gradients below
+/// layer4 are ill-conditioned in f32 (the batch order alone moved them by ~7e-3 on the CPU, 2026-12-02), and
+/// the CUDA result differed by 4.7e-3 there, so a fixed 1e-3 would test rounding, not the kernels.
 #[test]
 fn resnet18_cuda_matches_cpu_f32() -> Result<()> {
     let gpu = cuda()?;
@@ -240,18 +246,23 @@ fn resnet18_cuda_matches_cpu_f32() -> Result<()> {
     for stem in [Stem::Cifar, Stem::ImageNet] {
         let x = Tensor::randn(0f32, 1.0, (4, 3, 64, 64), &Device::Cpu)?;
         let labels = Tensor::new(&[3u32, 0, 9, 4], &Device::Cpu)?;
+        let perm = Tensor::new(&[2u32, 3, 1, 0], &Device::Cpu)?;
         let (cpu_model, gpu_model) = (tiny_resnet(stem, &Device::Cpu)?, tiny_resnet(stem, &gpu)?);
         let (l_cpu, loss_cpu, g_cpu) = train_step(&cpu_model, &x, &labels, Precision::F32, &names)?;
+        let (_, _, g_perm) =
+            train_step(&tiny_resnet(stem, &Device::Cpu)?, &x.index_select(&perm, 0)?, &labels.index_select(&perm, 0)?, Precision::F32, &names)?;
         let (l_gpu, loss_gpu, g_gpu) = train_step(&gpu_model, &x.to_device(&gpu)?, &labels.to_device(&gpu)?, Precision::F32, &names)?;
         let e = rel_err(&l_gpu, &l_cpu)?;
         println!("resnet18 {} f32: logits rel err {e:.2e}, loss cpu {} cuda {}", stem.name(), loss_cpu.to_scalar::<f32>()?, loss_gpu.to_scalar::<f32>()?);
         ensure!(e < 1e-3, "resnet18 {}: logits rel err {e:e}", stem.name());
         let le = rel_err(&loss_gpu, &loss_cpu)?;
         ensure!(le < 1e-3, "resnet18 {}: loss rel err {le:e}", stem.name());
-        for ((name, a), b) in names.iter().zip(&g_gpu).zip(&g_cpu) {
-            let e = rel_err(a, b)?;
-            println!("resnet18 {} f32: grad {name} rel err {e:.2e}", stem.name());
-            ensure!(e < 1e-3, "resnet18 {}: grad {name} rel err {e:e}", stem.name());
+        for (i, name) in names.iter().enumerate() {
+            let e = rel_err(&g_gpu[i], &g_cpu[i])?;
+            let floor = rel_err(&g_perm[i], &g_cpu[i])?;
+            let tol = f64::max(1e-3, 3.0 * floor);
+            println!("resnet18 {} f32: grad {name} rel err {e:.2e} (cpu noise floor {floor:.2e}, tol {tol:.1e})", stem.name());
+            ensure!(e < tol, "resnet18 {}: grad {name} rel err {e:e} over {tol:e} (cpu noise floor {floor:e})", stem.name());
         }
     }
     Ok(())
