@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Runs ON the GPU machine (no Rust there): unpacks the binaries that scripts/package-gpu.sh built, runs the GPU
+# test binary (all tests, one thread, output shown), then the max-pool tests again under compute-sanitizer
+# memcheck, and smoke-runs the trainer binary. Logs go to $OUT (the device tool's output folder; ./gpu-out
+# when unset). Exits non-zero if anything fails.
+#   usage: bash scripts/gpu-test.sh [DIST_DIR]     (default: dist)
+set -uo pipefail
+dist="$(cd "${1:-dist}" && pwd)" || { echo "gpu-test: no dist folder ${1:-dist}" >&2; exit 2; }
+out="${OUT:-$PWD/gpu-out}"
+mkdir -p "$out"
+
+main() {
+    local fails=0 bin
+    echo "== gpu-test $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)"
+    cat "$dist/BUILD_INFO" 2>/dev/null
+    nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader || true
+
+    bin="$(mktemp -d /tmp/gpu-bin.XXXXXX)"
+    for f in trainer gpu-tests; do
+        [ -f "$dist/$f.gz" ] || { echo "gpu-test: missing $dist/$f.gz (run scripts/package-gpu.sh)"; return 2; }
+        gunzip -c "$dist/$f.gz" > "$bin/$f" && chmod +x "$bin/$f" || return 2
+    done
+
+    # CUDA 13 libraries from the PyTorch environment's wheels; libcuda.so.1 from the driver (GPU.md).
+    local site=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
+    if [ ! -d "$site/cu13/lib" ]; then
+        site="$(python3 -c 'import nvidia, os; print(os.path.dirname(nvidia.__file__) if nvidia.__file__ else list(nvidia.__path__)[0])' 2>/dev/null)"
+    fi
+    export LD_LIBRARY_PATH="$site/cu13/lib:$site/cudnn/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+    for f in trainer gpu-tests; do
+        if ldd "$bin/$f" | grep -q "not found"; then
+            echo "gpu-test: $f has unresolved libraries:"; ldd "$bin/$f" | grep "not found"; fails=$((fails + 1))
+        fi
+    done
+    ldd "$bin/gpu-tests" | grep -E "cuda|cublas|curand|nvrtc|cudnn" || true
+
+    echo "== trainer (smoke run: the binary loads its CUDA libraries and exits)"
+    if "$bin/trainer"; then echo "trainer: ok"; else echo "trainer: FAILED (rc $?)"; fails=$((fails + 1)); fi
+
+    echo "== GPU tests: gpu-tests --test-threads=1 --nocapture"
+    local t0=$SECONDS
+    if RUST_BACKTRACE=1 "$bin/gpu-tests" --test-threads=1 --nocapture 2>&1 | tee "$out/gpu-tests.log"; then
+        echo "gpu-tests: ok ($((SECONDS - t0)) s)"
+    else
+        echo "gpu-tests: FAILED ($((SECONDS - t0)) s)"; fails=$((fails + 1))
+    fi
+
+    local san
+    san="$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)"
+    if [ "${SANITIZE:-1}" = 1 ] && [ -n "$san" ]; then
+        echo "== compute-sanitizer memcheck on the max-pool correctness tests"
+        t0=$SECONDS
+        timeout 150 "$san" --tool memcheck --error-exitcode 99 "$bin/gpu-tests" --test-threads=1 \
+            maxpool_cuda_matches_cpu maxpool_cuda_nan_matches_cpu > "$out/memcheck.log" 2>&1
+        local rc=$?
+        grep -E "^test |ERROR SUMMARY|test result" "$out/memcheck.log"
+        case $rc in
+            0) echo "memcheck: ok ($((SECONDS - t0)) s)" ;;
+            124) echo "memcheck: timed out after 150 s (not counted as a failure)" ;;
+            *) echo "memcheck: FAILED (rc $rc)"; tail -40 "$out/memcheck.log"; fails=$((fails + 1)) ;;
+        esac
+    else
+        echo "== compute-sanitizer: skipped (SANITIZE=${SANITIZE:-1}, found: ${san:-none})"
+    fi
+
+    rm -rf "$bin"
+    echo "== gpu-test: $fails failure(s)"
+    [ "$fails" -eq 0 ]
+}
+
+main 2>&1 | tee "$out/gpu-test.log"
+exit "${PIPESTATUS[0]}"

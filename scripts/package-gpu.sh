@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Build the CUDA binaries HERE (no GPU needed) and pack them for the GPU machine:
+#   dist/trainer.gz    release `trainer` with --features cuda, stripped
+#   dist/gpu-tests.gz  the tests/tests/gpu.rs test binary (cargo test --release --features cuda --test gpu)
+#   dist/BUILD_INFO    commit, date and toolchain of the build
+# Then run `bash scripts/gpu-test.sh` on the GPU machine with dist/ carried along (docs/CUDA_BUILD.md).
+# Uses CARGO_TARGET_DIR=target-cuda unless set: a cold build takes ~9+ minutes on 2 cores (candle-kernels).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+repo="$PWD"
+# shellcheck source=scripts/setup-cuda.sh
+source scripts/setup-cuda.sh
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$repo/target-cuda}"
+max_mib="${DIST_MAX_MIB:-60}"
+
+echo "== cargo build --release -p trainer --features cuda"
+cargo build --release -p trainer --features cuda
+
+echo "== cargo test --release --features cuda -p integration-tests --test gpu --no-run"
+tests_bin="$(cargo test --release --features cuda -p integration-tests --test gpu --no-run --message-format=json \
+    | python3 -c '
+import json, sys
+exe = [m["executable"] for m in map(json.loads, sys.stdin)
+       if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "gpu" and m.get("executable")]
+print(exe[-1] if exe else "")')"
+[ -n "$tests_bin" ] && [ -x "$tests_bin" ] || { echo "package-gpu: GPU test binary not found" >&2; exit 1; }
+
+rm -rf dist
+mkdir -p dist
+pack() { # pack SRC NAME: strip a copy of SRC into dist/NAME, gzip it
+    strip -o "dist/$2" "$1"
+    gzip -9 -f "dist/$2"
+    echo "dist/$2.gz: $(du -h "$1" | cut -f1) unstripped -> $(du -h "dist/$2.gz" | cut -f1)"
+}
+pack "$CARGO_TARGET_DIR/release/trainer" trainer
+pack "$tests_bin" gpu-tests
+{
+    echo "commit: $(git rev-parse HEAD)$(git diff --quiet HEAD -- . ':!dist' 2>/dev/null || echo ' (with uncommitted changes)')"
+    echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -m)"
+    echo "rustc: $(rustc --version)"
+    echo "nvcc: $(nvcc --version | tail -1)"
+    echo "CUDA_COMPUTE_CAP: $CUDA_COMPUTE_CAP"
+} > dist/BUILD_INFO
+cat dist/BUILD_INFO
+
+total_kib="$(du -sk dist | cut -f1)"
+echo "dist/: $((total_kib / 1024)) MiB"
+if [ "$total_kib" -gt $((max_mib * 1024)) ]; then
+    echo "package-gpu: dist/ is over $max_mib MiB; the device tool carries at most 64 MiB with the repo" >&2
+    exit 1
+fi
