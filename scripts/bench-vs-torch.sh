@@ -13,9 +13,9 @@ shift $(( $# < 4 ? $# : 4 ))
 out=${OUT:-/tmp}
 here=$(cd "$(dirname "$0")" && pwd)
 "$bin" bench --config "$here/../configs/resnet152.toml" --set model.arch="$arch" --set device=cuda:0 \
-    --dtypes "$dtypes" --batch-sizes "$sizes" --warmup 3 --steps 10 "$@" 2>&1 | tee "$out/bench-rust.log"
+    --dtypes "$dtypes" --batch-sizes "$sizes" --warmup "${BENCH_WARMUP:-3}" --steps "${BENCH_STEPS:-10}" "$@" 2>&1 | tee "$out/bench-rust.log"
 rust_rc=${PIPESTATUS[0]}
-python3 "$here/torch_bench.py" "$arch" "$dtypes" "$sizes" --channels-last 2>&1 | tee "$out/bench-torch.log"
+python3 "$here/torch_bench.py" "$arch" "$dtypes" "$sizes" --channels-last --warmup 5 --steps 10 2>&1 | tee "$out/bench-torch.log"
 python3 - "$out/bench-rust.log" "$out/bench-torch.log" <<'PY' | tee "$out/bench-table.md"
 import json, sys
 def load(path, tag):

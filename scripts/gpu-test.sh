@@ -35,8 +35,21 @@ main() {
     done
     ldd "$bin/gpu-tests" | grep -E "cuda|cublas|curand|nvrtc|cudnn" || true
 
-    echo "== trainer (smoke run: the binary loads its CUDA libraries and exits)"
-    if "$bin/trainer"; then echo "trainer: ok"; else echo "trainer: FAILED (rc $?)"; fails=$((fails + 1)); fi
+    echo "== trainer: end-to-end ResNet-152 bf16 training on the GPU (loader, 3 steps, validation, checkpoint)"
+    local here e2e
+    here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+    e2e="$(mktemp -d /tmp/e2e.XXXXXX)"
+    if "$bin/trainer" --config "$here/configs/resnet152.toml" --run-dir "$e2e/run" --set data.kind=synthetic \
+        --set data.num_samples=96 --set train.batch_size=32 --set train.epochs=1 --set log.every_steps=1 \
+        --set log.progress=false --set telemetry.interval_ms=200 > "$out/e2e.log" 2>&1 \
+        && [ -f "$e2e/run/checkpoints/best.safetensors" ] && [ -f "$e2e/run/model.safetensors" ]; then
+        grep -E "^epoch|^done" "$out/e2e.log"; grep -c '"kind":"telemetry"' "$e2e/run/metrics.jsonl" | sed 's/^/telemetry records: /'
+        cp "$e2e/run/metrics.jsonl" "$out/e2e-metrics.jsonl"
+        echo "trainer e2e: ok"
+    else
+        tail -20 "$out/e2e.log"; echo "trainer e2e: FAILED"; fails=$((fails + 1))
+    fi
+    rm -rf "$e2e"
 
     echo "== GPU tests: gpu-tests --test-threads=1 --nocapture"
     local t0=$SECONDS
