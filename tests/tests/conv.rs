@@ -12,7 +12,10 @@ fn grads(x: &Tensor, w: &Tensor, stride: usize, pad: usize, ours: bool) -> (Tens
     };
     let g = Tensor::randn(0f32, 1., y.dims(), &Device::Cpu).unwrap();
     // Same upstream gradient for both paths: seed from the shape.
-    let g = (g.zeros_like().unwrap() + (y.ones_like().unwrap() * 0.5).unwrap()).unwrap().broadcast_mul(&Tensor::arange(0f32, y.dim(3).unwrap() as f32, &Device::Cpu).unwrap().sin().unwrap()).unwrap();
+    let g = (g.zeros_like().unwrap() + (y.ones_like().unwrap() * 0.5).unwrap())
+        .unwrap()
+        .broadcast_mul(&Tensor::arange(0f32, y.dim(3).unwrap() as f32, &Device::Cpu).unwrap().sin().unwrap())
+        .unwrap();
     let loss = (&y * &g).unwrap().sum_all().unwrap();
     let gs = loss.backward().unwrap();
     let gx = gs.get(xv.as_tensor()).unwrap().flatten_all().unwrap().to_vec1().unwrap();
@@ -48,6 +51,10 @@ fn conv_backward_matches_candle() {
         let (y2, gx2, gw2) = grads(&x, &wt, s, p, false);
         assert_eq!(y1.dims(), y2.dims());
         let (ex, ew) = (rel(&gx1, &gx2), rel(&gw1, &gw2));
-        assert!(ex < 1e-5 && ew < 1e-5, "case {:?}: grad-input rel err {ex}, grad-weight {ew}", (n, ci, h, w, co, k, s, p));
+        assert!(
+            ex < 1e-5 && ew < 1e-5,
+            "case {:?}: grad-input rel err {ex}, grad-weight {ew}",
+            (n, ci, h, w, co, k, s, p)
+        );
     }
 }

@@ -80,7 +80,7 @@ fn pool_input(dims: (usize, usize, usize, usize), variant: usize) -> Result<Vec<
     let t = Tensor::randn(0f32, 1.0, dims, &Device::Cpu)?;
     let t = match variant % 3 {
         0 => t,
-        1 => t.relu()?,                     // many zeros: ties, as after the stem's ReLU
+        1 => t.relu()?,                    // many zeros: ties, as after the stem's ReLU
         _ => ((t * 4.0)?.round()? / 4.0)?, // values on a 0.25 grid: ties everywhere, exact in bf16/f16
     };
     Ok(t.flatten_all()?.to_vec1::<f32>()?)
@@ -112,7 +112,8 @@ fn maxpool_cuda_matches_cpu() -> Result<()> {
         let (oh, ow) = (op.out_size(h), op.out_size(w));
         for (di, &dt) in DTYPES.iter().enumerate() {
             let what = format!("case {ci} {:?} k{k} s{s} p{p} {dt:?}", (n, c, h, w));
-            let x_cpu = Tensor::from_vec(pool_input((n, c, h, w), ci + di)?, (n, c, h, w), &Device::Cpu)?.to_dtype(dt)?;
+            let x_cpu =
+                Tensor::from_vec(pool_input((n, c, h, w), ci + di)?, (n, c, h, w), &Device::Cpu)?.to_dtype(dt)?;
             let g_cpu = Tensor::randn(0f32, 1.0, (n, c, oh, ow), &Device::Cpu)?.to_dtype(dt)?;
             let (x_gpu, g_gpu) = (x_cpu.to_device(&gpu)?, g_cpu.to_device(&gpu)?);
 
@@ -219,7 +220,13 @@ fn tiny_resnet(stem: Stem, dev: &Device) -> Result<ResNet> {
 }
 
 /// Logits, loss and the gradients of `names` after one training-mode forward + backward.
-fn train_step(model: &ResNet, x: &Tensor, labels: &Tensor, precision: Precision, names: &[&str]) -> Result<(Tensor, Tensor, Vec<Tensor>)> {
+fn train_step(
+    model: &ResNet,
+    x: &Tensor,
+    labels: &Tensor,
+    precision: Precision,
+    names: &[&str],
+) -> Result<(Tensor, Tensor, Vec<Tensor>)> {
     let logits = model.forward(x, true, precision)?;
     let loss = candle_nn::loss::cross_entropy(&logits.to_dtype(DType::F32)?, labels)?;
     let grads = loss.backward()?;
@@ -242,18 +249,37 @@ fn train_step(model: &ResNet, x: &Tensor, labels: &Tensor, precision: Precision,
 #[test]
 fn resnet18_cuda_matches_cpu_f32() -> Result<()> {
     let gpu = cuda()?;
-    let names = ["conv1.weight", "bn1.weight", "layer1.0.conv1.weight", "layer3.1.conv2.weight", "layer4.1.bn2.bias", "fc.weight", "fc.bias"];
+    let names = [
+        "conv1.weight",
+        "bn1.weight",
+        "layer1.0.conv1.weight",
+        "layer3.1.conv2.weight",
+        "layer4.1.bn2.bias",
+        "fc.weight",
+        "fc.bias",
+    ];
     for stem in [Stem::Cifar, Stem::ImageNet] {
         let x = Tensor::randn(0f32, 1.0, (4, 3, 64, 64), &Device::Cpu)?;
         let labels = Tensor::new(&[3u32, 0, 9, 4], &Device::Cpu)?;
         let perm = Tensor::new(&[2u32, 3, 1, 0], &Device::Cpu)?;
         let (cpu_model, gpu_model) = (tiny_resnet(stem, &Device::Cpu)?, tiny_resnet(stem, &gpu)?);
         let (l_cpu, loss_cpu, g_cpu) = train_step(&cpu_model, &x, &labels, Precision::F32, &names)?;
-        let (_, _, g_perm) =
-            train_step(&tiny_resnet(stem, &Device::Cpu)?, &x.index_select(&perm, 0)?, &labels.index_select(&perm, 0)?, Precision::F32, &names)?;
-        let (l_gpu, loss_gpu, g_gpu) = train_step(&gpu_model, &x.to_device(&gpu)?, &labels.to_device(&gpu)?, Precision::F32, &names)?;
+        let (_, _, g_perm) = train_step(
+            &tiny_resnet(stem, &Device::Cpu)?,
+            &x.index_select(&perm, 0)?,
+            &labels.index_select(&perm, 0)?,
+            Precision::F32,
+            &names,
+        )?;
+        let (l_gpu, loss_gpu, g_gpu) =
+            train_step(&gpu_model, &x.to_device(&gpu)?, &labels.to_device(&gpu)?, Precision::F32, &names)?;
         let e = rel_err(&l_gpu, &l_cpu)?;
-        println!("resnet18 {} f32: logits rel err {e:.2e}, loss cpu {} cuda {}", stem.name(), loss_cpu.to_scalar::<f32>()?, loss_gpu.to_scalar::<f32>()?);
+        println!(
+            "resnet18 {} f32: logits rel err {e:.2e}, loss cpu {} cuda {}",
+            stem.name(),
+            loss_cpu.to_scalar::<f32>()?,
+            loss_gpu.to_scalar::<f32>()?
+        );
         ensure!(e < 1e-3, "resnet18 {}: logits rel err {e:e}", stem.name());
         let le = rel_err(&loss_gpu, &loss_cpu)?;
         ensure!(le < 1e-3, "resnet18 {}: loss rel err {le:e}", stem.name());
@@ -261,8 +287,15 @@ fn resnet18_cuda_matches_cpu_f32() -> Result<()> {
             let e = rel_err(&g_gpu[i], &g_cpu[i])?;
             let floor = rel_err(&g_perm[i], &g_cpu[i])?;
             let tol = f64::max(1e-3, 3.0 * floor);
-            println!("resnet18 {} f32: grad {name} rel err {e:.2e} (cpu noise floor {floor:.2e}, tol {tol:.1e})", stem.name());
-            ensure!(e < tol, "resnet18 {}: grad {name} rel err {e:e} over {tol:e} (cpu noise floor {floor:e})", stem.name());
+            println!(
+                "resnet18 {} f32: grad {name} rel err {e:.2e} (cpu noise floor {floor:.2e}, tol {tol:.1e})",
+                stem.name()
+            );
+            ensure!(
+                e < tol,
+                "resnet18 {}: grad {name} rel err {e:e} over {tol:e} (cpu noise floor {floor:e})",
+                stem.name()
+            );
         }
     }
     Ok(())
@@ -282,8 +315,16 @@ fn resnet18_cuda_bf16_forward() -> Result<()> {
         ensure!(l16.dtype() == DType::BF16, "bf16 logits are {:?}", l16.dtype());
         let v = host_f32(&l16)?;
         ensure!(v.iter().all(|x| x.is_finite()), "resnet18 {} bf16: non-finite training-mode logits", stem.name());
-        ensure!(host_f32(&l16_eval)?.iter().all(|x| x.is_finite()), "resnet18 {} bf16: non-finite eval logits", stem.name());
-        println!("resnet18 {} bf16: finite logits (train and eval mode), eval rel err vs f32 {:.2e}", stem.name(), rel_err(&l16_eval, &l32)?);
+        ensure!(
+            host_f32(&l16_eval)?.iter().all(|x| x.is_finite()),
+            "resnet18 {} bf16: non-finite eval logits",
+            stem.name()
+        );
+        println!(
+            "resnet18 {} bf16: finite logits (train and eval mode), eval rel err vs f32 {:.2e}",
+            stem.name(),
+            rel_err(&l16_eval, &l32)?
+        );
     }
     Ok(())
 }
@@ -293,7 +334,13 @@ fn resnet18_cuda_bf16_forward() -> Result<()> {
 fn resnet152_cuda_bf16_train_steps() -> Result<()> {
     let gpu = cuda()?;
     let (batch, size, steps) = (16, 224, 5);
-    let cfg = ResNetConfig { arch: Arch::ResNet152, num_classes: 1000, stem: Stem::ImageNet, zero_init_residual: true, seed: 1 };
+    let cfg = ResNetConfig {
+        arch: Arch::ResNet152,
+        num_classes: 1000,
+        stem: Stem::ImageNet,
+        zero_init_residual: true,
+        seed: 1,
+    };
     let model = ResNet::new(cfg, &gpu)?;
     let params = model.store().trainable();
     let x = Tensor::randn(0f32, 1.0, (batch, 3, size, size), &gpu)?;
@@ -312,7 +359,11 @@ fn resnet152_cuda_bf16_train_steps() -> Result<()> {
         let loss = loss.to_scalar::<f32>()?;
         gpu.synchronize()?;
         let ms = t0.elapsed().as_secs_f64() * 1e3;
-        println!("resnet152 bf16 b{batch} {size}x{size} step {step}: loss {loss:.4}, {ms:.1} ms ({:.1} img/s){}", batch as f64 / ms * 1e3, if step == 0 { " [warm-up]" } else { "" });
+        println!(
+            "resnet152 bf16 b{batch} {size}x{size} step {step}: loss {loss:.4}, {ms:.1} ms ({:.1} img/s){}",
+            batch as f64 / ms * 1e3,
+            if step == 0 { " [warm-up]" } else { "" }
+        );
         ensure!(loss.is_finite(), "step {step}: loss {loss}");
         if step > 0 {
             times.push(ms);
@@ -320,6 +371,10 @@ fn resnet152_cuda_bf16_train_steps() -> Result<()> {
     }
     times.sort_by(f64::total_cmp);
     let med = times[times.len() / 2];
-    println!("resnet152 bf16 b{batch} {size}x{size}: median {med:.1} ms/step ({:.1} img/s) over {} steps after warm-up", batch as f64 / med * 1e3, times.len());
+    println!(
+        "resnet152 bf16 b{batch} {size}x{size}: median {med:.1} ms/step ({:.1} img/s) over {} steps after warm-up",
+        batch as f64 / med * 1e3,
+        times.len()
+    );
     Ok(())
 }

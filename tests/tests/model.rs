@@ -107,7 +107,13 @@ fn batchnorm_train_and_eval_numerics() {
     assert_eq!(bn.running_mean.tensor().dtype(), DType::F32);
 }
 
-fn naive_maxpool(x: &[f32], (n, c, h, w): (usize, usize, usize, usize), k: usize, s: usize, p: usize) -> (Vec<f32>, Vec<usize>) {
+fn naive_maxpool(
+    x: &[f32],
+    (n, c, h, w): (usize, usize, usize, usize),
+    k: usize,
+    s: usize,
+    p: usize,
+) -> (Vec<f32>, Vec<usize>) {
     let oh = (h + 2 * p - k) / s + 1;
     let ow = (w + 2 * p - k) / s + 1;
     let mut out = vec![];
@@ -140,7 +146,9 @@ fn naive_maxpool(x: &[f32], (n, c, h, w): (usize, usize, usize, usize), k: usize
 #[test]
 fn maxpool_forward_backward_against_reference() {
     let dev = Device::Cpu;
-    for &(dims, k, s, p) in &[((2, 3, 7, 9), 3, 2, 1), ((1, 2, 8, 8), 3, 2, 1), ((1, 1, 5, 5), 2, 2, 0), ((2, 2, 6, 5), 3, 1, 1)] {
+    for &(dims, k, s, p) in
+        &[((2, 3, 7, 9), 3, 2, 1), ((1, 2, 8, 8), 3, 2, 1), ((1, 1, 5, 5), 2, 2, 0), ((2, 2, 6, 5), 3, 1, 1)]
+    {
         let (n, c, h, w) = dims;
         let x = Tensor::randn(0f32, 1., (n, c, h, w), &dev).unwrap();
         let xv: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
@@ -202,7 +210,15 @@ fn tiny_resnet_gradients_match_finite_differences() {
     };
     let loss = loss_fn(&m);
     let grads = loss.backward().unwrap();
-    let names = ["conv1.weight", "layer1.0.conv2.weight", "layer2.0.downsample.0.weight", "layer3.1.bn2.weight", "layer4.1.conv1.weight", "fc.weight", "fc.bias"];
+    let names = [
+        "conv1.weight",
+        "layer1.0.conv2.weight",
+        "layer2.0.downsample.0.weight",
+        "layer3.1.bn2.weight",
+        "layer4.1.conv1.weight",
+        "fc.weight",
+        "fc.bias",
+    ];
     let mut checked = 0;
     let mut outliers = vec![];
     for name in names {
@@ -263,7 +279,10 @@ fn save_load_round_trip_is_bit_exact() {
     for (k, ta) in &sa {
         let tb = &sb[k];
         assert_eq!(ta.dtype(), tb.dtype(), "{k}");
-        let (va, vb) = (ta.flatten_all().unwrap().to_dtype(DType::F64).unwrap(), tb.flatten_all().unwrap().to_dtype(DType::F64).unwrap());
+        let (va, vb) = (
+            ta.flatten_all().unwrap().to_dtype(DType::F64).unwrap(),
+            tb.flatten_all().unwrap().to_dtype(DType::F64).unwrap(),
+        );
         assert_eq!(va.to_vec1::<f64>().unwrap(), vb.to_vec1::<f64>().unwrap(), "{k}");
     }
     assert_eq!(b.store().get("bn1.num_batches_tracked").unwrap().param.tensor().to_scalar::<i64>().unwrap(), 1);
@@ -312,7 +331,8 @@ fn wrong_weights_are_named() {
 #[test]
 fn zero_init_residual_and_frozen_params() {
     let dev = Device::Cpu;
-    let m = ResNet::new(ResNetConfig { zero_init_residual: true, ..cfg(Arch::ResNet50, 10, Stem::Cifar) }, &dev).unwrap();
+    let m =
+        ResNet::new(ResNetConfig { zero_init_residual: true, ..cfg(Arch::ResNet50, 10, Stem::Cifar) }, &dev).unwrap();
     let w: Vec<f32> = m.store().get("layer2.1.bn3.weight").unwrap().param.tensor().to_vec1().unwrap();
     assert!(w.iter().all(|v| *v == 0.0));
     let w: Vec<f32> = m.store().get("layer2.1.bn2.weight").unwrap().param.tensor().to_vec1().unwrap();
@@ -338,7 +358,16 @@ fn low_precision_forward_on_cpu() {
     for p in [Precision::Bf16, Precision::F16] {
         let y = m.forward(&x, false, p).unwrap();
         assert_eq!(y.dtype(), p.act_dtype());
-        let d = (y.to_dtype(DType::F32).unwrap() - &f).unwrap().sqr().unwrap().sum_all().unwrap().sqrt().unwrap().to_scalar::<f32>().unwrap();
+        let d = (y.to_dtype(DType::F32).unwrap() - &f)
+            .unwrap()
+            .sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .sqrt()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
         let n = f.sqr().unwrap().sum_all().unwrap().sqrt().unwrap().to_scalar::<f32>().unwrap();
         assert!(d / n < 5e-2, "{p:?}: relative error {}", d / n);
     }

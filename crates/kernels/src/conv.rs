@@ -34,7 +34,11 @@ pub fn set_conv_impl(c: ConvImpl) {
 }
 
 pub fn conv_impl() -> ConvImpl {
-    if CONV_IMPL.load(Ordering::Relaxed) == ConvImpl::Candle as u8 { ConvImpl::Candle } else { ConvImpl::FwdConv }
+    if CONV_IMPL.load(Ordering::Relaxed) == ConvImpl::Candle as u8 {
+        ConvImpl::Candle
+    } else {
+        ConvImpl::FwdConv
+    }
 }
 
 /// Convolution with the backward described above (or candle's, see [`set_conv_impl`]).
@@ -100,7 +104,15 @@ impl CustomOp3 for Conv2dParams {
     }
 
     // The third argument is the already computed output: pass it through.
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout, y: &CpuStorage, ly: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        y: &CpuStorage,
+        ly: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         Ok((y.try_clone(ly)?, ly.shape().clone()))
     }
 
@@ -117,7 +129,14 @@ impl CustomOp3 for Conv2dParams {
         Ok((y.try_clone(ly)?, ly.shape().clone()))
     }
 
-    fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _y: &Tensor,
+        _res: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (_, _, h, wd) = x.dims4()?;
         let k = w.dim(2)?;
         let g = g.to_dtype(x.dtype())?;

@@ -1,9 +1,9 @@
 //! CUDA launchers of this crate's ops: PTX built from `kernels/**/*.cu` by build.rs, loaded through candle's device.
 
 use crate::maxpool::MaxPool2d;
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
-use candle_core::backend::BackendStorage;
 use candle_core::{CudaStorage, DType, Layout, Result, Shape, WithDType};
 use half::{bf16, f16};
 use std::sync::atomic::{AtomicBool, Ordering};

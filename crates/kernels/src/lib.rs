@@ -4,9 +4,9 @@
 //! default (CPU-only) build runs.
 
 pub mod conv;
-pub mod maxpool;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod maxpool;
 
 pub use conv::{conv2d, set_conv_impl, ConvImpl};
 pub use maxpool::{max_pool2d, MaxPool2d};

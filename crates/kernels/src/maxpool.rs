@@ -4,8 +4,8 @@
 //! cannot train with it. The backward recomputes each window's argmax (first maximum, as PyTorch) from the
 //! input instead of storing indices, so no extra activation memory is kept.
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, WithDType};
 use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, WithDType};
 use half::{bf16, f16};
 
 /// Max-pool parameters: square kernel, stride and padding (padded cells never win).
@@ -45,7 +45,12 @@ pub fn max_pool2d(x: &Tensor, kernel: usize, stride: usize, padding: usize) -> R
 
 /// Visits every output element: `f(out_index, window input indices iterator)` via argmax search.
 /// Returns for each output the flat input index of the first maximum of its window.
-fn argmax_windows<T: WithDType>(p: &MaxPool2d, x: &[T], dims: (usize, usize, usize, usize), mut f: impl FnMut(usize, usize, T)) {
+fn argmax_windows<T: WithDType>(
+    p: &MaxPool2d,
+    x: &[T],
+    dims: (usize, usize, usize, usize),
+    mut f: impl FnMut(usize, usize, T),
+) {
     let (n, c, h, w) = dims;
     let (oh, ow) = (p.out_size(h), p.out_size(w));
     for plane in 0..n * c {
@@ -149,10 +154,18 @@ impl CustomOp2 for MaxPool2dBackward {
             candle_core::bail!("max_pool2d_backward: grad shape {:?}, expected {expect:?}", l2.dims());
         }
         let out = match (s1, s2) {
-            (CpuStorage::F32(x), CpuStorage::F32(g)) => CpuStorage::F32(bwd_t(p, contiguous_slice(x, l1, "x")?, contiguous_slice(g, l2, "grad")?, dims)),
-            (CpuStorage::BF16(x), CpuStorage::BF16(g)) => CpuStorage::BF16(bwd_t(p, contiguous_slice(x, l1, "x")?, contiguous_slice(g, l2, "grad")?, dims)),
-            (CpuStorage::F16(x), CpuStorage::F16(g)) => CpuStorage::F16(bwd_t(p, contiguous_slice(x, l1, "x")?, contiguous_slice(g, l2, "grad")?, dims)),
-            (CpuStorage::F64(x), CpuStorage::F64(g)) => CpuStorage::F64(bwd_t(p, contiguous_slice(x, l1, "x")?, contiguous_slice(g, l2, "grad")?, dims)),
+            (CpuStorage::F32(x), CpuStorage::F32(g)) => {
+                CpuStorage::F32(bwd_t(p, contiguous_slice(x, l1, "x")?, contiguous_slice(g, l2, "grad")?, dims))
+            }
+            (CpuStorage::BF16(x), CpuStorage::BF16(g)) => {
+                CpuStorage::BF16(bwd_t(p, contiguous_slice(x, l1, "x")?, contiguous_slice(g, l2, "grad")?, dims))
+            }
+            (CpuStorage::F16(x), CpuStorage::F16(g)) => {
+                CpuStorage::F16(bwd_t(p, contiguous_slice(x, l1, "x")?, contiguous_slice(g, l2, "grad")?, dims))
+            }
+            (CpuStorage::F64(x), CpuStorage::F64(g)) => {
+                CpuStorage::F64(bwd_t(p, contiguous_slice(x, l1, "x")?, contiguous_slice(g, l2, "grad")?, dims))
+            }
             (a, b) => candle_core::bail!("max_pool2d_backward: unsupported dtypes {:?}/{:?}", a.dtype(), b.dtype()),
         };
         Ok((out, l1.shape().clone()))
@@ -170,4 +183,3 @@ impl CustomOp2 for MaxPool2dBackward {
         crate::cuda::maxpool_bwd(&self.0, s1, l1, s2, l2, dims)
     }
 }
-

@@ -18,14 +18,22 @@ pub struct Builder<'a> {
 
 impl<'a> Builder<'a> {
     pub fn new(store: &'a ParamStore, seed: u64) -> Self {
-        Self { store, rng: std::rc::Rc::new(std::cell::RefCell::new(ChaCha8Rng::seed_from_u64(seed))), prefix: String::new() }
+        Self {
+            store,
+            rng: std::rc::Rc::new(std::cell::RefCell::new(ChaCha8Rng::seed_from_u64(seed))),
+            prefix: String::new(),
+        }
     }
     pub fn pp(&self, name: impl std::fmt::Display) -> Self {
         let prefix = if self.prefix.is_empty() { name.to_string() } else { format!("{}.{name}", self.prefix) };
         Self { store: self.store, rng: self.rng.clone(), prefix }
     }
     fn name(&self, leaf: &str) -> String {
-        if self.prefix.is_empty() { leaf.to_string() } else { format!("{}.{leaf}", self.prefix) }
+        if self.prefix.is_empty() {
+            leaf.to_string()
+        } else {
+            format!("{}.{leaf}", self.prefix)
+        }
     }
     fn host(&self, shape: &[usize], data: Vec<f32>, leaf: &str, kind: ParamKind) -> Result<Param> {
         let t = Tensor::from_vec(data, shape, self.store.device())?;
@@ -129,7 +137,10 @@ impl BatchNorm2d {
             let (n, _, h, wd) = x.dims4()?;
             let count = n * h * wd;
             if count < 2 {
-                candle_core::bail!("BatchNorm2d in training mode needs more than one value per channel, got input {:?}", x.dims());
+                candle_core::bail!(
+                    "BatchNorm2d in training mode needs more than one value per channel, got input {:?}",
+                    x.dims()
+                );
             }
             // Per-channel mean and biased variance over (n, h, w).
             let mean = x.mean_keepdim((0, 2, 3))?; // [1, c, 1, 1]

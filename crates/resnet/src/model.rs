@@ -52,7 +52,11 @@ impl Arch {
     }
     /// Channel expansion of the last conv of a block.
     pub fn expansion(&self) -> usize {
-        if self.bottleneck() { 4 } else { 1 }
+        if self.bottleneck() {
+            4
+        } else {
+            1
+        }
     }
 }
 
@@ -129,7 +133,10 @@ impl Block {
             )
         } else {
             (
-                vec![Conv2d::new(&b.pp("conv1"), c_in, width, 3, stride, 1)?, Conv2d::new(&b.pp("conv2"), width, width, 3, 1, 1)?],
+                vec![
+                    Conv2d::new(&b.pp("conv1"), c_in, width, 3, stride, 1)?,
+                    Conv2d::new(&b.pp("conv2"), width, width, 3, 1, 1)?,
+                ],
                 vec![BatchNorm2d::new(&b.pp("bn1"), width, false)?, BatchNorm2d::new(&b.pp("bn2"), width, zero_last)?],
             )
         };
@@ -202,7 +209,14 @@ impl ResNet {
             let lb = b.pp(format!("layer{}", i + 1));
             let mut blocks = Vec::new();
             for j in 0..n {
-                blocks.push(Block::new(&lb.pp(j), arch, c_in, width, if j == 0 { stride } else { 1 }, config.zero_init_residual)?);
+                blocks.push(Block::new(
+                    &lb.pp(j),
+                    arch,
+                    c_in,
+                    width,
+                    if j == 0 { stride } else { 1 },
+                    config.zero_init_residual,
+                )?);
                 c_in = width * arch.expansion();
             }
             stages.push(blocks);
@@ -256,7 +270,10 @@ impl ResNet {
             if i > 0 {
                 s = conv_out(s, 3, 2, 1);
             }
-            out.push(StageShape { name: format!("layer{}", i + 1), shape: vec![n, (64 << i) * self.config.arch.expansion(), s, s] });
+            out.push(StageShape {
+                name: format!("layer{}", i + 1),
+                shape: vec![n, (64 << i) * self.config.arch.expansion(), s, s],
+            });
         }
         out.push(StageShape { name: "avgpool".into(), shape: vec![n, self.feature_dim()] });
         out.push(StageShape { name: "fc".into(), shape: vec![n, self.config.num_classes] });

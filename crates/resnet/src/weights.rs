@@ -25,7 +25,8 @@ pub fn read_safetensors(path: &Path) -> Result<HashMap<String, Tensor>> {
     if !path.is_file() {
         return Err(err(path, "no such file"));
     }
-    candle_core::safetensors::load(path, &Device::Cpu).map_err(|e| err(path, format!("not a readable safetensors file ({e})")))
+    candle_core::safetensors::load(path, &Device::Cpu)
+        .map_err(|e| err(path, format!("not a readable safetensors file ({e})")))
 }
 
 /// Loads a torchvision-format state_dict into `model`. Missing, unexpected and shape-mismatched tensors are all
@@ -37,7 +38,11 @@ pub fn load_into(model: &ResNet, path: &Path, new_head: bool) -> Result<LoadRepo
 }
 
 /// As [`load_into`], from tensors in memory; the error is the message without the file name.
-pub fn load_tensors(model: &ResNet, tensors: &HashMap<String, Tensor>, new_head: bool) -> std::result::Result<LoadReport, String> {
+pub fn load_tensors(
+    model: &ResNet,
+    tensors: &HashMap<String, Tensor>,
+    new_head: bool,
+) -> std::result::Result<LoadReport, String> {
     let store = model.store();
     let entries = store.entries();
     let mut missing = Vec::new();
@@ -63,7 +68,11 @@ pub fn load_tensors(model: &ResNet, tensors: &HashMap<String, Tensor>, new_head:
     if !(missing.is_empty() && mismatched.is_empty() && unexpected.is_empty()) {
         let mut parts = Vec::new();
         let list = |v: &[String]| {
-            if v.len() > 8 { format!("{}, ... ({} in all)", v[..8].join(", "), v.len()) } else { v.join(", ") }
+            if v.len() > 8 {
+                format!("{}, ... ({} in all)", v[..8].join(", "), v.len())
+            } else {
+                v.join(", ")
+            }
         };
         if !mismatched.is_empty() {
             let hint = if mismatched.iter().any(|m| m.starts_with("fc.")) && !new_head {

@@ -135,12 +135,32 @@ pub fn print_header() {
 
 pub fn print_row(r: &BenchResult) {
     let f = |v: Option<f64>, p: usize| v.map(|v| format!("{v:.p$}")).unwrap_or_else(|| "-".into());
-    let status = if r.oom { "  out of memory".to_string() } else { r.error.as_ref().map(|e| format!("  error: {e}")).unwrap_or_default() };
-    println!("{:<10} {:<5} {:>6} {:>10} {:>9} {:>9}{status}", r.arch, r.dtype, r.batch_size, f(r.img_per_s, 1), f(r.step_ms, 1), f(r.peak_gib, 2));
+    let status = if r.oom {
+        "  out of memory".to_string()
+    } else {
+        r.error.as_ref().map(|e| format!("  error: {e}")).unwrap_or_default()
+    };
+    println!(
+        "{:<10} {:<5} {:>6} {:>10} {:>9} {:>9}{status}",
+        r.arch,
+        r.dtype,
+        r.batch_size,
+        f(r.img_per_s, 1),
+        f(r.step_ms, 1),
+        f(r.peak_gib, 2)
+    );
 }
 
 /// Batch sizes to try with `--max`: doubling from `start` until one fails, then bisection to `granularity`.
-pub fn sweep_max(cfg: &Config, dtype: &str, start: usize, granularity: usize, warmup: usize, steps: usize, mut on_result: impl FnMut(&BenchResult)) -> Vec<BenchResult> {
+pub fn sweep_max(
+    cfg: &Config,
+    dtype: &str,
+    start: usize,
+    granularity: usize,
+    warmup: usize,
+    steps: usize,
+    mut on_result: impl FnMut(&BenchResult),
+) -> Vec<BenchResult> {
     let mut out = Vec::new();
     let mut good = 0usize;
     let mut bad = None;

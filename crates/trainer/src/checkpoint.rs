@@ -49,7 +49,12 @@ pub struct Loaded {
 }
 
 /// Writes a checkpoint atomically: `path` either holds the previous complete file or the new complete file.
-pub fn save(path: &Path, model: &BTreeMap<String, Tensor>, optim: &BTreeMap<String, Tensor>, state: &TrainState) -> Result<()> {
+pub fn save(
+    path: &Path,
+    model: &BTreeMap<String, Tensor>,
+    optim: &BTreeMap<String, Tensor>,
+    state: &TrainState,
+) -> Result<()> {
     let mut tensors: Vec<(String, Tensor)> = Vec::with_capacity(model.len() + optim.len());
     for (k, v) in model {
         tensors.push((format!("model.{k}"), v.to_device(&Device::Cpu)?));
@@ -71,17 +76,20 @@ pub fn save(path: &Path, model: &BTreeMap<String, Tensor>, optim: &BTreeMap<Stri
 pub fn load(path: &Path) -> Result<Loaded> {
     let bytes = std::fs::read(path).with_context(|| format!("cannot read checkpoint {}", path.display()))?;
     let bad = |why: String| anyhow!("{} is not a usable checkpoint: {why}", path.display());
-    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| bad(format!("{e:?} (truncated or not safetensors)")))?;
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes)
+        .map_err(|e| bad(format!("{e:?} (truncated or not safetensors)")))?;
     let state_json = meta
         .metadata()
         .as_ref()
         .and_then(|m| m.get(STATE_KEY))
         .ok_or_else(|| bad("no trainer state in it (model weights alone? use model.init_from for those)".into()))?;
-    let state: TrainState = serde_json::from_str(state_json).map_err(|e| bad(format!("trainer state unreadable ({e})")))?;
+    let state: TrainState =
+        serde_json::from_str(state_json).map_err(|e| bad(format!("trainer state unreadable ({e})")))?;
     if state.format != FORMAT {
         bail!("{}: checkpoint format `{}`, this trainer reads `{FORMAT}`", path.display(), state.format);
     }
-    let all = candle_core::safetensors::load_buffer(&bytes, &Device::Cpu).map_err(|e| bad(format!("{e} (truncated?)")))?;
+    let all =
+        candle_core::safetensors::load_buffer(&bytes, &Device::Cpu).map_err(|e| bad(format!("{e} (truncated?)")))?;
     let mut model = HashMap::new();
     let mut optim = BTreeMap::new();
     for (k, v) in all {
@@ -108,7 +116,11 @@ pub fn list(dir: &Path) -> Vec<PathBuf> {
         .flatten()
         .flatten()
         .map(|e| e.path())
-        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("step-") && n.ends_with(".safetensors")))
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("step-") && n.ends_with(".safetensors"))
+        })
         .collect();
     v.sort();
     v

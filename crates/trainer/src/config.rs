@@ -60,7 +60,13 @@ pub struct ModelSection {
 
 impl Default for ModelSection {
     fn default() -> Self {
-        Self { arch: "resnet50".into(), num_classes: 1000, stem: "imagenet".into(), init_from: String::new(), zero_init_residual: false }
+        Self {
+            arch: "resnet50".into(),
+            num_classes: 1000,
+            stem: "imagenet".into(),
+            init_from: String::new(),
+            zero_init_residual: false,
+        }
     }
 }
 
@@ -125,7 +131,15 @@ pub struct TrainSection {
 
 impl Default for TrainSection {
     fn default() -> Self {
-        Self { epochs: 1, batch_size: 32, max_steps: 0, grad_accum: 1, clip_grad_norm: 0.0, label_smoothing: 0.0, eval_batch_size: 0 }
+        Self {
+            epochs: 1,
+            batch_size: 32,
+            max_steps: 0,
+            grad_accum: 1,
+            clip_grad_norm: 0.0,
+            label_smoothing: 0.0,
+            eval_batch_size: 0,
+        }
     }
 }
 
@@ -367,13 +381,18 @@ fn apply_override(root: &mut toml::Table, schema: &toml::Table, spec: &str) -> R
 fn lookup<'a>(t: &'a toml::Table, parts: &[&str]) -> Option<&'a toml::Value> {
     let (first, rest) = parts.split_first()?;
     let v = t.get(*first)?;
-    if rest.is_empty() { Some(v) } else { lookup(v.as_table()?, rest) }
+    if rest.is_empty() {
+        Some(v)
+    } else {
+        lookup(v.as_table()?, rest)
+    }
 }
 
 impl Config {
     /// Parses TOML text plus overrides. Errors name the key (and the file, via `origin`).
     pub fn from_str_with(text: &str, origin: &str, overrides: &[String]) -> Result<Self> {
-        let mut table: toml::Table = text.parse().map_err(|e: toml::de::Error| anyhow!("{origin}: {}", one_line(&e.to_string())))?;
+        let mut table: toml::Table =
+            text.parse().map_err(|e: toml::de::Error| anyhow!("{origin}: {}", one_line(&e.to_string())))?;
         let schema = toml::Table::try_from(Config::default()).context("serialising the default config")?;
         // Integers where floats are expected (lr = 1) are accepted in files as well.
         coerce_floats(&mut table, &schema);
@@ -387,7 +406,8 @@ impl Config {
     }
 
     pub fn load(path: &Path, overrides: &[String]) -> Result<Self> {
-        let text = std::fs::read_to_string(path).with_context(|| format!("cannot read config file {}", path.display()))?;
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("cannot read config file {}", path.display()))?;
         Self::from_str_with(&text, &path.display().to_string(), overrides)
     }
 
@@ -398,7 +418,11 @@ impl Config {
     /// Checks values that types alone do not (names from fixed sets, positive sizes).
     pub fn validate(&self) -> Result<()> {
         fn one_of(key: &str, v: &str, allowed: &[&str]) -> Result<()> {
-            if allowed.contains(&v) { Ok(()) } else { bail!("{key} = \"{v}\" is not one of {}", allowed.join(", ")) }
+            if allowed.contains(&v) {
+                Ok(())
+            } else {
+                bail!("{key} = \"{v}\" is not one of {}", allowed.join(", "))
+            }
         }
         one_of("model.arch", &self.model.arch, &["resnet18", "resnet34", "resnet50", "resnet101", "resnet152"])?;
         one_of("model.stem", &self.model.stem, &["imagenet", "cifar"])?;
@@ -432,17 +456,35 @@ impl Config {
             }
         }
         if self.data.val_resize < self.data.image_size {
-            bail!("data.val_resize ({}) must be at least data.image_size ({})", self.data.val_resize, self.data.image_size);
+            bail!(
+                "data.val_resize ({}) must be at least data.image_size ({})",
+                self.data.val_resize,
+                self.data.image_size
+            );
         }
         if self.model.stem == "imagenet" && self.data.image_size < 32 {
-            bail!("data.image_size = {} is too small for the imagenet stem (at least 32; use model.stem = \"cifar\")", self.data.image_size);
+            bail!(
+                "data.image_size = {} is too small for the imagenet stem (at least 32; use model.stem = \"cifar\")",
+                self.data.image_size
+            );
         }
-        for (k, v) in [("optim.lr", self.optim.lr), ("amp.init_scale", self.amp.init_scale), ("amp.growth_factor", self.amp.growth_factor), ("finetune.head_lr_mult", self.finetune.head_lr_mult)] {
+        for (k, v) in [
+            ("optim.lr", self.optim.lr),
+            ("amp.init_scale", self.amp.init_scale),
+            ("amp.growth_factor", self.amp.growth_factor),
+            ("finetune.head_lr_mult", self.finetune.head_lr_mult),
+        ] {
             if !(v.is_finite() && v > 0.0) {
                 bail!("{k} must be a positive number, got {v}");
             }
         }
-        for (k, v) in [("optim.momentum", self.optim.momentum), ("optim.weight_decay", self.optim.weight_decay), ("train.clip_grad_norm", self.train.clip_grad_norm), ("sched.warmup_epochs", self.sched.warmup_epochs), ("sched.min_lr", self.sched.min_lr)] {
+        for (k, v) in [
+            ("optim.momentum", self.optim.momentum),
+            ("optim.weight_decay", self.optim.weight_decay),
+            ("train.clip_grad_norm", self.train.clip_grad_norm),
+            ("sched.warmup_epochs", self.sched.warmup_epochs),
+            ("sched.min_lr", self.sched.min_lr),
+        ] {
             if !(v.is_finite() && v >= 0.0) {
                 bail!("{k} must be a non-negative number, got {v}");
             }
@@ -479,5 +521,9 @@ fn coerce_floats(t: &mut toml::Table, schema: &toml::Table) {
 
 /// TOML errors span several lines (a source excerpt); keep the message on one.
 fn one_line(s: &str) -> String {
-    s.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('|') && !l.chars().all(|c| c == '^' || c == ' ')).collect::<Vec<_>>().join(" ")
+    s.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('|') && !l.chars().all(|c| c == '^' || c == ' '))
+        .collect::<Vec<_>>()
+        .join(" ")
 }

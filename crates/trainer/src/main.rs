@@ -113,7 +113,9 @@ fn run() -> Result<()> {
         Some(Command::Train(a)) => train(a),
         Some(Command::Eval { cfg, checkpoint }) => eval(cfg, checkpoint),
         Some(Command::Info { cfg }) => info(cfg),
-        Some(Command::Bench { cfg, dtypes, batch_sizes, warmup, steps }) => bench(cfg, dtypes, batch_sizes, warmup, steps),
+        Some(Command::Bench { cfg, dtypes, batch_sizes, warmup, steps }) => {
+            bench(cfg, dtypes, batch_sizes, warmup, steps)
+        }
         Some(Command::Sweep { cfg, batch_sizes, max, granularity, warmup, steps, out }) => {
             sweep(cfg, batch_sizes, max, granularity, warmup, steps, out)
         }
@@ -133,7 +135,8 @@ fn train(a: TrainArgs) -> Result<()> {
     std::fs::create_dir_all(&run_dir).with_context(|| format!("cannot create run directory {}", run_dir.display()))?;
     let text = cfg.to_toml();
     eprintln!("# resolved config ({})\n{text}", path.display());
-    std::fs::write(run_dir.join("config.toml"), &text).with_context(|| format!("cannot write {}/config.toml", run_dir.display()))?;
+    std::fs::write(run_dir.join("config.toml"), &text)
+        .with_context(|| format!("cannot write {}/config.toml", run_dir.display()))?;
     let s = trainer::train::train(&cfg, &run_dir, a.resume)?;
     eprintln!(
         "done: {} steps, last loss {:.4}{}; run directory {}",
@@ -148,10 +151,14 @@ fn train(a: TrainArgs) -> Result<()> {
 fn eval(c: ConfigArgs, ckpt: PathBuf) -> Result<()> {
     let (cfg, _) = c.load()?;
     let device = trainer::train::select_device(&cfg.device)?;
-    let model = trainer::train::build_model(&Config { model: config::ModelSection { init_from: String::new(), ..cfg.model.clone() }, ..cfg.clone() }, &device)?;
+    let model = trainer::train::build_model(
+        &Config { model: config::ModelSection { init_from: String::new(), ..cfg.model.clone() }, ..cfg.clone() },
+        &device,
+    )?;
     // A trainer checkpoint, or plain weights in torchvision format.
     match trainer::checkpoint::load(&ckpt) {
-        Ok(l) => resnet::weights::load_tensors(&model, &l.model, false).map_err(|m| anyhow::anyhow!("{}: {m}", ckpt.display()))?,
+        Ok(l) => resnet::weights::load_tensors(&model, &l.model, false)
+            .map_err(|m| anyhow::anyhow!("{}: {m}", ckpt.display()))?,
         Err(_) => resnet::weights::load_into(&model, &ckpt, false)?,
     };
     let val = trainer::data::open(&cfg.data, trainer::data::Split::Val, cfg.seed, cfg.model.num_classes)?;
@@ -170,8 +177,14 @@ fn eval(c: ConfigArgs, ckpt: PathBuf) -> Result<()> {
 
 fn info(c: ConfigArgs) -> Result<()> {
     let (cfg, _) = c.load()?;
-    let model = trainer::train::build_model(&Config { model: config::ModelSection { init_from: String::new(), ..cfg.model.clone() }, ..cfg.clone() }, &candle_core::Device::Cpu)?;
-    println!("model: {} ({} stem, {} classes) at {}x{}", cfg.model.arch, cfg.model.stem, cfg.model.num_classes, cfg.data.image_size, cfg.data.image_size);
+    let model = trainer::train::build_model(
+        &Config { model: config::ModelSection { init_from: String::new(), ..cfg.model.clone() }, ..cfg.clone() },
+        &candle_core::Device::Cpu,
+    )?;
+    println!(
+        "model: {} ({} stem, {} classes) at {}x{}",
+        cfg.model.arch, cfg.model.stem, cfg.model.num_classes, cfg.data.image_size, cfg.data.image_size
+    );
     for s in model.stage_shapes(cfg.train.batch_size, cfg.data.image_size) {
         println!("  {:<8} {:?}", s.name, s.shape);
     }
@@ -193,7 +206,10 @@ fn bench(c: ConfigArgs, dtypes: Vec<String>, batch_sizes: Vec<usize>, warmup: us
     if sizes.contains(&0) || steps == 0 {
         bail!("--batch-sizes and --steps must be at least 1");
     }
-    eprintln!("bench: {} at {}x{} on {}, {warmup} warm-up + {steps} timed steps", cfg.model.arch, cfg.data.image_size, cfg.data.image_size, cfg.device);
+    eprintln!(
+        "bench: {} at {}x{} on {}, {warmup} warm-up + {steps} timed steps",
+        cfg.model.arch, cfg.data.image_size, cfg.data.image_size, cfg.device
+    );
     trainer::bench::print_header();
     let mut failed = 0;
     for d in &dtypes {
@@ -210,7 +226,15 @@ fn bench(c: ConfigArgs, dtypes: Vec<String>, batch_sizes: Vec<usize>, warmup: us
     Ok(())
 }
 
-fn sweep(c: ConfigArgs, batch_sizes: Vec<usize>, max: bool, granularity: usize, warmup: usize, steps: usize, out: Option<PathBuf>) -> Result<()> {
+fn sweep(
+    c: ConfigArgs,
+    batch_sizes: Vec<usize>,
+    max: bool,
+    granularity: usize,
+    warmup: usize,
+    steps: usize,
+    out: Option<PathBuf>,
+) -> Result<()> {
     let (cfg, path) = c.load()?;
     if batch_sizes.is_empty() && !max {
         bail!("sweep needs --batch-sizes 64,128,... and/or --max");
@@ -243,7 +267,12 @@ fn sweep(c: ConfigArgs, batch_sizes: Vec<usize>, max: bool, granularity: usize, 
     trainer::bench::write_csv(&rows, &out.join("sweep.csv"))?;
     let plot_rows: Vec<trainer::plot::SweepRow> = rows
         .iter()
-        .map(|r| trainer::plot::SweepRow { batch_size: r.batch_size, img_per_s: r.img_per_s, peak_gib: r.peak_gib, oom: r.oom })
+        .map(|r| trainer::plot::SweepRow {
+            batch_size: r.batch_size,
+            img_per_s: r.img_per_s,
+            peak_gib: r.peak_gib,
+            oom: r.oom,
+        })
         .collect();
     let title = format!("{} {} on {}", cfg.model.arch, cfg.amp.dtype, cfg.device);
     if let Err(e) = trainer::plot::sweep_plot(&plot_rows, &title, &out.join("sweep.png")) {

@@ -30,7 +30,10 @@ impl MetricsWriter {
                 kept.len()
             }
         };
-        let file = std::fs::OpenOptions::new().append(true).open(path).with_context(|| format!("cannot open {}", path.display()))?;
+        let file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(path)
+            .with_context(|| format!("cannot open {}", path.display()))?;
         Ok(Self { path: path.to_path_buf(), file, lines })
     }
 

@@ -77,7 +77,11 @@ impl Optimizer {
                             Some(b) => ((b * momentum)? + &g)?,
                         };
                         slot.state = vec![buf.clone()];
-                        if nesterov { (g + (buf * momentum)?)? } else { buf }
+                        if nesterov {
+                            (g + (buf * momentum)?)?
+                        } else {
+                            buf
+                        }
                     } else {
                         g
                     };

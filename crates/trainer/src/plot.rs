@@ -61,10 +61,9 @@ fn font() -> &'static std::result::Result<PathBuf, String> {
                 return Ok(path.clone());
             }
         }
-        let note =
-            "no usable TrueType font found (set TRAINER_PLOT_FONT or install fonts-dejavu-core): \
+        let note = "no usable TrueType font found (set TRAINER_PLOT_FONT or install fonts-dejavu-core): \
                     plots are drawn without text"
-                .to_string();
+            .to_string();
         eprintln!("warning: {note}");
         Err(note)
     })
@@ -77,25 +76,17 @@ pub fn font_path() -> Option<&'static Path> {
 
 /// First `.ttf` file under `dir` (sorted, depth-limited), preferring names with "Sans".
 fn first_ttf(dir: &Path, depth: usize) -> Option<PathBuf> {
-    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
-        .ok()?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .collect();
+    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir).ok()?.filter_map(|e| e.ok().map(|e| e.path())).collect();
     entries.sort();
     let is_ttf = |p: &Path| p.extension().is_some_and(|e| e.eq_ignore_ascii_case("ttf"));
-    let sans = entries
-        .iter()
-        .find(|p| is_ttf(p) && p.to_string_lossy().contains("Sans"));
+    let sans = entries.iter().find(|p| is_ttf(p) && p.to_string_lossy().contains("Sans"));
     if let Some(p) = sans.or_else(|| entries.iter().find(|p| is_ttf(p))) {
         return Some(p.clone());
     }
     if depth == 0 {
         return None;
     }
-    entries
-        .iter()
-        .filter(|p| p.is_dir())
-        .find_map(|d| first_ttf(d, depth - 1))
+    entries.iter().filter(|p| p.is_dir()).find_map(|d| first_ttf(d, depth - 1))
 }
 
 fn text(size: u32) -> TextStyle<'static> {
@@ -128,8 +119,7 @@ struct Metrics {
 }
 
 fn read_metrics(path: &Path) -> Result<Metrics> {
-    let body = std::fs::read_to_string(path)
-        .with_context(|| format!("reading metrics file {}", path.display()))?;
+    let body = std::fs::read_to_string(path).with_context(|| format!("reading metrics file {}", path.display()))?;
     let mut m = Metrics::default();
     for (i, line) in body.lines().enumerate() {
         let line = line.trim();
@@ -137,27 +127,17 @@ fn read_metrics(path: &Path) -> Result<Metrics> {
             continue;
         }
         let at = || format!("metrics file {} line {}", path.display(), i + 1);
-        let value: serde_json::Value =
-            serde_json::from_str(line).with_context(|| format!("{}: not JSON", at()))?;
-        let kind = value
-            .get("kind")
-            .and_then(|k| k.as_str())
-            .ok_or_else(|| anyhow!("{}: no string field \"kind\"", at()))?;
+        let value: serde_json::Value = serde_json::from_str(line).with_context(|| format!("{}: not JSON", at()))?;
+        let kind =
+            value.get("kind").and_then(|k| k.as_str()).ok_or_else(|| anyhow!("{}: no string field \"kind\"", at()))?;
         match kind {
-            "step" => m.steps.push(
-                serde_json::from_value(value).with_context(|| format!("{}: step record", at()))?,
-            ),
-            "epoch" => m.epochs.push(
-                serde_json::from_value(value).with_context(|| format!("{}: epoch record", at()))?,
-            ),
+            "step" => m.steps.push(serde_json::from_value(value).with_context(|| format!("{}: step record", at()))?),
+            "epoch" => m.epochs.push(serde_json::from_value(value).with_context(|| format!("{}: epoch record", at()))?),
             _ => {}
         }
     }
     if m.steps.is_empty() && m.epochs.is_empty() {
-        bail!(
-            "metrics file {} has no step or epoch records",
-            path.display()
-        );
+        bail!("metrics file {} has no step or epoch records", path.display());
     }
     Ok(m)
 }
@@ -172,24 +152,9 @@ struct Series {
 }
 
 impl Series {
-    fn new(
-        label: &'static str,
-        color: RGBColor,
-        points: Vec<(f64, f64)>,
-        line: bool,
-        markers: bool,
-    ) -> Self {
-        let points = points
-            .into_iter()
-            .filter(|(x, y)| x.is_finite() && y.is_finite())
-            .collect();
-        Self {
-            label,
-            color,
-            points,
-            line,
-            markers,
-        }
+    fn new(label: &'static str, color: RGBColor, points: Vec<(f64, f64)>, line: bool, markers: bool) -> Self {
+        let points = points.into_iter().filter(|(x, y)| x.is_finite() && y.is_finite()).collect();
+        Self { label, color, points, line, markers }
     }
 }
 
@@ -216,11 +181,7 @@ fn tick(v: f64) -> String {
     }
     let decimals = (5 - v.abs().log10().floor() as i32).clamp(0, 12) as usize;
     let s = format!("{v:.decimals$}");
-    let s = if s.contains('.') {
-        s.trim_end_matches('0').trim_end_matches('.')
-    } else {
-        &s
-    };
+    let s = if s.contains('.') { s.trim_end_matches('0').trim_end_matches('.') } else { &s };
     if s == "-0" {
         "0".into()
     } else {
@@ -230,9 +191,7 @@ fn tick(v: f64) -> String {
 
 /// Padded [lo, hi] of `values`, never empty, `(0, 1)` when there are none.
 fn padded_range(values: impl Iterator<Item = f64>, pad_frac: f64) -> (f64, f64) {
-    let (lo, hi) = values.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
-        (lo.min(v), hi.max(v))
-    });
+    let (lo, hi) = values.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| (lo.min(v), hi.max(v)));
     if !lo.is_finite() || !hi.is_finite() {
         return (0.0, 1.0);
     }
@@ -240,44 +199,27 @@ fn padded_range(values: impl Iterator<Item = f64>, pad_frac: f64) -> (f64, f64) 
     (lo - span * pad_frac, hi + span * pad_frac)
 }
 
-fn draw_panel<DB: DrawingBackend>(
-    area: &DrawingArea<DB, Shift>,
-    p: &Panel,
-    with_text: bool,
-) -> Result<()>
+fn draw_panel<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, p: &Panel, with_text: bool) -> Result<()>
 where
     DB::ErrorType: 'static,
 {
-    let err = |what: &str, e: DrawingAreaErrorKind<DB::ErrorType>| {
-        anyhow!("drawing {what} of panel {:?}: {e}", p.caption)
-    };
-    let xs = p
-        .series
-        .iter()
-        .flat_map(|s| s.points.iter().map(|(x, _)| *x))
-        .chain(p.failures.iter().map(|f| f.0));
+    let err =
+        |what: &str, e: DrawingAreaErrorKind<DB::ErrorType>| anyhow!("drawing {what} of panel {:?}: {e}", p.caption);
+    let xs = p.series.iter().flat_map(|s| s.points.iter().map(|(x, _)| *x)).chain(p.failures.iter().map(|f| f.0));
     let (x0, x1) = padded_range(xs, 0.03);
     let (y0, y1) = p.y_range.unwrap_or_else(|| {
-        let ys = p
-            .series
-            .iter()
-            .flat_map(|s| s.points.iter().map(|(_, y)| *y));
+        let ys = p.series.iter().flat_map(|s| s.points.iter().map(|(_, y)| *y));
         let ys = ys.chain(p.failures.iter().filter_map(|f| f.1));
         padded_range(ys, 0.05)
     });
     let mut builder = ChartBuilder::on(area);
     builder.margin(12);
     if with_text {
-        builder
-            .caption(&p.caption, text(20))
-            .x_label_area_size(45)
-            .y_label_area_size(65);
+        builder.caption(&p.caption, text(20)).x_label_area_size(45).y_label_area_size(65);
     } else {
         builder.x_label_area_size(8).y_label_area_size(8);
     }
-    let mut chart = builder
-        .build_cartesian_2d(x0..x1, y0..y1)
-        .map_err(|e| err("axes", e))?;
+    let mut chart = builder.build_cartesian_2d(x0..x1, y0..y1).map_err(|e| err("axes", e))?;
 
     let log2_label = |x: &f64| tick(2f64.powf(*x).round());
     let plain_label = |v: &f64| tick(*v);
@@ -290,8 +232,7 @@ where
             .axis_desc_style(text(15))
             .y_label_formatter(&plain_label);
         if p.x_log2 {
-            mesh.x_labels(((x1 - x0).ceil() as usize + 1).clamp(2, 12))
-                .x_label_formatter(&log2_label);
+            mesh.x_labels(((x1 - x0).ceil() as usize + 1).clamp(2, 12)).x_label_formatter(&log2_label);
         } else {
             mesh.x_label_formatter(&plain_label);
         }
@@ -304,40 +245,26 @@ where
         let color = s.color;
         if s.line && s.points.len() > 1 {
             let anno = chart
-                .draw_series(LineSeries::new(
-                    s.points.iter().copied(),
-                    color.stroke_width(2),
-                ))
+                .draw_series(LineSeries::new(s.points.iter().copied(), color.stroke_width(2)))
                 .map_err(|e| err(s.label, e))?;
-            anno.label(s.label).legend(move |(x, y)| {
-                PathElement::new([(x, y), (x + 20, y)], color.stroke_width(2))
-            });
+            anno.label(s.label).legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], color.stroke_width(2)));
         }
         if s.markers || s.points.len() == 1 {
             let anno = chart
-                .draw_series(
-                    s.points
-                        .iter()
-                        .map(|&pt| Circle::new(pt, 4, color.filled())),
-                )
+                .draw_series(s.points.iter().map(|&pt| Circle::new(pt, 4, color.filled())))
                 .map_err(|e| err(s.label, e))?;
             if !(s.line && s.points.len() > 1) {
-                anno.label(s.label)
-                    .legend(move |(x, y)| Circle::new((x + 10, y), 4, color.filled()));
+                anno.label(s.label).legend(move |(x, y)| Circle::new((x + 10, y), 4, color.filled()));
             }
         }
     }
     if !p.failures.is_empty() {
-        let at = p.failures.iter().map(|&(x, y)| {
-            Cross::new(
-                (x, y.unwrap_or(y0 + (y1 - y0) * 0.04)),
-                7,
-                RED.stroke_width(3),
-            )
-        });
+        let at = p
+            .failures
+            .iter()
+            .map(|&(x, y)| Cross::new((x, y.unwrap_or(y0 + (y1 - y0) * 0.04)), 7, RED.stroke_width(3)));
         let anno = chart.draw_series(at).map_err(|e| err(p.failure_label, e))?;
-        anno.label(p.failure_label)
-            .legend(|(x, y)| Cross::new((x + 10, y), 6, RED.stroke_width(3)));
+        anno.label(p.failure_label).legend(|(x, y)| Cross::new((x + 10, y), 6, RED.stroke_width(3)));
     }
     if with_text {
         chart
@@ -359,21 +286,14 @@ fn render(out_png: &Path, title: &str, left: &Panel, right: &Panel, with_text: b
         let root = BitMapBackend::with_buffer(&mut buf, (WIDTH, HEIGHT)).into_drawing_area();
         let draw_err = |e: DrawingAreaErrorKind<_>| anyhow!("drawing {}: {e}", out_png.display());
         root.fill(&WHITE).map_err(draw_err)?;
-        let body = if with_text {
-            root.titled(title, text(24)).map_err(draw_err)?
-        } else {
-            root.margin(8, 0, 0, 0)
-        };
+        let body = if with_text { root.titled(title, text(24)).map_err(draw_err)? } else { root.margin(8, 0, 0, 0) };
         let (l, r) = body.split_horizontally(WIDTH / 2);
-        draw_panel(&l, left, with_text)
-            .with_context(|| format!("plotting {}", out_png.display()))?;
-        draw_panel(&r, right, with_text)
-            .with_context(|| format!("plotting {}", out_png.display()))?;
+        draw_panel(&l, left, with_text).with_context(|| format!("plotting {}", out_png.display()))?;
+        draw_panel(&r, right, with_text).with_context(|| format!("plotting {}", out_png.display()))?;
         root.present().map_err(draw_err)?;
     }
     if let Some(dir) = out_png.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir)
-            .with_context(|| format!("creating folder {} for a plot", dir.display()))?;
+        std::fs::create_dir_all(dir).with_context(|| format!("creating folder {} for a plot", dir.display()))?;
     }
     image::save_buffer_with_format(
         out_png,
@@ -431,49 +351,19 @@ fn draw_training_curves(m: &Metrics, source: &str, out_png: &Path, with_text: bo
     let ex = epoch_positions(m);
     let x_desc = if m.steps.is_empty() { "epoch" } else { "step" };
     let per_epoch = |f: fn(&EpochRecord) -> Option<f64>| -> Vec<(f64, f64)> {
-        m.epochs
-            .iter()
-            .zip(&ex)
-            .filter_map(|(e, &x)| f(e).map(|y| (x, y)))
-            .collect()
+        m.epochs.iter().zip(&ex).filter_map(|(e, &x)| f(e).map(|y| (x, y))).collect()
     };
-    let step_loss: Vec<(f64, f64)> = m
-        .steps
-        .iter()
-        .filter_map(|s| s.loss.map(|l| (s.step as f64, l)))
-        .collect();
-    let skipped: Vec<(f64, Option<f64>)> = m
-        .steps
-        .iter()
-        .filter(|s| s.skipped)
-        .map(|s| (s.step as f64, s.loss.filter(|l| l.is_finite())))
-        .collect();
+    let step_loss: Vec<(f64, f64)> = m.steps.iter().filter_map(|s| s.loss.map(|l| (s.step as f64, l))).collect();
+    let skipped: Vec<(f64, Option<f64>)> =
+        m.steps.iter().filter(|s| s.skipped).map(|s| (s.step as f64, s.loss.filter(|l| l.is_finite()))).collect();
     let loss = Panel {
         caption: "loss".into(),
         x_desc,
         y_desc: "loss",
         series: vec![
-            Series::new(
-                "train (step)",
-                RGBColor(150, 190, 230),
-                step_loss,
-                true,
-                false,
-            ),
-            Series::new(
-                "train (epoch)",
-                RGBColor(31, 119, 180),
-                per_epoch(|e| e.train_loss),
-                true,
-                true,
-            ),
-            Series::new(
-                "val",
-                RGBColor(255, 127, 14),
-                per_epoch(|e| e.val_loss),
-                true,
-                true,
-            ),
+            Series::new("train (step)", RGBColor(150, 190, 230), step_loss, true, false),
+            Series::new("train (epoch)", RGBColor(31, 119, 180), per_epoch(|e| e.train_loss), true, true),
+            Series::new("val", RGBColor(255, 127, 14), per_epoch(|e| e.val_loss), true, true),
         ],
         y_range: None,
         x_log2: false,
@@ -483,11 +373,7 @@ fn draw_training_curves(m: &Metrics, source: &str, out_png: &Path, with_text: bo
     };
     let (top1, top5) = (per_epoch(|e| e.val_top1), per_epoch(|e| e.val_top5));
     // Accuracies may be logged as fractions or as percentages.
-    let acc_max = if top1.iter().chain(&top5).all(|p| p.1 <= 1.0) {
-        1.0
-    } else {
-        100.0
-    };
+    let acc_max = if top1.iter().chain(&top5).all(|p| p.1 <= 1.0) { 1.0 } else { 100.0 };
     let acc = Panel {
         caption: "validation accuracy".into(),
         x_desc,
@@ -528,51 +414,27 @@ fn draw_sweep(rows: &[SweepRow], title: &str, out_png: &Path, with_text: bool) -
         bail!("sweep plot {}: no rows", out_png.display());
     }
     if let Some(r) = rows.iter().find(|r| r.batch_size == 0) {
-        bail!(
-            "sweep plot {}: batch size 0 in row {r:?}",
-            out_png.display()
-        );
+        bail!("sweep plot {}: batch size 0 in row {r:?}", out_png.display());
     }
     let mut rows = rows.to_vec();
     rows.sort_by_key(|r| r.batch_size);
     let x = |r: &SweepRow| (r.batch_size as f64).log2();
     let ok = |f: fn(&SweepRow) -> Option<f64>| -> Vec<(f64, f64)> {
-        rows.iter()
-            .filter(|r| !r.oom)
-            .filter_map(|r| f(r).map(|y| (x(r), y)))
-            .collect()
+        rows.iter().filter(|r| !r.oom).filter_map(|r| f(r).map(|y| (x(r), y))).collect()
     };
     let failed = |f: fn(&SweepRow) -> Option<f64>| -> Vec<(f64, Option<f64>)> {
-        rows.iter()
-            .filter(|r| r.oom)
-            .map(|r| (x(r), f(r)))
-            .collect()
+        rows.iter().filter(|r| r.oom).map(|r| (x(r), f(r))).collect()
     };
     let (speed, mem) = (ok(|r| r.img_per_s), ok(|r| r.peak_gib));
-    let floor = |pts: &[(f64, f64)]| {
-        Some((
-            0.0,
-            pts.iter().map(|p| p.1).fold(0.0, f64::max).max(1e-9) * 1.1,
-        ))
-    };
+    let floor = |pts: &[(f64, f64)]| Some((0.0, pts.iter().map(|p| p.1).fold(0.0, f64::max).max(1e-9) * 1.1));
     let fails_mem = failed(|r| r.peak_gib);
-    let mem_top = mem
-        .iter()
-        .map(|p| p.1)
-        .chain(fails_mem.iter().filter_map(|f| f.1))
-        .fold(0.0, f64::max);
+    let mem_top = mem.iter().map(|p| p.1).chain(fails_mem.iter().filter_map(|f| f.1)).fold(0.0, f64::max);
     let left = Panel {
         caption: "throughput".into(),
         x_desc: "batch size",
         y_desc: "img/s",
         y_range: floor(&speed),
-        series: vec![Series::new(
-            "img/s",
-            RGBColor(31, 119, 180),
-            speed,
-            true,
-            true,
-        )],
+        series: vec![Series::new("img/s", RGBColor(31, 119, 180), speed, true, true)],
         x_log2: true,
         failures: failed(|_| None),
         failure_label: "out of memory",
@@ -583,13 +445,7 @@ fn draw_sweep(rows: &[SweepRow], title: &str, out_png: &Path, with_text: bool) -
         x_desc: "batch size",
         y_desc: "peak GiB",
         y_range: Some((0.0, mem_top.max(1e-9) * 1.1)),
-        series: vec![Series::new(
-            "peak GiB",
-            RGBColor(214, 39, 40),
-            mem,
-            true,
-            true,
-        )],
+        series: vec![Series::new("peak GiB", RGBColor(214, 39, 40), mem, true, true)],
         x_log2: true,
         failures: fails_mem,
         failure_label: "out of memory",
@@ -618,17 +474,10 @@ mod tests {
 
     /// Decodes `png`, checks its size and that it has more than a handful of colours; returns the colour count.
     fn check_png(png: &Path) -> usize {
-        let img = image::open(png)
-            .unwrap_or_else(|e| panic!("decoding {}: {e}", png.display()))
-            .to_rgb8();
+        let img = image::open(png).unwrap_or_else(|e| panic!("decoding {}: {e}", png.display())).to_rgb8();
         assert_eq!(img.dimensions(), (WIDTH, HEIGHT));
         let colours: std::collections::HashSet<[u8; 3]> = img.pixels().map(|p| p.0).collect();
-        assert!(
-            colours.len() > 3,
-            "{} is (nearly) flat: {} colours",
-            png.display(),
-            colours.len()
-        );
+        assert!(colours.len() > 3, "{} is (nearly) flat: {} colours", png.display(), colours.len());
         colours.len()
     }
 
@@ -644,11 +493,7 @@ mod tests {
                 ));
             }
             lines.push(r#"{"kind":"telemetry","t_s":1.0,"power_w":600.0}"#.to_string());
-            let val = if epoch == 1 {
-                "null".to_string()
-            } else {
-                format!("{}", 1.0 / (epoch + 1) as f64)
-            };
+            let val = if epoch == 1 { "null".to_string() } else { format!("{}", 1.0 / (epoch + 1) as f64) };
             lines.push(format!(
                 r#"{{"kind":"epoch","epoch":{epoch},"train_loss":{},"val_loss":{val},"val_top1":{},"val_top5":{},"img_per_s":1200.0}}"#,
                 1.5 / (epoch + 1) as f64,
@@ -663,14 +508,7 @@ mod tests {
 
     #[test]
     fn tick_labels_are_short() {
-        let cases = [
-            (2000.0, "2000"),
-            (1.5, "1.5"),
-            (0.25, "0.25"),
-            (0.0, "0"),
-            (10.0, "10"),
-            (0.1 + 0.2, "0.3"),
-        ];
+        let cases = [(2000.0, "2000"), (1.5, "1.5"), (0.25, "0.25"), (0.0, "0"), (10.0, "10"), (0.1 + 0.2, "0.3")];
         for (v, want) in cases {
             assert_eq!(tick(v), want, "{v}");
         }
@@ -700,10 +538,7 @@ mod tests {
         draw_training_curves(&m, "x", &bare, false).expect("plot without text");
         let without = check_png(&bare);
         if font_path().is_some() {
-            assert!(
-                with_font > without,
-                "text adds anti-aliased colours: {with_font} vs {without}"
-            );
+            assert!(with_font > without, "text adds anti-aliased colours: {with_font} vs {without}");
         }
         cleanup(&dir);
     }
@@ -729,44 +564,19 @@ mod tests {
         let dir = temp_dir("bad");
         let cases = [
             ("empty.jsonl", "", "no step or epoch records"),
-            (
-                "other.jsonl",
-                "{\"kind\":\"telemetry\"}\n",
-                "no step or epoch records",
-            ),
-            (
-                "garbage.jsonl",
-                "{\"kind\":\"step\",\"step\":1}\nnot json\n",
-                "line 2: not JSON",
-            ),
-            (
-                "nokind.jsonl",
-                "{\"step\":1}\n",
-                "line 1: no string field \"kind\"",
-            ),
-            (
-                "nostep.jsonl",
-                "{\"kind\":\"step\",\"loss\":1.0}\n",
-                "line 1: step record",
-            ),
+            ("other.jsonl", "{\"kind\":\"telemetry\"}\n", "no step or epoch records"),
+            ("garbage.jsonl", "{\"kind\":\"step\",\"step\":1}\nnot json\n", "line 2: not JSON"),
+            ("nokind.jsonl", "{\"step\":1}\n", "line 1: no string field \"kind\""),
+            ("nostep.jsonl", "{\"kind\":\"step\",\"loss\":1.0}\n", "line 1: step record"),
         ];
         for (name, body, expect) in cases {
             let path = dir.join(name);
             std::fs::write(&path, body).expect("write");
-            let e = format!(
-                "{:#}",
-                training_curves(&path, &dir.join("x.png")).expect_err(name)
-            );
-            assert!(
-                e.contains(&path.display().to_string()) && e.contains(expect),
-                "{name}: {e}"
-            );
+            let e = format!("{:#}", training_curves(&path, &dir.join("x.png")).expect_err(name));
+            assert!(e.contains(&path.display().to_string()) && e.contains(expect), "{name}: {e}");
         }
         let missing = dir.join("missing.jsonl");
-        let e = format!(
-            "{:#}",
-            training_curves(&missing, &dir.join("x.png")).expect_err("missing")
-        );
+        let e = format!("{:#}", training_curves(&missing, &dir.join("x.png")).expect_err("missing"));
         assert!(e.contains("missing.jsonl"), "{e}");
         assert!(!dir.join("x.png").exists());
         cleanup(&dir);
@@ -782,18 +592,8 @@ mod tests {
                 oom: false,
             })
             .collect();
-        rows.push(SweepRow {
-            batch_size: 512,
-            img_per_s: None,
-            peak_gib: Some(139.5),
-            oom: true,
-        });
-        rows.push(SweepRow {
-            batch_size: 1024,
-            img_per_s: None,
-            peak_gib: None,
-            oom: true,
-        });
+        rows.push(SweepRow { batch_size: 512, img_per_s: None, peak_gib: Some(139.5), oom: true });
+        rows.push(SweepRow { batch_size: 1024, img_per_s: None, peak_gib: None, oom: true });
         rows.reverse();
         rows
     }
@@ -802,31 +602,18 @@ mod tests {
     fn sweep_png() {
         let dir = temp_dir("sweep");
         let out = dir.join("sweep.png");
-        let note =
-            sweep_plot(&sweep_rows(), "resnet50 bf16 batch sweep", &out).expect("sweep plot");
+        let note = sweep_plot(&sweep_rows(), "resnet50 bf16 batch sweep", &out).expect("sweep plot");
         assert_eq!(note.is_some(), font_path().is_none());
         check_png(&out);
         draw_sweep(&sweep_rows(), "t", &dir.join("bare.png"), false).expect("sweep without text");
         check_png(&dir.join("bare.png"));
         // One row, all OOM, and no rows.
-        let one = [SweepRow {
-            batch_size: 8,
-            img_per_s: Some(10.0),
-            peak_gib: Some(1.0),
-            oom: false,
-        }];
+        let one = [SweepRow { batch_size: 8, img_per_s: Some(10.0), peak_gib: Some(1.0), oom: false }];
         sweep_plot(&one, "one", &dir.join("one.png")).expect("one row");
         check_png(&dir.join("one.png"));
-        let all_oom = [SweepRow {
-            batch_size: 8,
-            img_per_s: None,
-            peak_gib: None,
-            oom: true,
-        }];
+        let all_oom = [SweepRow { batch_size: 8, img_per_s: None, peak_gib: None, oom: true }];
         sweep_plot(&all_oom, "oom", &dir.join("oom.png")).expect("all oom");
-        let e = sweep_plot(&[], "none", &dir.join("none.png"))
-            .expect_err("no rows")
-            .to_string();
+        let e = sweep_plot(&[], "none", &dir.join("none.png")).expect_err("no rows").to_string();
         assert!(e.contains("none.png") && e.contains("no rows"), "{e}");
         cleanup(&dir);
     }

@@ -33,7 +33,11 @@ impl LossScaler {
 
     /// The factor the loss is multiplied by this step (1 when disabled).
     pub fn scale(&self) -> f64 {
-        if self.enabled { self.scale } else { 1.0 }
+        if self.enabled {
+            self.scale
+        } else {
+            1.0
+        }
     }
 
     /// Updates the scale after a step: inf/NaN found -> backoff and reset; else count, and grow at the interval.

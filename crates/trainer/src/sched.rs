@@ -47,7 +47,12 @@ mod tests {
 
     #[test]
     fn warmup_then_cosine() {
-        let s = Schedule::new(&SchedSection { warmup_epochs: 1.0, warmup_start_factor: 0.1, ..sched("cosine") }, 1.0, 10, 110);
+        let s = Schedule::new(
+            &SchedSection { warmup_epochs: 1.0, warmup_start_factor: 0.1, ..sched("cosine") },
+            1.0,
+            10,
+            110,
+        );
         assert!((s.lr(0) - 0.1).abs() < 1e-12);
         assert!((s.lr(5) - 0.55).abs() < 1e-12);
         assert!((s.lr(10) - 1.0).abs() < 1e-12);

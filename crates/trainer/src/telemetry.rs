@@ -8,8 +8,7 @@
 use nvml_wrapper::enum_wrappers::device::{Clock, EccCounter, MemoryError, TemperatureSensor};
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::sys_exports::field_id::{
-    NVML_FI_DEV_NVLINK_LINK_COUNT, NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX,
-    NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
+    NVML_FI_DEV_NVLINK_LINK_COUNT, NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
 };
 use nvml_wrapper::{Device, Nvml};
 use serde::Serialize;
@@ -158,9 +157,7 @@ impl Monitor {
             return;
         }
         let per_day = increase / elapsed.max(1e-3) * 86_400.0;
-        if per_day > self.th.ecc_corrected_per_day
-            && rate_ok(&mut self.last_ecc_c_warn, s.t_s, self.th.warn_every_s)
-        {
+        if per_day > self.th.ecc_corrected_per_day && rate_ok(&mut self.last_ecc_c_warn, s.t_s, self.th.warn_every_s) {
             events.push(Event::Warning(format!(
                 "{increase:.0} corrected ECC error(s) in {elapsed:.0}s (~{per_day:.0}/day, limit {:.0}/day): \
                  GPU memory may be degrading",
@@ -183,16 +180,9 @@ impl Monitor {
         if mean <= self.th.power_min_mean_w {
             return;
         }
-        let (lo, hi) = self
-            .power
-            .iter()
-            .fold((f64::MAX, f64::MIN), |(lo, hi), (p, _)| {
-                (lo.min(*p), hi.max(*p))
-            });
+        let (lo, hi) = self.power.iter().fold((f64::MAX, f64::MIN), |(lo, hi), (p, _)| (lo.min(*p), hi.max(*p)));
         let swing = (hi - mean).max(mean - lo) / mean;
-        if swing <= self.th.power_swing_frac
-            || !rate_ok(&mut self.last_power_warn, s.t_s, self.th.warn_every_s)
-        {
+        if swing <= self.th.power_swing_frac || !rate_ok(&mut self.last_power_warn, s.t_s, self.th.warn_every_s) {
             return;
         }
         let clocks: Vec<u32> = self.power.iter().filter_map(|(_, c)| *c).collect();
@@ -236,10 +226,7 @@ pub enum NvmlTarget {
 /// Maps CUDA ordinal `ordinal` to the NVML device, given the value of `CUDA_VISIBLE_DEVICES` (if set).
 /// Assumes CUDA and NVML enumerate in the same (PCI bus) order, as they do on nodes of identical GPUs.
 pub fn nvml_target(ordinal: u32, cuda_visible_devices: Option<&str>) -> Result<NvmlTarget, String> {
-    let Some(list) = cuda_visible_devices
-        .map(str::trim)
-        .filter(|v| !v.is_empty())
-    else {
+    let Some(list) = cuda_visible_devices.map(str::trim).filter(|v| !v.is_empty()) else {
         return Ok(NvmlTarget::Index(ordinal));
     };
     let entry = list
@@ -252,9 +239,7 @@ pub fn nvml_target(ordinal: u32, cuda_visible_devices: Option<&str>) -> Result<N
     } else if entry.starts_with("GPU-") {
         Ok(NvmlTarget::Uuid(entry.to_string()))
     } else {
-        Err(format!(
-            "cannot map CUDA_VISIBLE_DEVICES entry {entry:?} (device {ordinal}) to an NVML device"
-        ))
+        Err(format!("cannot map CUDA_VISIBLE_DEVICES entry {entry:?} (device {ordinal}) to an NVML device"))
     }
 }
 
@@ -303,20 +288,14 @@ impl Telemetry {
         match Self::try_start(ordinal, interval) {
             Ok(t) => Some(t),
             Err(why) => {
-                eprintln!(
-                    "warning: GPU telemetry unavailable for device {ordinal}: {}",
-                    one_line(&why)
-                );
+                eprintln!("warning: GPU telemetry unavailable for device {ordinal}: {}", one_line(&why));
                 None
             }
         }
     }
 
     fn try_start(ordinal: u32, interval: Duration) -> Result<Telemetry, String> {
-        let target = nvml_target(
-            ordinal,
-            std::env::var("CUDA_VISIBLE_DEVICES").ok().as_deref(),
-        )?;
+        let target = nvml_target(ordinal, std::env::var("CUDA_VISIBLE_DEVICES").ok().as_deref())?;
         let nvml = Nvml::init().map_err(|e| format!("NVML could not be loaded ({e})"))?;
         let device_name = {
             let device = open(&nvml, &target)?;
@@ -332,12 +311,7 @@ impl Telemetry {
                 move || run_sampler(nvml, target, interval, shared, stopped)
             })
             .map_err(|e| format!("cannot spawn the sampler thread ({e})"))?;
-        Ok(Telemetry {
-            shared,
-            stop: Some(stop),
-            thread: Some(thread),
-            device_name,
-        })
+        Ok(Telemetry { shared, stop: Some(stop), thread: Some(thread), device_name })
     }
 
     /// The device's name as NVML reports it, e.g. "NVIDIA H200".
@@ -352,10 +326,7 @@ impl Telemetry {
 
     /// Drains the events raised since the last call.
     pub fn events(&self) -> Vec<Event> {
-        self.shared
-            .lock()
-            .map(|mut s| std::mem::take(&mut s.events))
-            .unwrap_or_default()
+        self.shared.lock().map(|mut s| std::mem::take(&mut s.events)).unwrap_or_default()
     }
 
     /// Short text for a progress bar, e.g. "sm 97% 61.2GiB 652W 1980MHz 54C"; empty before the first sample.
@@ -376,12 +347,8 @@ impl Drop for Telemetry {
 
 fn open<'n>(nvml: &'n Nvml, target: &NvmlTarget) -> Result<Device<'n>, String> {
     match target {
-        NvmlTarget::Index(i) => nvml
-            .device_by_index(*i)
-            .map_err(|e| format!("NVML device {i}: {e}")),
-        NvmlTarget::Uuid(u) => nvml
-            .device_by_uuid(u.as_str())
-            .map_err(|e| format!("NVML device {u}: {e}")),
+        NvmlTarget::Index(i) => nvml.device_by_index(*i).map_err(|e| format!("NVML device {i}: {e}")),
+        NvmlTarget::Uuid(u) => nvml.device_by_uuid(u.as_str()).map_err(|e| format!("NVML device {u}: {e}")),
     }
 }
 
@@ -408,12 +375,7 @@ fn run_sampler(
     };
     let device = match open(&nvml, &target) {
         Ok(d) => d,
-        Err(e) => {
-            return push(
-                vec![Event::Warning(format!("GPU telemetry stopped: {e}"))],
-                None,
-            )
-        }
+        Err(e) => return push(vec![Event::Warning(format!("GPU telemetry stopped: {e}"))], None),
     };
     let mut sampler = Sampler::new(&device);
     let mut monitor = Monitor::default();
@@ -424,9 +386,7 @@ fn run_sampler(
         let mut events = monitor.observe(&sample);
         if lost && !lost_reported {
             lost_reported = true;
-            events.push(Event::Fatal(
-                "NVML reports the GPU is lost (fell off the bus)".into(),
-            ));
+            events.push(Event::Fatal("NVML reports the GPU is lost (fell off the bus)".into()));
         }
         push(events, Some(sample));
         match stopped.recv_timeout(interval) {
@@ -446,11 +406,7 @@ struct Sampler<'a, 'n> {
 
 impl<'a, 'n> Sampler<'a, 'n> {
     fn new(device: &'a Device<'n>) -> Self {
-        Self {
-            device,
-            nvlink: NvLinkCounters::open(device),
-            prev_nvlink: None,
-        }
+        Self { device, nvlink: NvLinkCounters::open(device), prev_nvlink: None }
     }
 
     /// One sample, and whether NVML said the GPU is lost.
@@ -468,12 +424,8 @@ impl<'a, 'n> Sampler<'a, 'n> {
             power_w: d.power_usage().ok().map(|mw| mw as f64 / 1000.0),
             sm_clock_mhz: d.clock_info(Clock::SM).ok(),
             temp_c: d.temperature(TemperatureSensor::Gpu).ok(),
-            ecc_corrected: d
-                .total_ecc_errors(MemoryError::Corrected, EccCounter::Volatile)
-                .ok(),
-            ecc_uncorrected: d
-                .total_ecc_errors(MemoryError::Uncorrected, EccCounter::Volatile)
-                .ok(),
+            ecc_corrected: d.total_ecc_errors(MemoryError::Corrected, EccCounter::Volatile).ok(),
+            ecc_uncorrected: d.total_ecc_errors(MemoryError::Uncorrected, EccCounter::Volatile).ok(),
             nvlink_rx_mib_s,
             nvlink_tx_mib_s,
         };
@@ -496,10 +448,7 @@ impl<'a, 'n> Sampler<'a, 'n> {
                 if dt <= 0.0 {
                     return (None, None);
                 }
-                (
-                    Some((rx - rx0) as f64 / 1024.0 / dt),
-                    Some((tx - tx0) as f64 / 1024.0 / dt),
-                )
+                (Some((rx - rx0) as f64 / 1024.0 / dt), Some((tx - tx0) as f64 / 1024.0 / dt))
             }
             // First read, or a counter reset: no rate yet.
             _ => (None, None),
@@ -518,9 +467,7 @@ impl NvLinkCounters {
     /// `None` when the device has no active NVLink or the counters cannot be read.
     fn open(device: &Device) -> Option<Self> {
         let links = device
-            .field_values_for(&[nvml_wrapper::structs::device::FieldId(
-                NVML_FI_DEV_NVLINK_LINK_COUNT,
-            )])
+            .field_values_for(&[nvml_wrapper::structs::device::FieldId(NVML_FI_DEV_NVLINK_LINK_COUNT)])
             .ok()
             .and_then(|v| v.into_iter().next())
             .and_then(|s| s.ok())
@@ -545,28 +492,21 @@ impl NvLinkCounters {
         // SAFETY: nvmlFieldValue_t is plain old data (zero is a valid value); the handle comes from a live Device
         // of the same library, and the array length passed matches the vector.
         unsafe {
-            let mut values: Vec<nvmlFieldValue_t> = [
-                NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX,
-                NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
-            ]
-            .iter()
-            .map(|&id| {
-                let mut v: nvmlFieldValue_t = std::mem::zeroed();
-                v.fieldId = id;
-                v.scopeId = u32::MAX;
-                v
-            })
-            .collect();
-            if sym(device.handle(), values.len() as i32, values.as_mut_ptr())
-                != nvmlReturn_enum_NVML_SUCCESS
-            {
+            let mut values: Vec<nvmlFieldValue_t> =
+                [NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX]
+                    .iter()
+                    .map(|&id| {
+                        let mut v: nvmlFieldValue_t = std::mem::zeroed();
+                        v.fieldId = id;
+                        v.scopeId = u32::MAX;
+                        v
+                    })
+                    .collect();
+            if sym(device.handle(), values.len() as i32, values.as_mut_ptr()) != nvmlReturn_enum_NVML_SUCCESS {
                 return None;
             }
-            let read = |v: &nvmlFieldValue_t| {
-                (v.nvmlReturn == nvmlReturn_enum_NVML_SUCCESS)
-                    .then(|| raw_u64(v))
-                    .flatten()
-            };
+            let read =
+                |v: &nvmlFieldValue_t| (v.nvmlReturn == nvmlReturn_enum_NVML_SUCCESS).then(|| raw_u64(v)).flatten();
             Some((read(&values[0])?, read(&values[1])?))
         }
     }
@@ -605,10 +545,7 @@ mod tests {
     use super::*;
 
     fn at(t_s: f64) -> Sample {
-        Sample {
-            t_s,
-            ..Default::default()
-        }
+        Sample { t_s, ..Default::default() }
     }
 
     fn warnings(ev: &[Event]) -> usize {
@@ -623,124 +560,50 @@ mod tests {
     fn ecc_corrected_rate_warns_only_after_window_and_above_limit() {
         let mut m = Monitor::default();
         // 10 corrected errors within 30 s: too early to extrapolate.
-        assert!(m
-            .observe(&Sample {
-                ecc_corrected: Some(5),
-                ..at(0.0)
-            })
-            .is_empty());
-        assert!(m
-            .observe(&Sample {
-                ecc_corrected: Some(15),
-                ..at(30.0)
-            })
-            .is_empty());
+        assert!(m.observe(&Sample { ecc_corrected: Some(5), ..at(0.0) }).is_empty());
+        assert!(m.observe(&Sample { ecc_corrected: Some(15), ..at(30.0) }).is_empty());
         // At 120 s, 10 errors extrapolate to 7200/day > 100/day.
-        let ev = m.observe(&Sample {
-            ecc_corrected: Some(15),
-            ..at(120.0)
-        });
+        let ev = m.observe(&Sample { ecc_corrected: Some(15), ..at(120.0) });
         assert_eq!(warnings(&ev), 1, "{ev:?}");
         assert!(format!("{ev:?}").contains("corrected ECC"));
 
         // 2 errors over two days is well below 100/day.
         let mut m = Monitor::default();
-        m.observe(&Sample {
-            ecc_corrected: Some(0),
-            ..at(0.0)
-        });
-        assert!(m
-            .observe(&Sample {
-                ecc_corrected: Some(2),
-                ..at(2.0 * 86_400.0)
-            })
-            .is_empty());
+        m.observe(&Sample { ecc_corrected: Some(0), ..at(0.0) });
+        assert!(m.observe(&Sample { ecc_corrected: Some(2), ..at(2.0 * 86_400.0) }).is_empty());
     }
 
     #[test]
     fn ecc_corrected_burst_warns_before_window() {
         let mut m = Monitor::default();
-        m.observe(&Sample {
-            ecc_corrected: Some(0),
-            ..at(0.0)
-        });
-        assert!(m
-            .observe(&Sample {
-                ecc_corrected: Some(100),
-                ..at(5.0)
-            })
-            .is_empty());
-        let ev = m.observe(&Sample {
-            ecc_corrected: Some(101),
-            ..at(6.0)
-        });
+        m.observe(&Sample { ecc_corrected: Some(0), ..at(0.0) });
+        assert!(m.observe(&Sample { ecc_corrected: Some(100), ..at(5.0) }).is_empty());
+        let ev = m.observe(&Sample { ecc_corrected: Some(101), ..at(6.0) });
         assert_eq!(warnings(&ev), 1, "{ev:?}");
     }
 
     #[test]
     fn ecc_uncorrectable_increase_is_fatal_and_nonzero_start_warns() {
         let mut m = Monitor::default();
-        assert!(m
-            .observe(&Sample {
-                ecc_uncorrected: Some(0),
-                ..at(0.0)
-            })
-            .is_empty());
-        assert!(m
-            .observe(&Sample {
-                ecc_uncorrected: Some(0),
-                ..at(1.0)
-            })
-            .is_empty());
-        let ev = m.observe(&Sample {
-            ecc_uncorrected: Some(1),
-            ..at(2.0)
-        });
+        assert!(m.observe(&Sample { ecc_uncorrected: Some(0), ..at(0.0) }).is_empty());
+        assert!(m.observe(&Sample { ecc_uncorrected: Some(0), ..at(1.0) }).is_empty());
+        let ev = m.observe(&Sample { ecc_uncorrected: Some(1), ..at(2.0) });
         assert_eq!(fatals(&ev), 1, "{ev:?}");
         // Reported once per increase, not again while the count stays put.
-        assert!(m
-            .observe(&Sample {
-                ecc_uncorrected: Some(1),
-                ..at(3.0)
-            })
-            .is_empty());
-        assert_eq!(
-            fatals(&m.observe(&Sample {
-                ecc_uncorrected: Some(2),
-                ..at(4.0)
-            })),
-            1
-        );
+        assert!(m.observe(&Sample { ecc_uncorrected: Some(1), ..at(3.0) }).is_empty());
+        assert_eq!(fatals(&m.observe(&Sample { ecc_uncorrected: Some(2), ..at(4.0) })), 1);
 
         let mut m = Monitor::default();
-        let ev = m.observe(&Sample {
-            ecc_uncorrected: Some(3),
-            ..at(0.0)
-        });
+        let ev = m.observe(&Sample { ecc_uncorrected: Some(3), ..at(0.0) });
         assert_eq!((warnings(&ev), fatals(&ev)), (1, 0), "{ev:?}");
-        assert!(m
-            .observe(&Sample {
-                ecc_uncorrected: Some(3),
-                ..at(1.0)
-            })
-            .is_empty());
+        assert!(m.observe(&Sample { ecc_uncorrected: Some(3), ..at(1.0) }).is_empty());
         // A missing reading is neither an increase nor a reset.
         assert!(m.observe(&at(2.0)).is_empty());
-        assert_eq!(
-            fatals(&m.observe(&Sample {
-                ecc_uncorrected: Some(4),
-                ..at(3.0)
-            })),
-            1
-        );
+        assert_eq!(fatals(&m.observe(&Sample { ecc_uncorrected: Some(4), ..at(3.0) })), 1);
     }
 
     fn power(t_s: f64, w: f64) -> Sample {
-        Sample {
-            power_w: Some(w),
-            sm_clock_mhz: Some(if w > 660.0 { 1700 } else { 1980 }),
-            ..at(t_s)
-        }
+        Sample { power_w: Some(w), sm_clock_mhz: Some(if w > 660.0 { 1700 } else { 1980 }), ..at(t_s) }
     }
 
     #[test]
@@ -767,19 +630,14 @@ mod tests {
         }
         assert_eq!(warnings(&all), 1, "{all:?}");
         let text = format!("{all:?}");
-        assert!(
-            text.contains("SM clock") && text.contains("1700-1980 MHz"),
-            "{text}"
-        );
+        assert!(text.contains("SM clock") && text.contains("1700-1980 MHz"), "{text}");
     }
 
     #[test]
     fn idle_power_swings_are_ignored() {
         let mut m = Monitor::default();
         for i in 0..100 {
-            assert!(m
-                .observe(&power(i as f64, if i % 2 == 0 { 20.0 } else { 60.0 }))
-                .is_empty());
+            assert!(m.observe(&power(i as f64, if i % 2 == 0 { 20.0 } else { 60.0 })).is_empty());
         }
     }
 
@@ -808,13 +666,8 @@ mod tests {
         assert_eq!(nvml_target(1, None), Ok(NvmlTarget::Index(1)));
         assert_eq!(nvml_target(1, Some("")), Ok(NvmlTarget::Index(1)));
         assert_eq!(nvml_target(1, Some("4, 6")), Ok(NvmlTarget::Index(6)));
-        assert_eq!(
-            nvml_target(0, Some("GPU-abc,1")),
-            Ok(NvmlTarget::Uuid("GPU-abc".into()))
-        );
-        assert!(nvml_target(2, Some("4,6"))
-            .unwrap_err()
-            .contains("not in CUDA_VISIBLE_DEVICES"));
+        assert_eq!(nvml_target(0, Some("GPU-abc,1")), Ok(NvmlTarget::Uuid("GPU-abc".into())));
+        assert!(nvml_target(2, Some("4,6")).unwrap_err().contains("not in CUDA_VISIBLE_DEVICES"));
         assert!(nvml_target(0, Some("MIG-xyz")).is_err());
     }
 
@@ -831,10 +684,7 @@ mod tests {
         assert_eq!(summarize(&s), "sm 97% 61.2GiB 652W 1980MHz 54C");
         assert_eq!(summarize(&at(0.0)), "");
         let json = serde_json::to_string(&s).expect("sample serializes");
-        assert!(
-            json.contains("\"sm_util_pct\":97") && json.contains("\"ecc_corrected\":null"),
-            "{json}"
-        );
+        assert!(json.contains("\"sm_util_pct\":97") && json.contains("\"ecc_corrected\":null"), "{json}");
     }
 
     /// On a machine without NVML this must return None (after one warning line) and not panic; on a GPU machine

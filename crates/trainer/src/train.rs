@@ -24,10 +24,15 @@ pub fn select_device(spec: &str) -> Result<Device> {
     }
     let ordinal = match spec {
         "cuda" => 0,
-        s => s.strip_prefix("cuda:").and_then(|n| n.parse().ok()).ok_or_else(|| anyhow!("device = \"{s}\": expected cpu, cuda or cuda:N"))?,
+        s => s
+            .strip_prefix("cuda:")
+            .and_then(|n| n.parse().ok())
+            .ok_or_else(|| anyhow!("device = \"{s}\": expected cpu, cuda or cuda:N"))?,
     };
     if !cfg!(feature = "cuda") {
-        bail!("device = \"{spec}\": this trainer was built without CUDA (rebuild with `--features cuda`, see the README)");
+        bail!(
+            "device = \"{spec}\": this trainer was built without CUDA (rebuild with `--features cuda`, see the README)"
+        );
     }
     Device::new_cuda(ordinal).map_err(|e| anyhow!("device = \"{spec}\": cannot open the GPU ({e})"))
 }
@@ -48,7 +53,11 @@ pub fn scaling_enabled(cfg: &Config) -> bool {
 /// Builds the model of the config: initialisation, `model.init_from` (head replaced when the class count differs),
 /// frozen modules and BatchNorm statistics.
 pub fn build_model(cfg: &Config, device: &Device) -> Result<ResNet> {
-    kernels::set_conv_impl(if cfg.kernels.conv == "candle" { kernels::ConvImpl::Candle } else { kernels::ConvImpl::FwdConv });
+    kernels::set_conv_impl(if cfg.kernels.conv == "candle" {
+        kernels::ConvImpl::Candle
+    } else {
+        kernels::ConvImpl::FwdConv
+    });
     let mc = ResNetConfig {
         arch: Arch::parse(&cfg.model.arch)?,
         num_classes: cfg.model.num_classes,
@@ -71,7 +80,10 @@ pub fn build_model(cfg: &Config, device: &Device) -> Result<ResNet> {
         let names: Vec<String> = model.store().entries().into_iter().map(|(n, _)| n).collect();
         for p in &cfg.finetune.freeze {
             if !names.iter().any(|n| n == p || n.starts_with(&format!("{p}."))) {
-                bail!("finetune.freeze: `{p}` names no module of {} (e.g. conv1, bn1, layer1, layer2.0, fc)", cfg.model.arch);
+                bail!(
+                    "finetune.freeze: `{p}` names no module of {} (e.g. conv1, bn1, layer1, layer2.0, fc)",
+                    cfg.model.arch
+                );
             }
         }
         model.store().freeze_prefixes(&cfg.finetune.freeze);
@@ -95,7 +107,7 @@ pub fn cross_entropy(logits: &Tensor, labels: &Tensor, smoothing: f64) -> candle
 fn topk_correct(logits: &Tensor, labels: &Tensor, k: usize) -> candle_core::Result<Tensor> {
     let logits = logits.to_dtype(DType::F32)?;
     let target = logits.gather(&labels.unsqueeze(1)?, 1)?; // [n, 1]
-    // Rank of the target = number of logits strictly greater than it.
+                                                           // Rank of the target = number of logits strictly greater than it.
     let rank = logits.broadcast_gt(&target)?.to_dtype(DType::F32)?.sum(D::Minus1)?;
     rank.lt(k as f64)?.to_dtype(DType::F32)?.sum_all()
 }
@@ -209,7 +221,8 @@ impl StepRunner {
         // Sum of squares of all unscaled gradients: non-finite iff some gradient is inf/NaN (or overflows).
         let sq: Vec<Tensor> = grads.iter().map(|g| g.sqr()?.sum_all()).collect::<candle_core::Result<_>>()?;
         let total_sq = Tensor::stack(&sq, 0)?.sum_all()?;
-        let (loss_sum, correct_sum) = (loss_sum.ok_or_else(|| anyhow!("empty step"))?, correct_sum.ok_or_else(|| anyhow!("empty step"))?);
+        let (loss_sum, correct_sum) =
+            (loss_sum.ok_or_else(|| anyhow!("empty step"))?, correct_sum.ok_or_else(|| anyhow!("empty step"))?);
         let host: Vec<f32> = Tensor::stack(&[loss_sum.to_dtype(DType::F32)?, correct_sum, total_sq], 0)?.to_vec1()?;
         let loss = host[0] as f64 / accum;
         let norm_sq = host[2] as f64;
@@ -217,8 +230,16 @@ impl StepRunner {
         let skipped = found_inf;
         let grad_norm = norm_sq.sqrt();
         if !found_inf {
-            let coef = if self.clip_grad_norm > 0.0 && grad_norm > self.clip_grad_norm { self.clip_grad_norm / (grad_norm + 1e-6) } else { 1.0 };
-            let grads = if coef < 1.0 { grads.iter().map(|g| g * coef).collect::<candle_core::Result<Vec<_>>>()? } else { grads };
+            let coef = if self.clip_grad_norm > 0.0 && grad_norm > self.clip_grad_norm {
+                self.clip_grad_norm / (grad_norm + 1e-6)
+            } else {
+                1.0
+            };
+            let grads = if coef < 1.0 {
+                grads.iter().map(|g| g * coef).collect::<candle_core::Result<Vec<_>>>()?
+            } else {
+                grads
+            };
             self.opt.step(&grads, lr)?;
         }
         self.scaler.update(found_inf);
@@ -248,7 +269,8 @@ pub fn validate(model: &ResNet, ds: Arc<dyn Dataset>, cfg: &Config, prec: Precis
             let logits = model.forward(&b.images, false, prec)?;
             let l = (cross_entropy(&logits, &b.labels, 0.0)? * b.n as f64)?;
             let k5 = 5.min(model.config.num_classes);
-            let t = Tensor::stack(&[l, topk_correct(&logits, &b.labels, 1)?, topk_correct(&logits, &b.labels, k5)?], 0)?;
+            let t =
+                Tensor::stack(&[l, topk_correct(&logits, &b.labels, 1)?, topk_correct(&logits, &b.labels, k5)?], 0)?;
             Ok(t.to_vec1()?)
         })?;
         loss += v[0] as f64;
@@ -260,7 +282,13 @@ pub fn validate(model: &ResNet, ds: Arc<dyn Dataset>, cfg: &Config, prec: Precis
         bail!("the validation set is empty");
     }
     let n_f = n as f64;
-    Ok(EvalResult { loss: loss / n_f, top1: 100.0 * c1 / n_f, top5: 100.0 * c5 / n_f, samples: n, img_per_s: n_f / t0.elapsed().as_secs_f64() })
+    Ok(EvalResult {
+        loss: loss / n_f,
+        top1: 100.0 * c1 / n_f,
+        top5: 100.0 * c5 / n_f,
+        samples: n,
+        img_per_s: n_f / t0.elapsed().as_secs_f64(),
+    })
 }
 
 fn loader_options(cfg: &Config, batch_size: usize, shuffle: bool, epoch: usize, skip_batches: usize) -> LoaderOptions {
@@ -308,7 +336,8 @@ pub fn open_data(cfg: &Config) -> Result<(Arc<dyn Dataset>, Arc<dyn Dataset>)> {
 
 /// Trains as the config says, in `run_dir`; with `resume`, continues from the latest checkpoint there.
 pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
-    std::fs::create_dir_all(run_dir.join("checkpoints")).with_context(|| format!("cannot create run directory {}", run_dir.display()))?;
+    std::fs::create_dir_all(run_dir.join("checkpoints"))
+        .with_context(|| format!("cannot create run directory {}", run_dir.display()))?;
     let ckpt_dir = run_dir.join("checkpoints");
     let device = select_device(&cfg.device)?;
     let (train_ds, val_ds) = open_data(cfg)?;
@@ -340,7 +369,8 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
     };
     let mut metrics_keep = None;
     if resume {
-        let path = checkpoint::latest(&ckpt_dir).ok_or_else(|| anyhow!("--resume: no checkpoint in {}", ckpt_dir.display()))?;
+        let path = checkpoint::latest(&ckpt_dir)
+            .ok_or_else(|| anyhow!("--resume: no checkpoint in {}", ckpt_dir.display()))?;
         let loaded = checkpoint::load(&path)?;
         if loaded.state.arch != cfg.model.arch || loaded.state.num_classes != cfg.model.num_classes {
             bail!(
@@ -353,7 +383,10 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
             );
         }
         weights::load_tensors(&runner.model, &loaded.model, false).map_err(|m| anyhow!("{}: {m}", path.display()))?;
-        runner.opt.load_state(&loaded.optim, loaded.state.optimizer_steps).with_context(|| path.display().to_string())?;
+        runner
+            .opt
+            .load_state(&loaded.optim, loaded.state.optimizer_steps)
+            .with_context(|| path.display().to_string())?;
         runner.scaler = loaded.state.scaler.clone();
         state = loaded.state;
         metrics_keep = Some(state.metrics_lines);
@@ -363,7 +396,10 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
     let telemetry = match (&device, cfg.telemetry.enabled) {
         (Device::Cuda(_), true) => {
             let ordinal = cfg.device.strip_prefix("cuda:").and_then(|n| n.parse().ok()).unwrap_or(0);
-            crate::telemetry::Telemetry::start(ordinal, std::time::Duration::from_millis(cfg.telemetry.interval_ms.max(50)))
+            crate::telemetry::Telemetry::start(
+                ordinal,
+                std::time::Duration::from_millis(cfg.telemetry.interval_ms.max(50)),
+            )
         }
         _ => None,
     };
@@ -385,7 +421,8 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
             break;
         }
         let epoch = state.epoch;
-        let loader = Loader::new(train_ds.clone(), loader_options(cfg, cfg.train.batch_size, true, epoch, state.batch_in_epoch));
+        let loader =
+            Loader::new(train_ds.clone(), loader_options(cfg, cfg.train.batch_size, true, epoch, state.batch_in_epoch));
         let bar = if show_progress { ProgressBar::new(steps_per_epoch as u64) } else { ProgressBar::hidden() };
         bar.set_style(
             ProgressStyle::with_template("epoch {prefix} [{bar:30}] {pos}/{len} {msg} eta {eta}")
@@ -415,7 +452,8 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
             state.batch_in_epoch += micro.len();
             state.step += 1;
             if !out.loss.is_finite() && !runner.scaler.enabled {
-                let last = checkpoint::latest(&ckpt_dir).map(|p| p.display().to_string()).unwrap_or_else(|| "none yet".into());
+                let last =
+                    checkpoint::latest(&ckpt_dir).map(|p| p.display().to_string()).unwrap_or_else(|| "none yet".into());
                 bail!(
                     "loss became {} at step {} (epoch {}, lr {lr:.3e}, {}): training stopped; last good checkpoint: {last}",
                     out.loss,
@@ -446,7 +484,8 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
                     "loss_scale": out.loss_scale, "skipped": out.skipped, "grad_norm": out.grad_norm, "img_per_s": ips,
                 }))?;
                 let acc = 100.0 * state.meters.correct as f64 / state.meters.seen.max(1) as f64;
-                let mut msg = format!("loss {:.4} acc {acc:.1}% lr {lr:.2e} scale {} {ips:.0} img/s", out.loss, out.loss_scale);
+                let mut msg =
+                    format!("loss {:.4} acc {acc:.1}% lr {lr:.2e} scale {} {ips:.0} img/s", out.loss, out.loss_scale);
                 if let Some(t) = &telemetry {
                     if let Some(sample) = t.latest() {
                         let mut rec = serde_json::to_value(&sample)?;
@@ -482,7 +521,8 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
         let train_ips = epoch_images as f64 / t_epoch.elapsed().as_secs_f64();
         let train_loss = state.meters.loss_sum / state.meters.seen.max(1) as f64;
         let train_top1 = 100.0 * state.meters.correct as f64 / state.meters.seen.max(1) as f64;
-        let val = if val_ds.len() > 0 { Some(validate(&runner.model, val_ds.clone(), cfg, runner.precision)?) } else { None };
+        let val =
+            if val_ds.len() > 0 { Some(validate(&runner.model, val_ds.clone(), cfg, runner.precision)?) } else { None };
         metrics.write(&json!({
             "kind": "epoch", "epoch": epoch + 1, "step": state.step, "train_loss": train_loss, "train_top1": train_top1,
             "val_loss": val.map(|v| v.loss), "val_top1": val.map(|v| v.top1), "val_top5": val.map(|v| v.top5),
@@ -492,7 +532,8 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
             "epoch {}/{}: train loss {train_loss:.4} top1 {train_top1:.2}%{} | {train_ips:.1} img/s",
             epoch + 1,
             cfg.train.epochs,
-            val.map(|v| format!(" | val loss {:.4} top1 {:.2}% top5 {:.2}%", v.loss, v.top1, v.top5)).unwrap_or_default()
+            val.map(|v| format!(" | val loss {:.4} top1 {:.2}% top5 {:.2}%", v.loss, v.top1, v.top5))
+                .unwrap_or_default()
         );
         last_val = val;
         if epoch_done {
@@ -509,7 +550,7 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
         }
         if last || (cfg.checkpoint.every_epochs > 0 && state.epoch % cfg.checkpoint.every_epochs == 0) {
             let name = checkpoint::step_name(state.step);
-                save(&runner, &mut state, &metrics, &name)?;
+            save(&runner, &mut state, &metrics, &name)?;
             checkpoint::prune(&ckpt_dir, cfg.checkpoint.keep_last)?;
         }
         if last {

@@ -43,7 +43,9 @@ fn forced_overflow_skips_steps_and_halves_the_scale() {
     let before = snapshot(&r);
     let steps_before = r.opt.steps;
     // Running statistics of BatchNorm do move in a forward pass (as in PyTorch); compare everything else.
-    let keep = |v: Vec<(String, Vec<f32>)>| v.into_iter().filter(|(k, _)| !k.contains("running_") && !k.contains("num_batches")).collect::<Vec<_>>();
+    let keep = |v: Vec<(String, Vec<f32>)>| {
+        v.into_iter().filter(|(k, _)| !k.contains("running_") && !k.contains("num_batches")).collect::<Vec<_>>()
+    };
     let before = keep(before);
     let mut scales = vec![];
     for _ in 0..3 {
@@ -67,7 +69,13 @@ fn low_precision_learns_like_fp32() {
     let mut top1 = vec![];
     for dtype in ["fp32", "bf16", "fp16"] {
         let dir = TempDir::new(&format!("amp-{dtype}"));
-        let cfg = tiny(&["data.num_samples=192", "train.epochs=4", "sched.name=\"cosine\"", "sched.warmup_epochs=0.5", &format!("amp.dtype=\"{dtype}\"")]);
+        let cfg = tiny(&[
+            "data.num_samples=192",
+            "train.epochs=4",
+            "sched.name=\"cosine\"",
+            "sched.warmup_epochs=0.5",
+            &format!("amp.dtype=\"{dtype}\""),
+        ]);
         let s = train::train(&cfg, dir.path(), false).unwrap();
         top1.push(s.val.unwrap().top1);
     }
@@ -87,7 +95,8 @@ fn scaler_state_survives_checkpoint_and_resume() {
     let mut first = o.to_vec();
     first.push("train.epochs=1");
     train::train(&tiny(&first), split.path(), false).unwrap();
-    let ck = trainer::checkpoint::load(&trainer::checkpoint::latest(&split.path().join("checkpoints")).unwrap()).unwrap();
+    let ck =
+        trainer::checkpoint::load(&trainer::checkpoint::latest(&split.path().join("checkpoints")).unwrap()).unwrap();
     assert!(ck.state.scaler.enabled);
     assert_eq!(ck.state.step, 4);
     // 4 clean steps at interval 3: grown once, one step counted since.

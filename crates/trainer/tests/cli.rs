@@ -37,7 +37,8 @@ fn kill_9_then_resume_matches_uninterrupted_run() {
     let cfg = write_config(dir.path(), "");
     let sets = ["--set", "train.epochs=3", "--set", "checkpoint.every_steps=2", "--set", "checkpoint.every_epochs=0"];
     let full = dir.path().join("full");
-    let out = Command::new(BIN).args(["--config", &cfg, "--run-dir", full.to_str().unwrap()]).args(sets).output().unwrap();
+    let out =
+        Command::new(BIN).args(["--config", &cfg, "--run-dir", full.to_str().unwrap()]).args(sets).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 
     let cut = dir.path().join("cut");
@@ -61,7 +62,11 @@ fn kill_9_then_resume_matches_uninterrupted_run() {
     }
     child.kill().unwrap(); // SIGKILL
     child.wait().unwrap();
-    let out = Command::new(BIN).args(["--config", &cfg, "--run-dir", cut.to_str().unwrap(), "--resume"]).args(sets).output().unwrap();
+    let out = Command::new(BIN)
+        .args(["--config", &cfg, "--run-dir", cut.to_str().unwrap(), "--resume"])
+        .args(sets)
+        .output()
+        .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let (a, b) = (step_losses(&full), step_losses(&cut));
     assert_eq!(a.len(), 12);
@@ -89,8 +94,28 @@ fn bad_configs_name_the_culprit() {
         (vec!["--set", "train.batch_size=0"], vec!["train.batch_size"]),
         (vec!["--set", "optim.lr=-1"], vec!["optim.lr"]),
         (vec!["--set", "train"], vec!["--set", "key=value"]),
-        (vec!["--set", "data.kind=\"cifar10\"", "--set", "data.dir=\"/nonexistent/cifar\"", "--set", "model.num_classes=10"], vec!["/nonexistent/cifar"]),
-        (vec!["--set", "data.kind=\"imagefolder\"", "--set", "data.train_dir=\"/nonexistent/train\"", "--set", "data.val_dir=\"/nonexistent/val\""], vec!["/nonexistent/train"]),
+        (
+            vec![
+                "--set",
+                "data.kind=\"cifar10\"",
+                "--set",
+                "data.dir=\"/nonexistent/cifar\"",
+                "--set",
+                "model.num_classes=10",
+            ],
+            vec!["/nonexistent/cifar"],
+        ),
+        (
+            vec![
+                "--set",
+                "data.kind=\"imagefolder\"",
+                "--set",
+                "data.train_dir=\"/nonexistent/train\"",
+                "--set",
+                "data.val_dir=\"/nonexistent/val\"",
+            ],
+            vec!["/nonexistent/train"],
+        ),
         (vec!["--set", "model.init_from=\"/nonexistent/w.safetensors\""], vec!["/nonexistent/w.safetensors"]),
         (vec!["--set", "device=\"tpu\""], vec!["device", "tpu"]),
         (vec!["--resume"], vec!["no checkpoint"]),
@@ -122,21 +147,16 @@ fn bad_files_name_the_file() {
             let d = dir.path().join(split).join(class);
             std::fs::create_dir_all(&d).unwrap();
             for i in 0..4 {
-                let img = image::RgbImage::from_fn(12, 12, |x, y| image::Rgb([(x * 20) as u8, (y * 20) as u8, if class == "a" { 0 } else { 255 }]));
+                let img = image::RgbImage::from_fn(12, 12, |x, y| {
+                    image::Rgb([(x * 20) as u8, (y * 20) as u8, if class == "a" { 0 } else { 255 }])
+                });
                 img.save(d.join(format!("{i}.png"))).unwrap();
             }
         }
     }
     let broken = dir.path().join("train/a/broken.jpg");
     std::fs::write(&broken, b"\xff\xd8\xff\xe0 definitely not a jpeg").unwrap();
-    let folder = [
-        "--set",
-        "data.kind=\"imagefolder\"",
-        "--set",
-        "model.num_classes=2",
-        "--set",
-        "train.epochs=1",
-    ];
+    let folder = ["--set", "data.kind=\"imagefolder\"", "--set", "model.num_classes=2", "--set", "train.epochs=1"];
     let td = format!("data.train_dir=\"{}\"", dir.path().join("train").display());
     let vd = format!("data.val_dir=\"{}\"", dir.path().join("val").display());
     let run = dir.path().join("run1");
@@ -155,7 +175,8 @@ fn bad_files_name_the_file() {
     let bytes = std::fs::read(&ck).unwrap();
     let cut = dir.path().join("truncated.safetensors");
     std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
-    let mut eval = vec!["eval", "--config", cfg.as_str(), "--checkpoint", cut.to_str().unwrap(), "--set", &td, "--set", &vd];
+    let mut eval =
+        vec!["eval", "--config", cfg.as_str(), "--checkpoint", cut.to_str().unwrap(), "--set", &td, "--set", &vd];
     eval.extend(folder);
     assert_error(&trainer(&eval), &["truncated.safetensors"]);
     let foreign = dir.path().join("foreign.safetensors");
@@ -169,7 +190,16 @@ fn bad_files_name_the_file() {
     assert!(String::from_utf8_lossy(&out.stdout).contains("top1"));
     // Weights of another architecture for init_from: one error listing the tensors.
     let w = run2.join("model.safetensors");
-    let out = trainer(&["--config", &cfg, "--run-dir", dir.path().join("run3").to_str().unwrap(), "--set", "model.arch=resnet34", "--set", &format!("model.init_from=\"{}\"", w.display())]);
+    let out = trainer(&[
+        "--config",
+        &cfg,
+        "--run-dir",
+        dir.path().join("run3").to_str().unwrap(),
+        "--set",
+        "model.arch=resnet34",
+        "--set",
+        &format!("model.init_from=\"{}\"", w.display()),
+    ]);
     assert_error(&out, &["model.safetensors", "missing", "layer1.2"]);
 }
 
@@ -177,7 +207,23 @@ fn bad_files_name_the_file() {
 fn info_prints_stages_and_parameter_count() {
     let dir = TempDir::new("info");
     let cfg = write_config(dir.path(), "");
-    let out = trainer(&["info", "--config", &cfg, "--set", "model.arch=resnet152", "--set", "model.num_classes=1000", "--set", "model.stem=imagenet", "--set", "data.image_size=224", "--set", "data.val_resize=256", "--set", "train.batch_size=2"]);
+    let out = trainer(&[
+        "info",
+        "--config",
+        &cfg,
+        "--set",
+        "model.arch=resnet152",
+        "--set",
+        "model.num_classes=1000",
+        "--set",
+        "model.stem=imagenet",
+        "--set",
+        "data.image_size=224",
+        "--set",
+        "data.val_resize=256",
+        "--set",
+        "train.batch_size=2",
+    ]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(text.contains("parameters: 60192808"), "{text}");

@@ -46,7 +46,10 @@ pub struct TempDir(pub PathBuf);
 
 impl TempDir {
     pub fn new(tag: &str) -> Self {
-        let p = std::env::temp_dir().join(format!("trainer-test-{}-{tag}-{:?}", std::process::id(), std::thread::current().id()).replace(['(', ')'], ""));
+        let p = std::env::temp_dir().join(
+            format!("trainer-test-{}-{tag}-{:?}", std::process::id(), std::thread::current().id())
+                .replace(['(', ')'], ""),
+        );
         let _ = std::fs::remove_dir_all(&p);
         std::fs::create_dir_all(&p).expect("temp dir");
         Self(p)

@@ -8,7 +8,13 @@ use trainer::train;
 fn overfits_one_batch() {
     let dir = TempDir::new("overfit");
     // One batch of 16 samples seen 30 times: the loss must collapse.
-    let cfg = tiny(&["data.num_samples=16", "train.epochs=30", "optim.lr=0.02", "optim.weight_decay=0", "checkpoint.every_epochs=0"]);
+    let cfg = tiny(&[
+        "data.num_samples=16",
+        "train.epochs=30",
+        "optim.lr=0.02",
+        "optim.weight_decay=0",
+        "checkpoint.every_epochs=0",
+    ]);
     let s = train::train(&cfg, dir.path(), false).unwrap();
     assert_eq!(s.steps, 30);
     let first = s.losses[0];
@@ -114,7 +120,10 @@ fn fine_tuning_freezes_and_replaces_the_head() {
     let before = resnet::weights::read_safetensors(&weights).unwrap();
     let s = train::train(&cfg, &dir.path().join("ft"), false).unwrap();
     let after = resnet::weights::read_safetensors(&s.run_dir.join("model.safetensors")).unwrap();
-    let same = |k: &str| before[k].flatten_all().unwrap().to_vec1::<f32>().unwrap() == after[k].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let same = |k: &str| {
+        before[k].flatten_all().unwrap().to_vec1::<f32>().unwrap()
+            == after[k].flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    };
     assert!(same("conv1.weight") && same("layer1.1.conv2.weight") && same("bn1.weight"), "frozen tensors changed");
     assert!(same("layer2.0.bn1.running_mean"), "bn_frozen: running statistics changed");
     assert!(!same("layer2.0.conv1.weight"), "trainable tensors did not change");

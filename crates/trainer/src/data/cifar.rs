@@ -6,21 +6,10 @@ use rand_chacha::ChaCha8Rng;
 use std::path::Path;
 
 const RECORD: usize = 1 + 3 * 1024;
-const HINT: &str =
-    "; download https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz, extract it and point \
+const HINT: &str = "; download https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz, extract it and point \
                     data.dir at the cifar-10-batches-bin folder";
-pub const CLASSES: [&str; 10] = [
-    "airplane",
-    "automobile",
-    "bird",
-    "cat",
-    "deer",
-    "dog",
-    "frog",
-    "horse",
-    "ship",
-    "truck",
-];
+pub const CLASSES: [&str; 10] =
+    ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"];
 
 pub struct Cifar10 {
     /// Records of all files back to back: 1 label byte, then 1024 R, 1024 G, 1024 B bytes (row-major 32x32).
@@ -33,17 +22,11 @@ pub struct Cifar10 {
 impl Cifar10 {
     pub fn open(dir: &str, split: Split, transform: Transform) -> Result<Self, DataError> {
         if dir.is_empty() {
-            return Err(DataError::config(
-                "data.dir",
-                format!("is empty (cifar10 needs the binary batches){HINT}"),
-            ));
+            return Err(DataError::config("data.dir", format!("is empty (cifar10 needs the binary batches){HINT}")));
         }
         let root = Path::new(dir);
         if !root.is_dir() {
-            return Err(DataError::Missing {
-                path: format!("cifar10 data.dir {dir}"),
-                hint: HINT.into(),
-            });
+            return Err(DataError::Missing { path: format!("cifar10 data.dir {dir}"), hint: HINT.into() });
         }
         let names: Vec<String> = match split {
             Split::Train => (1..=5).map(|i| format!("data_batch_{i}.bin")).collect(),
@@ -53,37 +36,26 @@ impl Cifar10 {
         for name in names {
             let path = root.join(&name);
             if !path.is_file() {
-                return Err(DataError::Missing {
-                    path: format!("cifar10 file {}", path.display()),
-                    hint: HINT.into(),
-                });
+                return Err(DataError::Missing { path: format!("cifar10 file {}", path.display()), hint: HINT.into() });
             }
             let bytes = std::fs::read(&path).map_err(|e| DataError::io(&path, e))?;
             if bytes.is_empty() || bytes.len() % RECORD != 0 {
-                let msg = format!("size {} bytes is not a positive multiple of {RECORD} (truncated, or not the binary version?)", bytes.len());
+                let msg = format!(
+                    "size {} bytes is not a positive multiple of {RECORD} (truncated, or not the binary version?)",
+                    bytes.len()
+                );
                 return Err(DataError::format(&path, msg));
             }
-            if let Some((i, rec)) = bytes
-                .chunks_exact(RECORD)
-                .enumerate()
-                .find(|(_, r)| r[0] > 9)
-            {
+            if let Some((i, rec)) = bytes.chunks_exact(RECORD).enumerate().find(|(_, r)| r[0] > 9) {
                 return Err(DataError::format(
                     &path,
-                    format!(
-                        "record #{i} has label {} (CIFAR-10 labels are 0..=9)",
-                        rec[0]
-                    ),
+                    format!("record #{i} has label {} (CIFAR-10 labels are 0..=9)", rec[0]),
                 ));
             }
             files.push((name, data.len() / RECORD));
             data.extend_from_slice(&bytes);
         }
-        Ok(Self {
-            data,
-            files,
-            transform,
-        })
+        Ok(Self { data, files, transform })
     }
 
     /// The stored 32x32 image and label of record `index`.
@@ -108,12 +80,9 @@ impl Dataset for Cifar10 {
     }
 
     fn get(&self, index: usize, rng: &mut ChaCha8Rng) -> Result<(Vec<f32>, u32), DataError> {
-        let (img, label) = self.raw(index).ok_or_else(|| {
-            DataError::Loader(format!(
-                "cifar10 index {index} is out of range (len {})",
-                self.len()
-            ))
-        })?;
+        let (img, label) = self
+            .raw(index)
+            .ok_or_else(|| DataError::Loader(format!("cifar10 index {index} is out of range (len {})", self.len())))?;
         Ok((self.transform.apply(img, rng), label))
     }
 
@@ -164,11 +133,7 @@ mod tests {
     }
 
     fn transform() -> Transform {
-        Transform {
-            size: 32,
-            val_resize: 32,
-            augment: false,
-        }
+        Transform { size: 32, val_resize: 32, augment: false }
     }
 
     #[test]
@@ -190,30 +155,11 @@ mod tests {
         let want = record(2, 10);
         assert_eq!(denormalize(&x), want[1..]);
         let (img, _) = train.raw(4).unwrap();
-        assert_eq!(
-            img.get_pixel(5, 1).0,
-            [
-                want[1 + 32 + 5],
-                want[1 + 1024 + 32 + 5],
-                want[1 + 2048 + 32 + 5]
-            ]
-        );
+        assert_eq!(img.get_pixel(5, 1).0, [want[1 + 32 + 5], want[1 + 1024 + 32 + 5], want[1 + 2048 + 32 + 5]]);
         let (x, label) = val.get(3, &mut rng).unwrap();
-        assert_eq!(
-            (label, denormalize(&x)),
-            (((3 + 50) % 10) as u32, record(3, 50)[1..].to_vec())
-        );
+        assert_eq!((label, denormalize(&x)), (((3 + 50) % 10) as u32, record(3, 50)[1..].to_vec()));
         // Augmented and resized: right shape, label unchanged.
-        let big = Cifar10::open(
-            dir,
-            Split::Train,
-            Transform {
-                size: 48,
-                val_resize: 48,
-                augment: true,
-            },
-        )
-        .unwrap();
+        let big = Cifar10::open(dir, Split::Train, Transform { size: 48, val_resize: 48, augment: true }).unwrap();
         let (x, label) = big.get(4, &mut rng).unwrap();
         assert_eq!((x.len(), label), (3 * 48 * 48, 2));
     }
@@ -227,41 +173,20 @@ mod tests {
         let mut bytes = std::fs::read(&b3).unwrap();
         bytes.truncate(RECORD + 100);
         std::fs::write(&b3, &bytes).unwrap();
-        let e = Cifar10::open(dir, Split::Train, transform())
-            .err()
-            .unwrap()
-            .to_string();
+        let e = Cifar10::open(dir, Split::Train, transform()).err().unwrap().to_string();
         assert!(e.contains("data_batch_3.bin") && e.contains("3073"), "{e}");
 
         let tb = tmp.path().join("test_batch.bin");
         let mut bytes = std::fs::read(&tb).unwrap();
         bytes[RECORD] = 12;
         std::fs::write(&tb, &bytes).unwrap();
-        let e = Cifar10::open(dir, Split::Val, transform())
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(
-            e.contains("test_batch.bin") && e.contains("label 12"),
-            "{e}"
-        );
+        let e = Cifar10::open(dir, Split::Val, transform()).err().unwrap().to_string();
+        assert!(e.contains("test_batch.bin") && e.contains("label 12"), "{e}");
 
         std::fs::remove_file(&tb).unwrap();
-        let e = Cifar10::open(dir, Split::Val, transform())
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(
-            e.contains("test_batch.bin") && e.contains("cifar-10-binary.tar.gz"),
-            "{e}"
-        );
-        let e = Cifar10::open("/nonexistent/cifar", Split::Val, transform())
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(
-            e.contains("/nonexistent/cifar") && e.contains("cifar-10-batches-bin"),
-            "{e}"
-        );
+        let e = Cifar10::open(dir, Split::Val, transform()).err().unwrap().to_string();
+        assert!(e.contains("test_batch.bin") && e.contains("cifar-10-binary.tar.gz"), "{e}");
+        let e = Cifar10::open("/nonexistent/cifar", Split::Val, transform()).err().unwrap().to_string();
+        assert!(e.contains("/nonexistent/cifar") && e.contains("cifar-10-batches-bin"), "{e}");
     }
 }

@@ -16,10 +16,7 @@ pub struct ImageFolder {
 /// Sorted names of the class sub-folders of `dir` (hidden folders ignored); `key` is the config key naming it.
 pub fn class_names(dir: &str, key: &str) -> Result<Vec<String>, DataError> {
     if dir.is_empty() {
-        return Err(DataError::config(
-            key,
-            "is empty; set it to a folder with one sub-folder of images per class",
-        ));
+        return Err(DataError::config(key, "is empty; set it to a folder with one sub-folder of images per class"));
     }
     let root = Path::new(dir);
     if !root.is_dir() {
@@ -34,10 +31,7 @@ pub fn class_names(dir: &str, key: &str) -> Result<Vec<String>, DataError> {
     let mut classes = Vec::new();
     for entry in std::fs::read_dir(root).map_err(|e| DataError::io(root, e))? {
         let path = entry.map_err(|e| DataError::io(root, e))?.path();
-        let name = path
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
         if path.is_dir() && !name.starts_with('.') {
             classes.push(name);
         }
@@ -60,9 +54,7 @@ fn image_files(dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), DataError> {
     }
     entries.sort();
     for path in entries {
-        let ext = path
-            .extension()
-            .map(|e| e.to_string_lossy().to_ascii_lowercase());
+        let ext = path.extension().map(|e| e.to_string_lossy().to_ascii_lowercase());
         if path.is_dir() {
             image_files(&path, out)?;
         } else if ext.is_some_and(|e| EXTENSIONS.contains(&e.as_str())) {
@@ -74,12 +66,7 @@ fn image_files(dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), DataError> {
 
 impl ImageFolder {
     /// Opens `train_dir` or `val_dir` for `split`; when both are set their class folders must match.
-    pub fn open(
-        train_dir: &str,
-        val_dir: &str,
-        split: Split,
-        transform: Transform,
-    ) -> Result<Self, DataError> {
+    pub fn open(train_dir: &str, val_dir: &str, split: Split, transform: Transform) -> Result<Self, DataError> {
         let (dir, key, other, other_key) = match split {
             Split::Train => (train_dir, "data.train_dir", val_dir, "data.val_dir"),
             Split::Val => (val_dir, "data.val_dir", train_dir, "data.train_dir"),
@@ -89,12 +76,7 @@ impl ImageFolder {
             let others = class_names(other, other_key)?;
             if others != classes {
                 let only = |a: &[String], b: &[String]| {
-                    let v: Vec<&str> = a
-                        .iter()
-                        .filter(|c| !b.contains(c))
-                        .map(String::as_str)
-                        .take(5)
-                        .collect();
+                    let v: Vec<&str> = a.iter().filter(|c| !b.contains(c)).map(String::as_str).take(5).collect();
                     if v.is_empty() {
                         "-".to_string()
                     } else {
@@ -119,18 +101,11 @@ impl ImageFolder {
             let mut files = Vec::new();
             image_files(&class_dir, &mut files)?;
             if files.is_empty() {
-                return Err(DataError::format(
-                    &class_dir,
-                    "class folder has no .jpg/.jpeg/.png files",
-                ));
+                return Err(DataError::format(&class_dir, "class folder has no .jpg/.jpeg/.png files"));
             }
             samples.extend(files.into_iter().map(|f| (f, label as u32)));
         }
-        Ok(Self {
-            classes,
-            samples,
-            transform,
-        })
+        Ok(Self { classes, samples, transform })
     }
 
     pub fn path(&self, index: usize) -> Option<&Path> {
@@ -149,17 +124,11 @@ impl Dataset for ImageFolder {
 
     fn get(&self, index: usize, rng: &mut ChaCha8Rng) -> Result<(Vec<f32>, u32), DataError> {
         let (path, label) = self.samples.get(index).ok_or_else(|| {
-            DataError::Loader(format!(
-                "imagefolder index {index} is out of range (len {})",
-                self.len()
-            ))
+            DataError::Loader(format!("imagefolder index {index} is out of range (len {})", self.len()))
         })?;
         let bytes = std::fs::read(path).map_err(|e| DataError::io(path, e))?;
         let img = image::load_from_memory(&bytes)
-            .map_err(|e| DataError::Decode {
-                path: path.display().to_string(),
-                msg: one_line(&e.to_string()),
-            })?
+            .map_err(|e| DataError::Decode { path: path.display().to_string(), msg: one_line(&e.to_string()) })?
             .into_rgb8();
         Ok((self.transform.apply(img, rng), *label))
     }
@@ -195,13 +164,9 @@ pub(crate) mod tests {
             for (c, class) in ["dog", "cat", "emu"].iter().enumerate() {
                 let d = tmp.path().join(split).join(class);
                 std::fs::create_dir_all(d.join("nested")).unwrap();
-                solid(20 + c as u32, 16, 40 * c as u8)
-                    .save(d.join("a.png"))
-                    .unwrap();
+                solid(20 + c as u32, 16, 40 * c as u8).save(d.join("a.png")).unwrap();
                 solid(24, 30, 40 * c as u8).save(d.join("b.JPG")).unwrap();
-                solid(12, 12, 40 * c as u8)
-                    .save(d.join("nested/c.jpeg"))
-                    .unwrap();
+                solid(12, 12, 40 * c as u8).save(d.join("nested/c.jpeg")).unwrap();
                 std::fs::write(d.join("notes.txt"), "not an image").unwrap();
             }
         }
@@ -211,11 +176,7 @@ pub(crate) mod tests {
     }
 
     fn transform() -> Transform {
-        Transform {
-            size: 8,
-            val_resize: 10,
-            augment: false,
-        }
+        Transform { size: 8, val_resize: 10, augment: false }
     }
 
     #[test]
@@ -230,11 +191,7 @@ pub(crate) mod tests {
             let (x, label) = ds.get(i, &mut rng).unwrap();
             assert_eq!(x.len(), 3 * 8 * 8);
             let name = ["cat", "dog", "emu"][label as usize];
-            assert!(
-                ds.describe(i).contains(&format!("/train/{name}/")),
-                "{}",
-                ds.describe(i)
-            );
+            assert!(ds.describe(i).contains(&format!("/train/{name}/")), "{}", ds.describe(i));
         }
         assert!(ds.describe(2).ends_with("nested/c.jpeg"));
         let v = ImageFolder::open(&train, &val, Split::Val, transform()).unwrap();
@@ -246,46 +203,22 @@ pub(crate) mod tests {
         let tmp = TempDir::new("imgfolder-bad");
         let (train, val) = make_tree(&tmp);
         std::fs::create_dir_all(tmp.path().join("val/fox")).unwrap();
-        let e = ImageFolder::open(&train, &val, Split::Train, transform())
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(
-            e.contains("class folders differ") && e.contains("fox") && e.contains(&val),
-            "{e}"
-        );
-        let e = ImageFolder::open(&train, &val, Split::Val, transform())
-            .err()
-            .unwrap()
-            .to_string();
+        let e = ImageFolder::open(&train, &val, Split::Train, transform()).err().unwrap().to_string();
+        assert!(e.contains("class folders differ") && e.contains("fox") && e.contains(&val), "{e}");
+        let e = ImageFolder::open(&train, &val, Split::Val, transform()).err().unwrap().to_string();
         assert!(e.contains("fox"), "{e}");
-        let e = ImageFolder::open(&train, "", Split::Val, transform())
-            .err()
-            .unwrap()
-            .to_string();
+        let e = ImageFolder::open(&train, "", Split::Val, transform()).err().unwrap().to_string();
         assert!(e.contains("data.val_dir"), "{e}");
-        let e = ImageFolder::open("/nonexistent/imgs", "", Split::Train, transform())
-            .err()
-            .unwrap()
-            .to_string();
+        let e = ImageFolder::open("/nonexistent/imgs", "", Split::Train, transform()).err().unwrap().to_string();
         assert!(e.contains("/nonexistent/imgs"), "{e}");
         let empty = tmp.path().join("empty");
         std::fs::create_dir_all(empty.join("cls")).unwrap();
-        let e = ImageFolder::open(empty.to_str().unwrap(), "", Split::Train, transform())
-            .err()
-            .unwrap()
-            .to_string();
+        let e = ImageFolder::open(empty.to_str().unwrap(), "", Split::Train, transform()).err().unwrap().to_string();
         assert!(e.contains("empty/cls") && e.contains("no .jpg"), "{e}");
         std::fs::write(empty.join("loose.png"), b"x").unwrap();
         std::fs::remove_dir(empty.join("cls")).unwrap();
-        let e = ImageFolder::open(empty.to_str().unwrap(), "", Split::Train, transform())
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(
-            e.contains("no class sub-folders") && e.contains("empty"),
-            "{e}"
-        );
+        let e = ImageFolder::open(empty.to_str().unwrap(), "", Split::Train, transform()).err().unwrap().to_string();
+        assert!(e.contains("no class sub-folders") && e.contains("empty"), "{e}");
     }
 
     #[test]
@@ -296,8 +229,7 @@ pub(crate) mod tests {
         let mut junk = vec![0u8; 500];
         ChaCha8Rng::seed_from_u64(9).fill_bytes(&mut junk);
         std::fs::write(&bad, junk).unwrap();
-        let ds: Arc<dyn Dataset> =
-            Arc::new(ImageFolder::open(&train, &val, Split::Train, transform()).unwrap());
+        let ds: Arc<dyn Dataset> = Arc::new(ImageFolder::open(&train, &val, Split::Train, transform()).unwrap());
         assert_eq!(ds.len(), 10);
         let opts = |skip_corrupt| LoaderOptions {
             batch_size: 4,
@@ -310,19 +242,9 @@ pub(crate) mod tests {
             skip_batches: 0,
         };
         let results: Vec<_> = Loader::new(ds.clone(), opts(false)).collect();
-        let e = results
-            .iter()
-            .find_map(|r| r.as_ref().err())
-            .expect("an error")
-            .to_string();
-        assert!(
-            e.contains("cannot decode image") && e.contains(&bad.display().to_string()),
-            "{e}"
-        );
-        assert!(
-            results.last().unwrap().is_err(),
-            "iteration stops at the error"
-        );
+        let e = results.iter().find_map(|r| r.as_ref().err()).expect("an error").to_string();
+        assert!(e.contains("cannot decode image") && e.contains(&bad.display().to_string()), "{e}");
+        assert!(results.last().unwrap().is_err(), "iteration stops at the error");
 
         let batches: Vec<_> = Loader::new(ds, opts(true)).map(|b| b.unwrap()).collect();
         assert_eq!(batches.iter().map(|b| b.n).collect::<Vec<_>>(), [4, 4, 2]);

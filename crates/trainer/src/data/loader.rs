@@ -41,13 +41,7 @@ pub struct LoaderOptions {
 
 impl LoaderOptions {
     /// Options from the `[data]` section (workers, prefetch, on_corrupt), starting at batch 0.
-    pub fn from_config(
-        cfg: &DataSection,
-        batch_size: usize,
-        shuffle: bool,
-        seed: u64,
-        epoch: usize,
-    ) -> Self {
+    pub fn from_config(cfg: &DataSection, batch_size: usize, shuffle: bool, seed: u64, epoch: usize) -> Self {
         Self {
             batch_size,
             shuffle,
@@ -70,11 +64,7 @@ pub fn num_batches(len: usize, batch_size: usize) -> usize {
 pub fn epoch_order(len: usize, shuffle: bool, seed: u64, epoch: usize) -> Vec<usize> {
     let mut order: Vec<usize> = (0..len).collect();
     if shuffle {
-        order.shuffle(&mut ChaCha8Rng::seed_from_u64(mix_seed(&[
-            seed,
-            epoch as u64,
-            0x5348_5546,
-        ])));
+        order.shuffle(&mut ChaCha8Rng::seed_from_u64(mix_seed(&[seed, epoch as u64, 0x5348_5546])));
     }
     order
 }
@@ -122,10 +112,8 @@ impl Loader {
             {
                 Ok(pool) => pool,
                 Err(e) => {
-                    let _ = tx.send(Err(DataError::Loader(format!(
-                        "cannot start {} worker threads: {e}",
-                        opts.workers
-                    ))));
+                    let _ =
+                        tx.send(Err(DataError::Loader(format!("cannot start {} worker threads: {e}", opts.workers))));
                     return;
                 }
             };
@@ -136,35 +124,20 @@ impl Loader {
                 let slots = &order[b * bs..((b + 1) * bs).min(len)];
                 let t0 = Instant::now();
                 let batch = pool.install(|| load_batch(&*ds, slots, &opts, &stop2));
-                stats2
-                    .images
-                    .fetch_add(slots.len() as u64, Ordering::Relaxed);
-                stats2
-                    .nanos
-                    .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                stats2.images.fetch_add(slots.len() as u64, Ordering::Relaxed);
+                stats2.nanos.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
                 let failed = batch.is_err();
                 if tx.send(batch).is_err() || failed {
                     return;
                 }
             }
         };
-        let (rx, producer) = match std::thread::Builder::new()
-            .name("data-loader".into())
-            .spawn(work)
-        {
+        let (rx, producer) = match std::thread::Builder::new().name("data-loader".into()).spawn(work) {
             Ok(h) => (Some(rx), Some(h)),
             // The closure (and the sender) is gone: the iterator reports the failure below.
             Err(_) => (None, None),
         };
-        Self {
-            rx,
-            producer,
-            stop,
-            stats,
-            num_batches,
-            remaining: num_batches - first,
-            done: false,
-        }
+        Self { rx, producer, stop, stats, num_batches, remaining: num_batches - first, done: false }
     }
 
     /// Batches of the whole epoch, including skipped ones.
@@ -205,10 +178,8 @@ impl Iterator for Loader {
             }
             None => {
                 self.done = true;
-                let msg = format!(
-                    "producer thread stopped with {} of {} batches left",
-                    self.remaining, self.num_batches
-                );
+                let msg =
+                    format!("producer thread stopped with {} of {} batches left", self.remaining, self.num_batches);
                 Some(Err(DataError::Loader(msg)))
             }
         }
@@ -226,12 +197,7 @@ impl Drop for Loader {
     }
 }
 
-fn load_batch(
-    ds: &dyn Dataset,
-    slots: &[usize],
-    opts: &LoaderOptions,
-    stop: &AtomicBool,
-) -> Message {
+fn load_batch(ds: &dyn Dataset, slots: &[usize], opts: &LoaderOptions, stop: &AtomicBool) -> Message {
     let samples: Vec<_> = slots
         .par_iter()
         .map(|&i| {
@@ -251,30 +217,17 @@ fn load_batch(
             images.reserve(slots.len() * x.len());
         }
         if x.len() != 3 * size * size || x.is_empty() {
-            let msg = format!(
-                "{} gave {} values, expected 3 x {size} x {size}",
-                ds.describe(i),
-                x.len()
-            );
+            let msg = format!("{} gave {} values, expected 3 x {size} x {size}", ds.describe(i), x.len());
             return Err(DataError::Loader(msg));
         }
         images.extend_from_slice(&x);
         labels.push(y);
     }
-    Ok(HostBatch {
-        images,
-        n: labels.len(),
-        labels,
-        size,
-    })
+    Ok(HostBatch { images, n: labels.len(), labels, size })
 }
 
 /// Sample `index` with the slot's own RNG; when skipping, the next loadable index (wrapping) stands in.
-fn load_sample(
-    ds: &dyn Dataset,
-    index: usize,
-    opts: &LoaderOptions,
-) -> Result<(Vec<f32>, u32), DataError> {
+fn load_sample(ds: &dyn Dataset, index: usize, opts: &LoaderOptions) -> Result<(Vec<f32>, u32), DataError> {
     let len = ds.len();
     let mut first_error = None;
     for k in 0..len {
@@ -294,13 +247,8 @@ fn load_sample(
             },
         }
     }
-    let first = first_error.map_or_else(
-        || "all are known to be unreadable".to_string(),
-        |e| e.to_string(),
-    );
-    Err(DataError::Loader(format!(
-        "no sample of the {len} in the dataset could be loaded (first error: {first})"
-    )))
+    let first = first_error.map_or_else(|| "all are known to be unreadable".to_string(), |e| e.to_string());
+    Err(DataError::Loader(format!("no sample of the {len} in the dataset could be loaded (first error: {first})")))
 }
 
 fn bad_samples() -> &'static Mutex<HashSet<String>> {
@@ -314,17 +262,10 @@ fn is_known_bad(desc: &str) -> bool {
 
 /// One warning per unreadable sample per process.
 fn warn_once(desc: String, e: &DataError) {
-    let first = bad_samples()
-        .lock()
-        .map(|mut s| s.insert(desc.clone()))
-        .unwrap_or(true);
+    let first = bad_samples().lock().map(|mut s| s.insert(desc.clone())).unwrap_or(true);
     if first {
         let msg = e.to_string();
-        let what = if msg.contains(&desc) {
-            String::new()
-        } else {
-            format!("{desc}: ")
-        };
+        let what = if msg.contains(&desc) { String::new() } else { format!("{desc}: ") };
         eprintln!("warning: {what}{msg}; using the next readable sample instead (data.on_corrupt = \"skip\")");
     }
 }
@@ -371,31 +312,21 @@ mod tests {
     }
 
     fn labels(ds: &Arc<dyn Dataset>, o: LoaderOptions) -> Vec<u32> {
-        Loader::new(ds.clone(), o)
-            .flat_map(|b| b.unwrap().labels)
-            .collect()
+        Loader::new(ds.clone(), o).flat_map(|b| b.unwrap().labels).collect()
     }
 
     #[test]
     fn every_index_once_and_last_partial_batch_kept() {
-        let ds: Arc<dyn Dataset> = Arc::new(Indexed {
-            len: 23,
-            delay: Duration::ZERO,
-        });
+        let ds: Arc<dyn Dataset> = Arc::new(Indexed { len: 23, delay: Duration::ZERO });
         let loader = Loader::new(ds.clone(), opts(5, 0, 0, 2));
         assert_eq!(loader.num_batches(), 5);
         let batches: Vec<HostBatch> = loader.map(Result::unwrap).collect();
-        assert_eq!(
-            batches.iter().map(|b| b.n).collect::<Vec<_>>(),
-            [5, 5, 5, 5, 3]
-        );
+        assert_eq!(batches.iter().map(|b| b.n).collect::<Vec<_>>(), [5, 5, 5, 5, 3]);
         for b in &batches {
             assert_eq!((b.size, b.images.len(), b.labels.len()), (2, b.n * 12, b.n));
             // Image j of the batch belongs to its label.
             for (j, &l) in b.labels.iter().enumerate() {
-                assert!(b.images[j * 12..(j + 1) * 12]
-                    .iter()
-                    .all(|&v| v == l as f32));
+                assert!(b.images[j * 12..(j + 1) * 12].iter().all(|&v| v == l as f32));
             }
         }
         let mut seen: Vec<u32> = batches.iter().flat_map(|b| b.labels.clone()).collect();
@@ -405,43 +336,26 @@ mod tests {
         assert_eq!(num_batches(23, 5), 5);
         assert_eq!(num_batches(20, 5), 4);
         assert_eq!(num_batches(0, 5), 0);
-        let plain = LoaderOptions {
-            shuffle: false,
-            ..opts(5, 0, 0, 2)
-        };
+        let plain = LoaderOptions { shuffle: false, ..opts(5, 0, 0, 2) };
         assert_eq!(labels(&ds, plain), (0..23).collect::<Vec<_>>());
     }
 
     #[test]
     fn order_depends_on_seed_and_epoch_only() {
-        let ds: Arc<dyn Dataset> = Arc::new(Indexed {
-            len: 40,
-            delay: Duration::ZERO,
-        });
+        let ds: Arc<dyn Dataset> = Arc::new(Indexed { len: 40, delay: Duration::ZERO });
         let base = labels(&ds, opts(7, 1, 0, 1));
         assert_eq!(labels(&ds, opts(7, 1, 0, 3)), base);
-        assert_eq!(
-            labels(&ds, opts(4, 1, 0, 2)),
-            base,
-            "batch size does not change the order"
-        );
+        assert_eq!(labels(&ds, opts(4, 1, 0, 2)), base, "batch size does not change the order");
         assert_ne!(labels(&ds, opts(7, 1, 1, 1)), base);
         assert_ne!(labels(&ds, opts(7, 2, 0, 1)), base);
     }
 
     #[test]
     fn augmented_batches_identical_across_worker_counts() {
-        let t = Transform {
-            size: 16,
-            val_resize: 16,
-            augment: true,
-        };
+        let t = Transform { size: 16, val_resize: 16, augment: true };
         let ds: Arc<dyn Dataset> = Arc::new(Shapes::new(30, 10, t, 5, Split::Train));
         let run = |workers| -> Vec<u32> {
-            Loader::new(ds.clone(), opts(8, 3, 2, workers))
-                .flat_map(|b| b.unwrap().images)
-                .map(f32::to_bits)
-                .collect()
+            Loader::new(ds.clone(), opts(8, 3, 2, workers)).flat_map(|b| b.unwrap().images).map(f32::to_bits).collect()
         };
         let one = run(1);
         assert_eq!(one.len(), 30 * 3 * 16 * 16);
@@ -450,72 +364,33 @@ mod tests {
         other_epoch.shuffle = false;
         let mut same_order = opts(8, 3, 2, 1);
         same_order.shuffle = false;
-        let imgs = |o| {
-            Loader::new(ds.clone(), o)
-                .flat_map(|b| b.unwrap().images)
-                .collect::<Vec<_>>()
-        };
-        assert_ne!(
-            imgs(other_epoch),
-            imgs(same_order),
-            "augmentation changes with the epoch"
-        );
+        let imgs = |o| Loader::new(ds.clone(), o).flat_map(|b| b.unwrap().images).collect::<Vec<_>>();
+        assert_ne!(imgs(other_epoch), imgs(same_order), "augmentation changes with the epoch");
     }
 
     #[test]
     fn skip_batches_resumes_mid_epoch() {
-        let ds: Arc<dyn Dataset> = Arc::new(Indexed {
-            len: 23,
-            delay: Duration::ZERO,
-        });
+        let ds: Arc<dyn Dataset> = Arc::new(Indexed { len: 23, delay: Duration::ZERO });
         let full = labels(&ds, opts(5, 9, 4, 2));
-        let loader = Loader::new(
-            ds.clone(),
-            LoaderOptions {
-                skip_batches: 3,
-                ..opts(5, 9, 4, 2)
-            },
-        );
+        let loader = Loader::new(ds.clone(), LoaderOptions { skip_batches: 3, ..opts(5, 9, 4, 2) });
         assert_eq!(loader.num_batches(), 5);
         let rest: Vec<u32> = loader.flat_map(|b| b.unwrap().labels).collect();
         assert_eq!(rest, full[15..]);
-        assert_eq!(
-            Loader::new(
-                ds,
-                LoaderOptions {
-                    skip_batches: 9,
-                    ..opts(5, 9, 4, 2)
-                }
-            )
-            .count(),
-            0
-        );
+        assert_eq!(Loader::new(ds, LoaderOptions { skip_batches: 9, ..opts(5, 9, 4, 2) }).count(), 0);
     }
 
     #[test]
     fn dropping_mid_epoch_does_not_hang() {
         let (done_tx, done_rx) = crossbeam_channel::bounded(1);
         std::thread::spawn(move || {
-            let ds: Arc<dyn Dataset> = Arc::new(Indexed {
-                len: 10_000,
-                delay: Duration::from_millis(1),
-            });
-            let mut loader = Loader::new(
-                ds,
-                LoaderOptions {
-                    prefetch: 1,
-                    ..opts(16, 0, 0, 2)
-                },
-            );
+            let ds: Arc<dyn Dataset> = Arc::new(Indexed { len: 10_000, delay: Duration::from_millis(1) });
+            let mut loader = Loader::new(ds, LoaderOptions { prefetch: 1, ..opts(16, 0, 0, 2) });
             assert!(loader.next().unwrap().is_ok());
             assert!(loader.images_per_sec() > 0.0);
             drop(loader);
             let _ = done_tx.send(());
         });
-        assert!(
-            done_rx.recv_timeout(Duration::from_secs(10)).is_ok(),
-            "drop hung or panicked"
-        );
+        assert!(done_rx.recv_timeout(Duration::from_secs(10)).is_ok(), "drop hung or panicked");
     }
 
     struct Flaky;
@@ -529,10 +404,7 @@ mod tests {
         }
         fn get(&self, index: usize, _rng: &mut ChaCha8Rng) -> Result<(Vec<f32>, u32), DataError> {
             match index {
-                2 | 3 => Err(DataError::Decode {
-                    path: format!("/flaky/{index}.jpg"),
-                    msg: "bad".into(),
-                }),
+                2 | 3 => Err(DataError::Decode { path: format!("/flaky/{index}.jpg"), msg: "bad".into() }),
                 _ => Ok((vec![0.0; 3], index as u32)),
             }
         }
@@ -544,18 +416,12 @@ mod tests {
     #[test]
     fn corrupt_samples_error_or_are_replaced_deterministically() {
         let ds: Arc<dyn Dataset> = Arc::new(Flaky);
-        let plain = LoaderOptions {
-            shuffle: false,
-            ..opts(4, 0, 0, 2)
-        };
+        let plain = LoaderOptions { shuffle: false, ..opts(4, 0, 0, 2) };
         let first: Vec<_> = Loader::new(ds.clone(), plain.clone()).collect();
         assert_eq!(first.len(), 1);
         let e = first[0].as_ref().unwrap_err().to_string();
         assert_eq!(e, "cannot decode image /flaky/2.jpg: bad");
-        let skip = LoaderOptions {
-            skip_corrupt: true,
-            ..plain
-        };
+        let skip = LoaderOptions { skip_corrupt: true, ..plain };
         assert_eq!(labels(&ds, skip.clone()), [0, 1, 4, 4, 4, 5]);
         assert_eq!(labels(&ds, skip), [0, 1, 4, 4, 4, 5]);
     }

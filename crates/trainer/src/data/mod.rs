@@ -54,24 +54,15 @@ pub enum DataError {
 
 impl DataError {
     pub(crate) fn io(path: &Path, e: std::io::Error) -> Self {
-        DataError::Io {
-            path: path.display().to_string(),
-            msg: one_line(&e.to_string()),
-        }
+        DataError::Io { path: path.display().to_string(), msg: one_line(&e.to_string()) }
     }
 
     pub(crate) fn format(path: &Path, msg: impl Into<String>) -> Self {
-        DataError::Format {
-            path: path.display().to_string(),
-            msg: msg.into(),
-        }
+        DataError::Format { path: path.display().to_string(), msg: msg.into() }
     }
 
     pub(crate) fn config(key: &str, msg: impl Into<String>) -> Self {
-        DataError::Config {
-            key: key.to_string(),
-            msg: msg.into(),
-        }
+        DataError::Config { key: key.to_string(), msg: msg.into() }
     }
 }
 
@@ -105,12 +96,7 @@ pub trait Dataset: Send + Sync {
 /// Opens the dataset of `cfg.kind` for `split`. `num_classes` sets the classes of "synthetic" and "shapes"; CIFAR-10
 /// always has 10 and an image folder one per sub-folder (the caller checks them against the model's head).
 /// `seed` fixes the generated datasets' contents.
-pub fn open(
-    cfg: &DataSection,
-    split: Split,
-    seed: u64,
-    num_classes: usize,
-) -> Result<Arc<dyn Dataset>, DataError> {
+pub fn open(cfg: &DataSection, split: Split, seed: u64, num_classes: usize) -> Result<Arc<dyn Dataset>, DataError> {
     let transform = Transform::new(cfg, split)?;
     let generated_len = match split {
         Split::Train => cfg.num_samples,
@@ -121,27 +107,10 @@ pub fn open(
         return Err(DataError::config("model.num_classes", "must be at least 1"));
     }
     Ok(match cfg.kind.as_str() {
-        "synthetic" => Arc::new(Synthetic::new(
-            generated_len,
-            num_classes,
-            cfg.image_size,
-            seed,
-            split,
-        )),
-        "shapes" => Arc::new(Shapes::new(
-            generated_len,
-            num_classes,
-            transform,
-            seed,
-            split,
-        )),
+        "synthetic" => Arc::new(Synthetic::new(generated_len, num_classes, cfg.image_size, seed, split)),
+        "shapes" => Arc::new(Shapes::new(generated_len, num_classes, transform, seed, split)),
         "cifar10" => Arc::new(Cifar10::open(&cfg.dir, split, transform)?),
-        "imagefolder" => Arc::new(ImageFolder::open(
-            &cfg.train_dir,
-            &cfg.val_dir,
-            split,
-            transform,
-        )?),
+        "imagefolder" => Arc::new(ImageFolder::open(&cfg.train_dir, &cfg.val_dir, split, transform)?),
         other => {
             return Err(DataError::config(
                 "data.kind",
@@ -175,8 +144,7 @@ pub(crate) mod test_util {
         pub fn new(tag: &str) -> Self {
             static N: AtomicUsize = AtomicUsize::new(0);
             let n = N.fetch_add(1, Ordering::Relaxed);
-            let dir =
-                std::env::temp_dir().join(format!("trainer-data-{tag}-{}-{n}", std::process::id()));
+            let dir = std::env::temp_dir().join(format!("trainer-data-{tag}-{}-{n}", std::process::id()));
             let _ = std::fs::remove_dir_all(&dir);
             std::fs::create_dir_all(&dir).expect("create temp dir");
             TempDir(dir)
@@ -221,15 +189,9 @@ mod tests {
         };
         assert_eq!(open(&cfg, Split::Train, 0, 10).unwrap().len(), 50);
         assert_eq!(open(&cfg, Split::Val, 0, 10).unwrap().len(), 10);
-        let tiny = DataSection {
-            num_samples: 3,
-            ..cfg.clone()
-        };
+        let tiny = DataSection { num_samples: 3, ..cfg.clone() };
         assert_eq!(open(&tiny, Split::Val, 0, 10).unwrap().len(), 1);
-        let bad = DataSection {
-            kind: "mnist".into(),
-            ..cfg
-        };
+        let bad = DataSection { kind: "mnist".into(), ..cfg };
         let e = open(&bad, Split::Train, 0, 10).err().unwrap().to_string();
         assert!(e.contains("data.kind") && e.contains("mnist"), "{e}");
     }

@@ -18,20 +18,8 @@ pub struct Shapes {
 }
 
 impl Shapes {
-    pub fn new(
-        len: usize,
-        num_classes: usize,
-        transform: Transform,
-        seed: u64,
-        split: Split,
-    ) -> Self {
-        Self {
-            len,
-            num_classes: num_classes.max(1),
-            transform,
-            seed,
-            split,
-        }
+    pub fn new(len: usize, num_classes: usize, transform: Transform, seed: u64, split: Split) -> Self {
+        Self { len, num_classes: num_classes.max(1), transform, seed, split }
     }
 
     /// The raw (un-augmented) image of sample `index`, at image_size.
@@ -39,27 +27,12 @@ impl Shapes {
         let s = self.transform.size;
         let k = self.num_classes as f32;
         let c = (index % self.num_classes) as f32;
-        let mut rng = ChaCha8Rng::seed_from_u64(mix_seed(&[
-            self.seed,
-            self.split as u64,
-            index as u64,
-            0x5A,
-        ]));
-        let bg = hsv(
-            rng.random(),
-            rng.random_range(0.0..0.3),
-            rng.random_range(0.15..0.55),
-        );
-        let fg = hsv(
-            c / k + rng.random_range(-0.35..0.35) / k,
-            rng.random_range(0.6..1.0),
-            rng.random_range(0.65..1.0),
-        );
+        let mut rng = ChaCha8Rng::seed_from_u64(mix_seed(&[self.seed, self.split as u64, index as u64, 0x5A]));
+        let bg = hsv(rng.random(), rng.random_range(0.0..0.3), rng.random_range(0.15..0.55));
+        let fg =
+            hsv(c / k + rng.random_range(-0.35..0.35) / k, rng.random_range(0.6..1.0), rng.random_range(0.65..1.0));
         let dark = fg.map(|v| v * 0.45);
-        let (cx, cy) = (
-            rng.random_range(0.3..0.7) * s as f32,
-            rng.random_range(0.3..0.7) * s as f32,
-        );
+        let (cx, cy) = (rng.random_range(0.3..0.7) * s as f32, rng.random_range(0.3..0.7) * s as f32);
         let r = rng.random_range(0.28..0.42) * s as f32;
         let angle = PI * (c * 0.618_034).fract() + rng.random_range(-0.15..0.15);
         let (dx, dy) = (angle.cos(), angle.sin());
@@ -100,11 +73,7 @@ impl Dataset for Shapes {
 
     fn get(&self, index: usize, rng: &mut ChaCha8Rng) -> Result<(Vec<f32>, u32), DataError> {
         if index >= self.len {
-            return Err(DataError::Loader(format!(
-                "{} is out of range (len {})",
-                self.describe(index),
-                self.len
-            )));
+            return Err(DataError::Loader(format!("{} is out of range (len {})", self.describe(index), self.len)));
         }
         let label = (index % self.num_classes) as u32;
         Ok((self.transform.apply(self.render(index), rng), label))
@@ -120,17 +89,7 @@ mod tests {
     use super::*;
 
     fn shapes(len: usize, split: Split, augment: bool) -> Shapes {
-        Shapes::new(
-            len,
-            10,
-            Transform {
-                size: 32,
-                val_resize: 32,
-                augment,
-            },
-            42,
-            split,
-        )
+        Shapes::new(len, 10, Transform { size: 32, val_resize: 32, augment }, 42, split)
     }
 
     #[test]
@@ -167,10 +126,7 @@ mod tests {
                 .map(f32::from)
                 .collect::<Vec<_>>()
         };
-        let (train, val) = (
-            shapes(300, Split::Train, false),
-            shapes(100, Split::Val, false),
-        );
+        let (train, val) = (shapes(300, Split::Train, false), shapes(100, Split::Val, false));
         let mut means = vec![vec![0f32; 192]; 10];
         for i in 0..train.len() {
             for (m, v) in means[i % 10].iter_mut().zip(thumb(train.render(i))) {
@@ -180,12 +136,7 @@ mod tests {
         let correct = (0..val.len())
             .filter(|&i| {
                 let t = thumb(val.render(i));
-                let dist = |m: &Vec<f32>| {
-                    m.iter()
-                        .zip(&t)
-                        .map(|(a, b)| (a - b) * (a - b))
-                        .sum::<f32>()
-                };
+                let dist = |m: &Vec<f32>| m.iter().zip(&t).map(|(a, b)| (a - b) * (a - b)).sum::<f32>();
                 let best = (0..10).min_by(|&a, &b| dist(&means[a]).total_cmp(&dist(&means[b])));
                 best == Some(i % 10)
             })

@@ -17,13 +17,7 @@ pub struct Synthetic {
 impl Synthetic {
     pub fn new(len: usize, num_classes: usize, image_size: usize, seed: u64, split: Split) -> Self {
         let size = u32::try_from(image_size).unwrap_or(u32::MAX);
-        Self {
-            len,
-            num_classes: num_classes.max(1),
-            size,
-            seed,
-            split,
-        }
+        Self { len, num_classes: num_classes.max(1), size, seed, split }
     }
 }
 
@@ -38,24 +32,12 @@ impl Dataset for Synthetic {
 
     fn get(&self, index: usize, _rng: &mut ChaCha8Rng) -> Result<(Vec<f32>, u32), DataError> {
         if index >= self.len {
-            return Err(DataError::Loader(format!(
-                "{} is out of range (len {})",
-                self.describe(index),
-                self.len
-            )));
+            return Err(DataError::Loader(format!("{} is out of range (len {})", self.describe(index), self.len)));
         }
-        let mut rng = ChaCha8Rng::seed_from_u64(mix_seed(&[
-            self.seed,
-            self.split as u64,
-            index as u64,
-            0x5157,
-        ]));
+        let mut rng = ChaCha8Rng::seed_from_u64(mix_seed(&[self.seed, self.split as u64, index as u64, 0x5157]));
         let mut img = RgbImage::new(self.size, self.size);
         rng.fill_bytes(&mut img);
-        Ok((
-            transforms::normalize(&img),
-            (index % self.num_classes) as u32,
-        ))
+        Ok((transforms::normalize(&img), (index % self.num_classes) as u32))
     }
 
     fn describe(&self, index: usize) -> String {
@@ -75,13 +57,7 @@ mod tests {
         assert_eq!((x.len(), y), (3 * 64, 1));
         assert_eq!(a.get(5, rng).unwrap().0, x);
         assert_ne!(a.get(6, rng).unwrap().0, x);
-        assert_ne!(
-            Synthetic::new(10, 4, 8, 7, Split::Val)
-                .get(5, rng)
-                .unwrap()
-                .0,
-            x
-        );
+        assert_ne!(Synthetic::new(10, 4, 8, 7, Split::Val).get(5, rng).unwrap().0, x);
         assert!(a.get(10, rng).is_err());
     }
 }

@@ -64,13 +64,7 @@ pub fn center_crop(img: &RgbImage, w: u32, h: u32) -> RgbImage {
 
 /// Zero padding of `p` pixels on every side.
 pub fn pad(img: &RgbImage, p: u32) -> RgbImage {
-    crop(
-        img,
-        -(p as i64),
-        -(p as i64),
-        img.width() + 2 * p,
-        img.height() + 2 * p,
-    )
+    crop(img, -(p as i64), -(p as i64), img.width() + 2 * p, img.height() + 2 * p)
 }
 
 pub fn hflip(img: &RgbImage) -> RgbImage {
@@ -78,13 +72,7 @@ pub fn hflip(img: &RgbImage) -> RgbImage {
 }
 
 /// Pads by `p` with zeros and takes a random `w` x `h` crop of the result (without building the padded image).
-pub fn pad_random_crop<R: Rng + ?Sized>(
-    img: &RgbImage,
-    p: u32,
-    w: u32,
-    h: u32,
-    rng: &mut R,
-) -> RgbImage {
+pub fn pad_random_crop<R: Rng + ?Sized>(img: &RgbImage, p: u32, w: u32, h: u32, rng: &mut R) -> RgbImage {
     let max_x = (img.width() + 2 * p).saturating_sub(w);
     let max_y = (img.height() + 2 * p).saturating_sub(h);
     let x = rng.random_range(0..=max_x) as i64 - p as i64;
@@ -94,11 +82,7 @@ pub fn pad_random_crop<R: Rng + ?Sized>(
 
 /// torchvision `RandomResizedCrop.get_params`: a window of scale (0.08, 1) of the area and aspect ratio (3/4, 4/3),
 /// 10 attempts, then a centre crop clamped to the ratio range. Returns (x, y, w, h).
-pub fn random_resized_crop_params<R: Rng + ?Sized>(
-    w: u32,
-    h: u32,
-    rng: &mut R,
-) -> (u32, u32, u32, u32) {
+pub fn random_resized_crop_params<R: Rng + ?Sized>(w: u32, h: u32, rng: &mut R) -> (u32, u32, u32, u32) {
     const SCALE: (f64, f64) = (0.08, 1.0);
     const RATIO: (f64, f64) = (3.0 / 4.0, 4.0 / 3.0);
     let area = w as f64 * h as f64;
@@ -155,19 +139,13 @@ impl Transform {
     pub fn new(cfg: &DataSection, split: Split) -> Result<Self, DataError> {
         let dim = |key: &str, v: usize| match u32::try_from(v) {
             Ok(v) if (1..=16384).contains(&v) => Ok(v),
-            _ => Err(DataError::config(
-                key,
-                format!("{v} is not an image size in 1..=16384"),
-            )),
+            _ => Err(DataError::config(key, format!("{v} is not an image size in 1..=16384"))),
         };
         let augment = match cfg.augment.as_str() {
             "standard" => split == Split::Train,
             "none" => false,
             other => {
-                return Err(DataError::config(
-                    "data.augment",
-                    format!("\"{other}\" is not one of none, standard"),
-                ))
+                return Err(DataError::config("data.augment", format!("\"{other}\" is not one of none, standard")))
             }
         };
         Ok(Self {
@@ -217,9 +195,7 @@ mod tests {
     use rand_chacha::ChaCha8Rng;
 
     fn ramp(w: u32, h: u32) -> RgbImage {
-        RgbImage::from_fn(w, h, |x, y| {
-            Rgb([(x * 7 + y) as u8, (y * 5) as u8, (x ^ y) as u8])
-        })
+        RgbImage::from_fn(w, h, |x, y| Rgb([(x * 7 + y) as u8, (y * 5) as u8, (x ^ y) as u8]))
     }
 
     #[test]
@@ -227,16 +203,9 @@ mod tests {
         let img = ramp(33, 20);
         assert_eq!(resize(img.clone(), 33, 20), img);
         assert_eq!(resize_shorter(img.clone(), 20), img);
-        let t = Transform {
-            size: 32,
-            val_resize: 32,
-            augment: false,
-        };
+        let t = Transform { size: 32, val_resize: 32, augment: false };
         let sq = ramp(32, 32);
-        assert_eq!(
-            t.geometry(sq.clone(), &mut ChaCha8Rng::seed_from_u64(0)),
-            sq
-        );
+        assert_eq!(t.geometry(sq.clone(), &mut ChaCha8Rng::seed_from_u64(0)), sq);
     }
 
     #[test]
@@ -245,9 +214,7 @@ mod tests {
         assert_eq!(resize_shorter(ramp(30, 45), 20).dimensions(), (20, 30));
         // A constant image stays constant through bilinear resampling.
         let flat = RgbImage::from_pixel(17, 9, Rgb([10, 200, 77]));
-        assert!(resize_shorter(flat, 30)
-            .pixels()
-            .all(|p| p.0 == [10, 200, 77]));
+        assert!(resize_shorter(flat, 30).pixels().all(|p| p.0 == [10, 200, 77]));
     }
 
     #[test]
@@ -295,27 +262,17 @@ mod tests {
         for (w, h) in [(100, 80), (10, 300), (300, 10), (1, 1)] {
             for _ in 0..50 {
                 let (x, y, cw, ch) = random_resized_crop_params(w, h, &mut rng);
-                assert!(
-                    cw > 0 && ch > 0 && x + cw <= w && y + ch <= h,
-                    "{w}x{h}: {x},{y} {cw}x{ch}"
-                );
+                assert!(cw > 0 && ch > 0 && x + cw <= w && y + ch <= h, "{w}x{h}: {x},{y} {cw}x{ch}");
             }
         }
-        assert_eq!(
-            random_resized_crop(&ramp(50, 40), 96, &mut rng).dimensions(),
-            (96, 96)
-        );
+        assert_eq!(random_resized_crop(&ramp(50, 40), 96, &mut rng).dimensions(), (96, 96));
     }
 
     #[test]
     fn transform_output_sizes() {
         let mut rng = ChaCha8Rng::seed_from_u64(2);
         for (size, augment) in [(32, true), (32, false), (96, true), (96, false)] {
-            let t = Transform {
-                size,
-                val_resize: size + 8,
-                augment,
-            };
+            let t = Transform { size, val_resize: size + 8, augment };
             for (w, h) in [(32, 32), (120, 70)] {
                 let out = t.apply(ramp(w, h), &mut rng);
                 assert_eq!(out.len(), 3 * (size * size) as usize);
@@ -325,23 +282,11 @@ mod tests {
 
     #[test]
     fn normalisation_values() {
-        let img = RgbImage::from_fn(2, 1, |x, _| {
-            if x == 0 {
-                Rgb([0, 255, 51])
-            } else {
-                Rgb([255, 0, 102])
-            }
-        });
+        let img = RgbImage::from_fn(2, 1, |x, _| if x == 0 { Rgb([0, 255, 51]) } else { Rgb([255, 0, 102]) });
         let v = normalize(&img);
         let expect = |p: f32, c: usize| (p / 255.0 - MEAN[c]) / STD[c];
-        let want = [
-            expect(0.0, 0),
-            expect(255.0, 0),
-            expect(255.0, 1),
-            expect(0.0, 1),
-            expect(51.0, 2),
-            expect(102.0, 2),
-        ];
+        let want =
+            [expect(0.0, 0), expect(255.0, 0), expect(255.0, 1), expect(0.0, 1), expect(51.0, 2), expect(102.0, 2)];
         for (a, b) in v.iter().zip(want) {
             assert!((a - b).abs() < 1e-6, "{v:?}");
         }
