@@ -109,7 +109,9 @@ fn topk_correct(logits: &Tensor, labels: &Tensor, k: usize) -> candle_core::Resu
     let target = logits.gather(&labels.unsqueeze(1)?, 1)?; // [n, 1]
                                                            // Rank of the target = number of logits strictly greater than it.
     let rank = logits.broadcast_gt(&target)?.to_dtype(DType::F32)?.sum(D::Minus1)?;
-    rank.lt(k as f64)?.to_dtype(DType::F32)?.sum_all()
+    // A NaN target logit compares false with everything: never count it as correct.
+    let finite = target.eq(&target)?.squeeze(1)?.to_dtype(DType::F32)?;
+    (rank.lt(k as f64)?.to_dtype(DType::F32)? * finite)?.sum_all()
 }
 
 pub struct Batch {
@@ -431,15 +433,12 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
         );
         bar.set_prefix(format!("{}/{}", epoch + 1, cfg.train.epochs));
         bar.set_position((state.batch_in_epoch / accum) as u64);
-        let mut loader = loader.peekable();
+        let mut loader = loader;
         let t_epoch = Instant::now();
         let mut epoch_images = 0usize;
         let mut t_log = Instant::now();
         let mut images_since_log = 0usize;
-        while loader.peek().is_some() {
-            if state.step >= total_steps {
-                break;
-            }
+        while state.step < total_steps {
             let mut micro = Vec::with_capacity(accum);
             for _ in 0..accum {
                 match loader.next() {
@@ -447,23 +446,29 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
                     None => break,
                 }
             }
+            if micro.is_empty() {
+                break;
+            }
             let lr = sched.lr(state.step);
             let out = runner.step(&micro, lr)?;
             state.batch_in_epoch += micro.len();
             state.step += 1;
-            if !out.loss.is_finite() && !runner.scaler.enabled {
+            // Without loss scaling a non-finite loss or gradient means the run diverged: stop, keep the checkpoints.
+            if (!out.loss.is_finite() || out.skipped) && !runner.scaler.enabled {
+                bar.finish_and_clear();
                 let last =
                     checkpoint::latest(&ckpt_dir).map(|p| p.display().to_string()).unwrap_or_else(|| "none yet".into());
+                let what = if out.loss.is_finite() {
+                    format!("gradient norm became {}", out.grad_norm)
+                } else {
+                    format!("loss became {}", out.loss)
+                };
                 bail!(
-                    "loss became {} at step {} (epoch {}, lr {lr:.3e}, {}): training stopped; last good checkpoint: {last}",
-                    out.loss,
+                    "{what} at step {} (epoch {}, lr {lr:.3e}, {}): training stopped; last good checkpoint: {last}",
                     state.step,
                     epoch + 1,
                     cfg.amp.dtype
                 );
-            }
-            if out.skipped && !runner.scaler.enabled {
-                eprintln!("warning: non-finite gradients at step {}: update skipped", state.step);
             }
             if !out.skipped {
                 state.meters.loss_sum += out.loss * out.samples as f64;
@@ -519,6 +524,9 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
         bar.finish_and_clear();
         let epoch_done = state.batch_in_epoch >= batches_per_epoch;
         let train_ips = epoch_images as f64 / t_epoch.elapsed().as_secs_f64();
+        // The loader's own rate (decode + augment time of its threads): it keeps the GPU fed while above train_ips.
+        let loader_ips = loader.images_per_sec();
+        drop(loader);
         let train_loss = state.meters.loss_sum / state.meters.seen.max(1) as f64;
         let train_top1 = 100.0 * state.meters.correct as f64 / state.meters.seen.max(1) as f64;
         let val =
@@ -526,10 +534,10 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
         metrics.write(&json!({
             "kind": "epoch", "epoch": epoch + 1, "step": state.step, "train_loss": train_loss, "train_top1": train_top1,
             "val_loss": val.map(|v| v.loss), "val_top1": val.map(|v| v.top1), "val_top5": val.map(|v| v.top5),
-            "img_per_s": train_ips, "complete": epoch_done,
+            "img_per_s": train_ips, "loader_img_per_s": loader_ips, "complete": epoch_done,
         }))?;
         eprintln!(
-            "epoch {}/{}: train loss {train_loss:.4} top1 {train_top1:.2}%{} | {train_ips:.1} img/s",
+            "epoch {}/{}: train loss {train_loss:.4} top1 {train_top1:.2}%{} | {train_ips:.1} img/s (loader {loader_ips:.0} img/s)",
             epoch + 1,
             cfg.train.epochs,
             val.map(|v| format!(" | val loss {:.4} top1 {:.2}% top5 {:.2}%", v.loss, v.top1, v.top5))
@@ -543,7 +551,7 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
         }
         let last = state.epoch >= cfg.train.epochs || state.step >= total_steps;
         if let Some(v) = val {
-            if state.best_top1.is_none_or(|b| v.top1 > b) {
+            if v.loss.is_finite() && state.best_top1.is_none_or(|b| v.top1 > b) {
                 state.best_top1 = Some(v.top1);
                 save(&runner, &mut state, &metrics, "best.safetensors")?;
             }

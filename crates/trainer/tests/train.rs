@@ -136,3 +136,28 @@ fn unknown_freeze_prefix_is_named() {
     let e = train::build_model(&cfg, &candle_core::Device::Cpu).unwrap_err().to_string();
     assert!(e.contains("layer9"), "{e}");
 }
+
+#[test]
+fn nan_loss_stops_and_keeps_the_last_good_checkpoint() {
+    let dir = TempDir::new("nan");
+    // Epoch 1 trains normally; from epoch 2 the learning rate is 5e7 and the loss blows up.
+    let cfg = tiny(&["train.epochs=3", "sched.name=\"multistep\"", "sched.milestones=[1]", "sched.gamma=1e9"]);
+    let e = train::train(&cfg, dir.path(), false).unwrap_err().to_string();
+    assert!(
+        (e.contains("loss became") || e.contains("gradient norm became")) && e.contains("last good checkpoint"),
+        "{e}"
+    );
+    let ck = trainer::checkpoint::latest(&dir.path().join("checkpoints")).unwrap();
+    assert!(e.contains(&ck.display().to_string()), "{e}");
+    let loaded = trainer::checkpoint::load(&ck).unwrap();
+    assert_eq!((loaded.state.epoch, loaded.state.step), (1, 4));
+    assert!(loaded.model.values().all(|t| t
+        .to_dtype(candle_core::DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .all(|v| v.is_finite())));
+}
