@@ -293,6 +293,66 @@ pub fn validate(model: &ResNet, ds: Arc<dyn Dataset>, cfg: &Config, prec: Precis
     })
 }
 
+/// Where training batches come from: the host loader, or (synthetic data on a GPU) random tensors made on the device.
+enum BatchSource {
+    Host(Loader, Device),
+    Device { device: Device, seed: u64, n: usize, size: usize, classes: usize, next: usize, batches: usize, t: f64 },
+}
+
+impl BatchSource {
+    fn new(cfg: &Config, ds: &Arc<dyn Dataset>, device: &Device, epoch: usize, skip: usize) -> Result<Self> {
+        let batches = data::num_batches(ds.len(), cfg.train.batch_size);
+        if cfg.data.kind == "synthetic" && device.is_cuda() {
+            let seed = cfg.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(epoch as u64);
+            return Ok(Self::Device {
+                device: device.clone(),
+                seed,
+                n: cfg.train.batch_size,
+                size: cfg.data.image_size,
+                classes: cfg.model.num_classes,
+                next: skip,
+                batches,
+                t: 0.0,
+            });
+        }
+        Ok(Self::Host(
+            Loader::new(ds.clone(), loader_options(cfg, cfg.train.batch_size, true, epoch, skip)),
+            device.clone(),
+        ))
+    }
+
+    fn images_per_sec(&self) -> f64 {
+        match self {
+            Self::Host(l, _) => l.images_per_sec(),
+            Self::Device { n, next, t, .. } => (*n * *next) as f64 / t.max(1e-9),
+        }
+    }
+}
+
+impl Iterator for BatchSource {
+    type Item = Result<Batch>;
+    fn next(&mut self) -> Option<Result<Batch>> {
+        match self {
+            Self::Host(l, dev) => l.next().map(|b| to_device(b?, dev)),
+            Self::Device { device, seed, n, size, classes, next, batches, t } => {
+                if *next >= *batches {
+                    return None;
+                }
+                let t0 = Instant::now();
+                let r = (|| -> Result<Batch> {
+                    device.set_seed(seed.wrapping_add(*next as u64 * 7919))?;
+                    let images = Tensor::randn(0f32, 1.0, (*n, 3, *size, *size), device)?;
+                    let labels = Tensor::rand(0f32, *classes as f32, *n, device)?.floor()?.to_dtype(DType::U32)?;
+                    Ok(Batch { images, labels, n: *n })
+                })();
+                *t += t0.elapsed().as_secs_f64();
+                *next += 1;
+                Some(r)
+            }
+        }
+    }
+}
+
 fn loader_options(cfg: &Config, batch_size: usize, shuffle: bool, epoch: usize, skip_batches: usize) -> LoaderOptions {
     LoaderOptions {
         batch_size,
@@ -423,8 +483,7 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
             break;
         }
         let epoch = state.epoch;
-        let loader =
-            Loader::new(train_ds.clone(), loader_options(cfg, cfg.train.batch_size, true, epoch, state.batch_in_epoch));
+        let mut loader = BatchSource::new(cfg, &train_ds, &device, epoch, state.batch_in_epoch)?;
         let bar = if show_progress { ProgressBar::new(steps_per_epoch as u64) } else { ProgressBar::hidden() };
         bar.set_style(
             ProgressStyle::with_template("epoch {prefix} [{bar:30}] {pos}/{len} {msg} eta {eta}")
@@ -433,7 +492,6 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
         );
         bar.set_prefix(format!("{}/{}", epoch + 1, cfg.train.epochs));
         bar.set_position((state.batch_in_epoch / accum) as u64);
-        let mut loader = loader;
         let t_epoch = Instant::now();
         let mut epoch_images = 0usize;
         let mut t_log = Instant::now();
@@ -442,7 +500,7 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
             let mut micro = Vec::with_capacity(accum);
             for _ in 0..accum {
                 match loader.next() {
-                    Some(b) => micro.push(to_device(b?, &device)?),
+                    Some(b) => micro.push(b?),
                     None => break,
                 }
             }
