@@ -2,9 +2,8 @@
 //! and peak device memory per dtype and batch size; out-of-memory batches are recorded, released, and skipped.
 
 use crate::config::Config;
-use crate::train::{build_model, select_device, Batch, StepRunner};
+use crate::train::{build_model, select_device, synthetic_batch, StepRunner};
 use anyhow::{Context, Result};
-use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -63,16 +62,6 @@ fn ordinal(cfg: &Config) -> u32 {
     cfg.device.strip_prefix("cuda:").and_then(|n| n.parse().ok()).unwrap_or(0)
 }
 
-/// Synthetic batch made on the device (no host transfer in the timed loop).
-fn synthetic(device: &Device, n: usize, size: usize, classes: usize, seed: u64) -> Result<Batch> {
-    if device.is_cuda() {
-        device.set_seed(seed)?;
-    }
-    let images = Tensor::randn(0f32, 1.0, (n, 3, size, size), device)?;
-    let labels = (Tensor::rand(0f32, classes as f32, n, device)?.floor()?.to_dtype(DType::U32))?;
-    Ok(Batch { images, labels, n })
-}
-
 fn is_oom(e: &anyhow::Error) -> bool {
     let s = format!("{e:#}").to_lowercase();
     s.contains("out of memory") || s.contains("out_of_memory")
@@ -98,7 +87,7 @@ pub fn bench_one(cfg: &Config, dtype: &str, bs: usize, warmup: usize, steps: usi
         let mem = if device.is_cuda() { PeakMemory::start(ordinal(&cfg)) } else { None };
         let model = build_model(&cfg, &device)?;
         let mut runner = StepRunner::new(&cfg, model)?;
-        let batch = synthetic(&device, bs, cfg.data.image_size, cfg.model.num_classes, cfg.seed)?;
+        let batch = synthetic_batch(&device, bs, cfg.data.image_size, cfg.model.num_classes, cfg.seed)?;
         let lr = cfg.optim.lr;
         for _ in 0..warmup {
             runner.step(std::slice::from_ref(&batch), lr)?;

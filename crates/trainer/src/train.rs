@@ -293,6 +293,16 @@ pub fn validate(model: &ResNet, ds: Arc<dyn Dataset>, cfg: &Config, prec: Precis
     })
 }
 
+/// Random images and labels made on the device itself (benchmarks, synthetic training on a GPU).
+pub fn synthetic_batch(device: &Device, n: usize, size: usize, classes: usize, seed: u64) -> Result<Batch> {
+    if device.is_cuda() {
+        device.set_seed(seed)?;
+    }
+    let images = Tensor::randn(0f32, 1.0, (n, 3, size, size), device)?;
+    let labels = Tensor::rand(0f32, classes as f32, n, device)?.floor()?.to_dtype(DType::U32)?;
+    Ok(Batch { images, labels, n })
+}
+
 /// Where training batches come from: the host loader, or (synthetic data on a GPU) random tensors made on the device.
 enum BatchSource {
     Host(Loader, Device),
@@ -339,12 +349,7 @@ impl Iterator for BatchSource {
                     return None;
                 }
                 let t0 = Instant::now();
-                let r = (|| -> Result<Batch> {
-                    device.set_seed(seed.wrapping_add(*next as u64 * 7919))?;
-                    let images = Tensor::randn(0f32, 1.0, (*n, 3, *size, *size), device)?;
-                    let labels = Tensor::rand(0f32, *classes as f32, *n, device)?.floor()?.to_dtype(DType::U32)?;
-                    Ok(Batch { images, labels, n: *n })
-                })();
+                let r = synthetic_batch(device, *n, *size, *classes, seed.wrapping_add(*next as u64 * 7919));
                 *t += t0.elapsed().as_secs_f64();
                 *next += 1;
                 Some(r)
@@ -390,7 +395,7 @@ pub fn open_data(cfg: &Config) -> Result<(Arc<dyn Dataset>, Arc<dyn Dataset>)> {
             train.num_classes()
         );
     }
-    if train.len() == 0 {
+    if train.is_empty() {
         bail!("the training set is empty");
     }
     Ok((train, val))
@@ -538,7 +543,7 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
             epoch_images += out.samples;
             images_since_log += out.samples;
             bar.inc(1);
-            if state.step % cfg.log.every_steps == 0 || state.step == total_steps {
+            if state.step.is_multiple_of(cfg.log.every_steps) || state.step == total_steps {
                 let ips = images_since_log as f64 / t_log.elapsed().as_secs_f64();
                 t_log = Instant::now();
                 images_since_log = 0;
@@ -573,7 +578,7 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
                     }
                 }
             }
-            if cfg.checkpoint.every_steps > 0 && state.step % cfg.checkpoint.every_steps == 0 {
+            if cfg.checkpoint.every_steps > 0 && state.step.is_multiple_of(cfg.checkpoint.every_steps) {
                 let name = checkpoint::step_name(state.step);
                 save(&runner, &mut state, &metrics, &name)?;
                 checkpoint::prune(&ckpt_dir, cfg.checkpoint.keep_last)?;
@@ -587,8 +592,11 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
         drop(loader);
         let train_loss = state.meters.loss_sum / state.meters.seen.max(1) as f64;
         let train_top1 = 100.0 * state.meters.correct as f64 / state.meters.seen.max(1) as f64;
-        let val =
-            if val_ds.len() > 0 { Some(validate(&runner.model, val_ds.clone(), cfg, runner.precision)?) } else { None };
+        let val = if !val_ds.is_empty() {
+            Some(validate(&runner.model, val_ds.clone(), cfg, runner.precision)?)
+        } else {
+            None
+        };
         metrics.write(&json!({
             "kind": "epoch", "epoch": epoch + 1, "step": state.step, "train_loss": train_loss, "train_top1": train_top1,
             "val_loss": val.map(|v| v.loss), "val_top1": val.map(|v| v.top1), "val_top5": val.map(|v| v.top5),
@@ -614,7 +622,7 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
                 save(&runner, &mut state, &metrics, "best.safetensors")?;
             }
         }
-        if last || (cfg.checkpoint.every_epochs > 0 && state.epoch % cfg.checkpoint.every_epochs == 0) {
+        if last || (cfg.checkpoint.every_epochs > 0 && state.epoch.is_multiple_of(cfg.checkpoint.every_epochs)) {
             let name = checkpoint::step_name(state.step);
             save(&runner, &mut state, &metrics, &name)?;
             checkpoint::prune(&ckpt_dir, cfg.checkpoint.keep_last)?;
