@@ -229,3 +229,50 @@ fn info_prints_stages_and_parameter_count() {
     assert!(text.contains("parameters: 60192808"), "{text}");
     assert!(text.contains("layer4   [2, 2048, 7, 7]"), "{text}");
 }
+
+#[test]
+fn bench_and_sweep_on_the_cpu() {
+    let dir = TempDir::new("bench");
+    let cfg = write_config(dir.path(), "");
+    let out = trainer(&[
+        "bench",
+        "--config",
+        &cfg,
+        "--dtypes",
+        "fp32,bf16",
+        "--batch-sizes",
+        "2,4",
+        "--warmup",
+        "1",
+        "--steps",
+        "1",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(text.lines().filter(|l| l.starts_with("BENCH_JSON")).count(), 4, "{text}");
+    assert!(text.lines().any(|l| l.starts_with("resnet18") && l.contains("bf16")), "{text}");
+    assert_error(&trainer(&["bench", "--config", &cfg, "--dtypes", "fp8"]), &["fp8"]);
+
+    let sweep = dir.path().join("sweep");
+    let out = trainer(&[
+        "sweep",
+        "--config",
+        &cfg,
+        "--batch-sizes",
+        "2,4",
+        "--warmup",
+        "1",
+        "--steps",
+        "1",
+        "--out",
+        sweep.to_str().unwrap(),
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("largest batch that fits: 4"), "{text}");
+    let csv = std::fs::read_to_string(sweep.join("sweep.csv")).unwrap();
+    assert_eq!(csv.lines().count(), 3, "{csv}");
+    assert!(csv.starts_with("arch,dtype,batch_size,img_per_s"));
+    assert!(sweep.join("sweep.png").is_file());
+    assert_error(&trainer(&["sweep", "--config", &cfg]), &["--batch-sizes"]);
+}
