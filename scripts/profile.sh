@@ -23,10 +23,10 @@ metrics=(
     l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum
     l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum
     sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
-    smsp__average_warp_latency_issue_stalled_memory_throttle
-    smsp__average_warp_latency_issue_stalled_long_scoreboard
-    smsp__average_warp_latency_issue_stalled_barrier
-    smsp__average_warp_latency_issue_stalled_math_pipe_throttle
+    smsp__average_warps_issue_stalled_memory_throttle_per_issue_active.ratio
+    smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio
+    smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio
+    smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio
 )
 m=$(IFS=,; echo "${metrics[*]}")
 # Skip the warm-up step's launches: profile kernels from the timed step only (one warm-up, one timed step).
@@ -44,9 +44,12 @@ if len(rows) < 3:
     sys.exit("profile: empty report")
 head, units, data = rows[0], rows[1], rows[2:]
 col = {h: i for i, h in enumerate(head)}
+# ncu picks one unit per column (second row): normalise times to ns and sizes to bytes.
+scale = {"ns": 1, "nsecond": 1, "us": 1e3, "usecond": 1e3, "ms": 1e6, "msecond": 1e6, "s": 1e9, "second": 1e9,
+         "byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12}
 def v(r, k):
     try:
-        return float(r[col[k]].replace(",", ""))
+        return float(r[col[k]].replace(",", "")) * scale.get(units[col[k]], 1)
     except (KeyError, ValueError):
         return float("nan")
 agg = collections.OrderedDict()
@@ -61,11 +64,11 @@ print("| kernel | n | time us | SM % peak | tensor pipe % | DRAM GB/s | sectors/
 print("|---|---|---|---|---|---|---|---|---|")
 for name, a in sorted(agg.items(), key=lambda kv: -kv[1]["gpu__time_duration.sum"]):
     n = a["n"]
-    t_ns = a["gpu__time_duration.sum"]  # ncu reports ns (see units row)
+    t_ns = a["gpu__time_duration.sum"]
     gbs = a["dram__bytes.sum"] / t_ns if t_ns else float("nan")
     spr = a["l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum"] / max(a["l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum"], 1)
     print(f"| {name} | {int(n)} | {t_ns / 1e3:.1f} | {a['sm__throughput.avg.pct_of_peak_sustained_elapsed'] / n:.1f} | "
           f"{a['sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active'] / n:.1f} | {gbs:.0f} | {spr:.1f} | "
-          f"{a['smsp__average_warp_latency_issue_stalled_memory_throttle'] / n:.2f} | {a['smsp__average_warp_latency_issue_stalled_long_scoreboard'] / n:.2f} |")
+          f"{a['smsp__average_warps_issue_stalled_memory_throttle_per_issue_active.ratio'] / n:.2f} | {a['smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio'] / n:.2f} |")
 PY
 exit $rc

@@ -112,7 +112,7 @@ pub fn bench_one(cfg: &Config, dtype: &str, bs: usize, warmup: usize, steps: usi
         }
         Err(e) => {
             r.oom = is_oom(&e);
-            r.error = Some(format!("{e:#}").replace('\n', " "));
+            r.error = Some(crate::one_line(&e));
         }
     }
     r

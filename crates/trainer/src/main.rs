@@ -100,8 +100,7 @@ enum Command {
 fn main() {
     if let Err(e) = run() {
         // One line: the chain of contexts, outermost first.
-        let msg = e.chain().map(|c| c.to_string()).collect::<Vec<_>>().join(": ");
-        eprintln!("error: {}", msg.replace('\n', " "));
+        eprintln!("error: {}", trainer::one_line(&e));
         std::process::exit(1);
     }
 }
