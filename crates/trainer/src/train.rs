@@ -212,17 +212,20 @@ impl StepRunner {
             });
             samples += b.n;
         }
-        let grads: Vec<Tensor> = acc
+        // All gradients in one flat FP32 buffer, unscaled in one pass: the inf/NaN check and the norm are then a
+        // single reduction, and the per-parameter gradients are views into the buffer.
+        let flat: Vec<Tensor> = acc
             .into_iter()
             .zip(&vars)
             .map(|(g, v)| match g {
-                Some(g) => Ok((g * (1.0 / scale))?),
-                None => Ok(v.as_tensor().zeros_like()?),
+                Some(g) => Ok(g.flatten_all()?),
+                None => Ok(v.as_tensor().zeros_like()?.flatten_all()?),
             })
             .collect::<Result<_>>()?;
+        let all = (Tensor::cat(&flat, 0)? * (1.0 / scale))?;
+        drop(flat);
         // Sum of squares of all unscaled gradients: non-finite iff some gradient is inf/NaN (or overflows).
-        let sq: Vec<Tensor> = grads.iter().map(|g| g.sqr()?.sum_all()).collect::<candle_core::Result<_>>()?;
-        let total_sq = Tensor::stack(&sq, 0)?.sum_all()?;
+        let total_sq = all.sqr()?.sum_all()?;
         let (loss_sum, correct_sum) =
             (loss_sum.ok_or_else(|| anyhow!("empty step"))?, correct_sum.ok_or_else(|| anyhow!("empty step"))?);
         let host: Vec<f32> = Tensor::stack(&[loss_sum.to_dtype(DType::F32)?, correct_sum, total_sq], 0)?.to_vec1()?;
@@ -237,11 +240,14 @@ impl StepRunner {
             } else {
                 1.0
             };
-            let grads = if coef < 1.0 {
-                grads.iter().map(|g| g * coef).collect::<candle_core::Result<Vec<_>>>()?
-            } else {
-                grads
-            };
+            let all = if coef < 1.0 { (all * coef)? } else { all };
+            let mut offset = 0;
+            let mut grads = Vec::with_capacity(vars.len());
+            for v in &vars {
+                let n = v.elem_count();
+                grads.push(all.narrow(0, offset, n)?.reshape(v.dims())?);
+                offset += n;
+            }
             self.opt.step(&grads, lr)?;
         }
         self.scaler.update(found_inf);
