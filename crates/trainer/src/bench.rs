@@ -58,10 +58,6 @@ impl PeakMemory {
     }
 }
 
-fn ordinal(cfg: &Config) -> u32 {
-    cfg.device.strip_prefix("cuda:").and_then(|n| n.parse().ok()).unwrap_or(0)
-}
-
 fn is_oom(e: &anyhow::Error) -> bool {
     let s = format!("{e:#}").to_lowercase();
     s.contains("out of memory") || s.contains("out_of_memory")
@@ -84,7 +80,7 @@ pub fn bench_one(cfg: &Config, dtype: &str, bs: usize, warmup: usize, steps: usi
     cfg.train.batch_size = bs;
     let run = || -> Result<(f64, Option<f64>)> {
         let device = select_device(&cfg.device)?;
-        let mem = if device.is_cuda() { PeakMemory::start(ordinal(&cfg)) } else { None };
+        let mem = if device.is_cuda() { PeakMemory::start(cfg.cuda_ordinal()) } else { None };
         let model = build_model(&cfg, &device)?;
         let mut runner = StepRunner::new(&cfg, model)?;
         let batch = synthetic_batch(&device, bs, cfg.data.image_size, cfg.model.num_classes, cfg.seed)?;

@@ -337,6 +337,22 @@ pub fn resolve_path(name: &str) -> Result<PathBuf> {
     bail!("config file `{name}` not found (looked at {})", tried.join(", "))
 }
 
+/// Parses a device spec: `Some(None)` for "cpu", `Some(Some(n))` for "cuda" (n = 0) or "cuda:n", `None` if invalid.
+pub fn parse_device(spec: &str) -> Option<Option<u32>> {
+    match spec {
+        "cpu" => Some(None),
+        "cuda" => Some(Some(0)),
+        s => s.strip_prefix("cuda:").and_then(|n| n.parse().ok()).map(Some),
+    }
+}
+
+impl Config {
+    /// The CUDA ordinal of `device` (0 for "cpu", which has none).
+    pub fn cuda_ordinal(&self) -> u32 {
+        parse_device(&self.device).flatten().unwrap_or(0)
+    }
+}
+
 /// Parses an override value as a TOML value, falling back to a plain string (`resnet18`, `cuda:0`).
 fn parse_value(raw: &str) -> toml::Value {
     let doc = format!("v = {raw}");
@@ -435,9 +451,8 @@ impl Config {
         one_of("amp.loss_scaling", &self.amp.loss_scaling, &["auto", "on", "off"])?;
         one_of("kernels.conv", &self.kernels.conv, &["fwdconv", "candle"])?;
         one_of("kernels.matmul", &self.kernels.matmul, &["cublas"])?;
-        let dev = self.device.as_str();
-        if !(dev == "cpu" || dev == "cuda" || dev.strip_prefix("cuda:").is_some_and(|n| n.parse::<usize>().is_ok())) {
-            bail!("device = \"{dev}\" is not one of cpu, cuda, cuda:N");
+        if parse_device(&self.device).is_none() {
+            bail!("device = \"{}\" is not one of cpu, cuda, cuda:N", self.device);
         }
         let positive = [
             ("model.num_classes", self.model.num_classes),

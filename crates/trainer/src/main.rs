@@ -147,13 +147,16 @@ fn train(a: TrainArgs) -> Result<()> {
     Ok(())
 }
 
+/// The config's model without `model.init_from` (eval loads its own weights; info needs none).
+fn bare_model(cfg: &Config, device: &candle_core::Device) -> Result<resnet::ResNet> {
+    let cfg = Config { model: config::ModelSection { init_from: String::new(), ..cfg.model.clone() }, ..cfg.clone() };
+    trainer::train::build_model(&cfg, device)
+}
+
 fn eval(c: ConfigArgs, ckpt: PathBuf) -> Result<()> {
     let (cfg, _) = c.load()?;
     let device = trainer::train::select_device(&cfg.device)?;
-    let model = trainer::train::build_model(
-        &Config { model: config::ModelSection { init_from: String::new(), ..cfg.model.clone() }, ..cfg.clone() },
-        &device,
-    )?;
+    let model = bare_model(&cfg, &device)?;
     // A trainer checkpoint, or plain weights in torchvision format.
     match trainer::checkpoint::load(&ckpt) {
         Ok(l) => resnet::weights::load_tensors(&model, &l.model, false)
@@ -176,10 +179,7 @@ fn eval(c: ConfigArgs, ckpt: PathBuf) -> Result<()> {
 
 fn info(c: ConfigArgs) -> Result<()> {
     let (cfg, _) = c.load()?;
-    let model = trainer::train::build_model(
-        &Config { model: config::ModelSection { init_from: String::new(), ..cfg.model.clone() }, ..cfg.clone() },
-        &candle_core::Device::Cpu,
-    )?;
+    let model = bare_model(&cfg, &candle_core::Device::Cpu)?;
     println!(
         "model: {} ({} stem, {} classes) at {}x{}",
         cfg.model.arch, cfg.model.stem, cfg.model.num_classes, cfg.data.image_size, cfg.data.image_size

@@ -17,17 +17,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-/// Parses `cpu`, `cuda`, `cuda:N`.
+/// Opens the device of a `cpu`, `cuda` or `cuda:N` spec.
 pub fn select_device(spec: &str) -> Result<Device> {
-    if spec == "cpu" {
-        return Ok(Device::Cpu);
-    }
-    let ordinal = match spec {
-        "cuda" => 0,
-        s => s
-            .strip_prefix("cuda:")
-            .and_then(|n| n.parse().ok())
-            .ok_or_else(|| anyhow!("device = \"{s}\": expected cpu, cuda or cuda:N"))?,
+    let ordinal = match crate::config::parse_device(spec) {
+        None => bail!("device = \"{spec}\": expected cpu, cuda or cuda:N"),
+        Some(None) => return Ok(Device::Cpu),
+        Some(Some(n)) => n as usize,
     };
     if !cfg!(feature = "cuda") {
         bail!(
@@ -467,13 +462,10 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
     }
     let mut metrics = MetricsWriter::open(&run_dir.join("metrics.jsonl"), metrics_keep)?;
     let telemetry = match (&device, cfg.telemetry.enabled) {
-        (Device::Cuda(_), true) => {
-            let ordinal = cfg.device.strip_prefix("cuda:").and_then(|n| n.parse().ok()).unwrap_or(0);
-            crate::telemetry::Telemetry::start(
-                ordinal,
-                std::time::Duration::from_millis(cfg.telemetry.interval_ms.max(50)),
-            )
-        }
+        (Device::Cuda(_), true) => crate::telemetry::Telemetry::start(
+            cfg.cuda_ordinal(),
+            std::time::Duration::from_millis(cfg.telemetry.interval_ms.max(50)),
+        ),
         _ => None,
     };
     let mut losses = Vec::new();
