@@ -24,6 +24,9 @@ pub enum ConvImpl {
     FwdConv = 0,
     /// candle's conv2d with candle's own backward (conv_transpose2d for grad-input): the baseline.
     Candle = 1,
+    /// Our implicit-GEMM tensor-core kernels over channels-last activations ([`conv2d_nhwc`]); the model runs
+    /// NHWC end to end. On the CPU (and for FP32) the same op is computed by candle's conv through permutes.
+    Custom = 2,
 }
 
 static CONV_IMPL: AtomicU8 = AtomicU8::new(ConvImpl::FwdConv as u8);
@@ -34,15 +37,16 @@ pub fn set_conv_impl(c: ConvImpl) {
 }
 
 pub fn conv_impl() -> ConvImpl {
-    if CONV_IMPL.load(Ordering::Relaxed) == ConvImpl::Candle as u8 {
-        ConvImpl::Candle
-    } else {
-        ConvImpl::FwdConv
+    match CONV_IMPL.load(Ordering::Relaxed) {
+        1 => ConvImpl::Candle,
+        2 => ConvImpl::Custom,
+        _ => ConvImpl::FwdConv,
     }
 }
 
 /// Convolution with the backward described above (or candle's, see [`set_conv_impl`]).
-/// x: (n, c_in, h, w), w: (c_out, c_in, k, k).
+/// x: (n, c_in, h, w), w: (c_out, c_in, k, k). NCHW always: [`ConvImpl::Custom`] is used through
+/// [`conv2d_nhwc`], which the model calls when it runs channels-last.
 pub fn conv2d(x: &Tensor, w: &Tensor, stride: usize, padding: usize) -> Result<Tensor> {
     if conv_impl() == ConvImpl::Candle {
         return x.conv2d(w, padding, stride, 1, 1);

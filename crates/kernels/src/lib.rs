@@ -6,9 +6,15 @@
 pub mod conv;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "cuda")]
+pub mod cuda_gemm;
+pub mod igemm;
+pub mod matmul;
 pub mod maxpool;
 
-pub use conv::{conv2d, set_conv_impl, ConvImpl};
+pub use conv::{conv2d, conv_impl, set_conv_impl, ConvImpl};
+pub use igemm::{conv2d_nhwc, conv2d_nhwc_reference};
+pub use matmul::{linear, matmul_impl, set_matmul_impl, MatmulImpl};
 pub use maxpool::{max_pool2d, MaxPool2d};
 
 /// Errors of this crate's ops.
