@@ -16,7 +16,7 @@ pub mod ptx {
 /// Module name under which candle caches the max-pool PTX (path under kernels/ without `.cu`).
 const MAXPOOL_MODULE: &str = "maxpool/01_direct";
 
-static POISON_OUTPUTS: AtomicBool = AtomicBool::new(false);
+pub(crate) static POISON_OUTPUTS: AtomicBool = AtomicBool::new(false);
 
 /// Testing aid: when on, every output buffer of these ops is filled with NaN before its kernel runs, so an
 /// element the kernel fails to write shows up as NaN instead of as stale memory. Costs one host-to-device copy
@@ -27,7 +27,7 @@ pub fn set_poison_outputs(on: bool) {
 
 /// Uninitialised device buffer of `len` elements (NaN-filled when poisoning is on); every kernel here writes
 /// all of its output elements.
-fn alloc_out<T: DeviceRepr + WithDType + 'static>(dev: &CudaDevice, len: usize) -> Result<CudaSlice<T>> {
+pub(crate) fn alloc_out<T: DeviceRepr + WithDType + 'static>(dev: &CudaDevice, len: usize) -> Result<CudaSlice<T>> {
     // SAFETY: the launch that follows writes every element (kernels/maxpool/01_direct.cu).
     let mut out = unsafe { dev.alloc::<T>(len)? };
     if POISON_OUTPUTS.load(Ordering::Relaxed) {
