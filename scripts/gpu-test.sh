@@ -16,7 +16,7 @@ main() {
     nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader || true
 
     bin="$(mktemp -d /tmp/gpu-bin.XXXXXX)"
-    for f in trainer gpu-tests; do
+    for f in trainer gpu-tests gpu-kernel-tests; do
         [ -f "$dist/$f.gz" ] || { echo "gpu-test: missing $dist/$f.gz (run scripts/package-gpu.sh)"; return 2; }
         gunzip -c "$dist/$f.gz" > "$bin/$f" && chmod +x "$bin/$f" || return 2
     done
@@ -28,7 +28,7 @@ main() {
     fi
     export LD_LIBRARY_PATH="$site/cu13/lib:$site/cudnn/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
-    for f in trainer gpu-tests; do
+    for f in trainer gpu-tests gpu-kernel-tests; do
         if ldd "$bin/$f" | grep -q "not found"; then
             echo "gpu-test: $f has unresolved libraries:"; ldd "$bin/$f" | grep "not found"; fails=$((fails + 1))
         fi
@@ -59,6 +59,15 @@ main() {
         echo "gpu-tests: FAILED ($((SECONDS - t0)) s)"; fails=$((fails + 1))
     fi
 
+    echo "== kernel tests: gpu-kernel-tests --test-threads=1 --nocapture (conv/matmul vs FP32 references)"
+    t0=$SECONDS
+    if RUST_BACKTRACE=1 "$bin/gpu-kernel-tests" --test-threads=1 --nocapture > "$out/gpu-kernel-tests.log" 2>&1; then
+        grep -E "^test |test result" "$out/gpu-kernel-tests.log"; echo "gpu-kernel-tests: ok ($((SECONDS - t0)) s)"
+    else
+        grep -E "^test |test result|Error|panicked" "$out/gpu-kernel-tests.log" | head -40
+        echo "gpu-kernel-tests: FAILED ($((SECONDS - t0)) s)"; fails=$((fails + 1))
+    fi
+
     local san
     san="$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)"
     if [ "${SANITIZE:-1}" = 1 ] && [ -n "$san" ]; then
@@ -67,6 +76,10 @@ main() {
         timeout 150 "$san" --tool memcheck --error-exitcode 99 "$bin/gpu-tests" --test-threads=1 \
             maxpool_cuda_matches_cpu maxpool_cuda_nan_matches_cpu > "$out/memcheck.log" 2>&1
         local rc=$?
+        timeout 200 "$san" --tool memcheck --error-exitcode 99 "$bin/gpu-kernel-tests" --test-threads=1 \
+            conv_awkward_shapes_match_reference matmul_matches_reference >> "$out/memcheck.log" 2>&1
+        local rc2=$?
+        [ "$rc" = 0 ] && rc=$rc2
         grep -E "^test |ERROR SUMMARY|test result" "$out/memcheck.log"
         case $rc in
             0) echo "memcheck: ok ($((SECONDS - t0)) s)" ;;

@@ -2,6 +2,8 @@
 # Build the CUDA binaries HERE (no GPU needed) and pack them for the GPU machine:
 #   dist/trainer.gz    release `trainer` with --features cuda, stripped
 #   dist/gpu-tests.gz  the tests/tests/gpu.rs test binary (cargo test --release --features cuda --test gpu)
+#   dist/gpu-kernel-tests.gz  the tests/tests/gpu_kernels.rs test binary (conv/matmul kernels vs references)
+#   dist/kernels-bench.gz     the kernel benchmark (crates/trainer/src/bin/kernels-bench.rs)
 #   dist/BUILD_INFO    commit, date and toolchain of the build
 # Then run `bash scripts/gpu-test.sh` on the GPU machine with dist/ carried along (docs/CUDA_BUILD.md).
 # Uses CARGO_TARGET_DIR=target-cuda unless set: a cold build takes ~9+ minutes on 2 cores (candle-kernels).
@@ -13,17 +15,26 @@ source scripts/setup-cuda.sh
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$repo/target-cuda}"
 max_mib="${DIST_MAX_MIB:-60}"
 
-echo "== cargo build --release -p trainer --features cuda"
+echo "== cargo build --release -p trainer --features cuda (trainer, kernels-bench)"
 cargo build --release -p trainer --features cuda
 
-echo "== cargo test --release --features cuda -p integration-tests --test gpu --no-run"
-tests_bin="$(cargo test --release --features cuda -p integration-tests --test gpu --no-run --message-format=json \
-    | python3 -c '
+
+# test_bin NAME: path of the integration test binary NAME built with the cuda feature.
+test_bin() {
+    cargo test --release --features cuda -p integration-tests --test "$1" --no-run --message-format=json \
+        | python3 -c '
 import json, sys
+name = sys.argv[1]
 exe = [m["executable"] for m in map(json.loads, sys.stdin)
-       if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "gpu" and m.get("executable")]
-print(exe[-1] if exe else "")')"
-[ -n "$tests_bin" ] && [ -x "$tests_bin" ] || { echo "package-gpu: GPU test binary not found" >&2; exit 1; }
+       if m.get("reason") == "compiler-artifact" and m["target"]["name"] == name and m.get("executable")]
+print(exe[-1] if exe else "")' "$1"
+}
+echo "== cargo test --release --features cuda -p integration-tests --test gpu --test gpu_kernels --no-run"
+tests_bin="$(test_bin gpu)"
+kernel_tests_bin="$(test_bin gpu_kernels)"
+for b in "$tests_bin" "$kernel_tests_bin"; do
+    [ -n "$b" ] && [ -x "$b" ] || { echo "package-gpu: GPU test binary not found" >&2; exit 1; }
+done
 
 rm -rf dist
 mkdir -p dist
@@ -34,6 +45,8 @@ pack() { # pack SRC NAME: strip a copy of SRC into dist/NAME, gzip it
 }
 pack "$CARGO_TARGET_DIR/release/trainer" trainer
 pack "$tests_bin" gpu-tests
+pack "$kernel_tests_bin" gpu-kernel-tests
+pack "$CARGO_TARGET_DIR/release/kernels-bench" kernels-bench
 {
     echo "commit: $(git rev-parse HEAD)$(git diff --quiet HEAD -- . ':!dist' 2>/dev/null || echo ' (with uncommitted changes)')"
     echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -m)"

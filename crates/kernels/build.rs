@@ -2,7 +2,8 @@
 //! generates `$OUT_DIR/ptx.rs`, which embeds them (`include_str!`) for `src/cuda.rs`. Without the feature it
 //! does nothing, so the default build needs no CUDA.
 //!
-//! Target: `-arch=compute_80`, i.e. PTX only, no cubin. candle loads its own kernels as PTX too, and the driver
+//! Target of the PTX files: `-arch=compute_80`, i.e. PTX only, no cubin (the tensor-core kernels under gemm/ and
+//! conv/ are fatbins instead, see below). candle loads its own kernels as PTX too, and the driver
 //! JIT-compiles PTX for the GPU it runs on (once per process, cached on disk by the driver), so one build runs on
 //! A100 (sm_80) and H100/H200 (sm_90). Nothing in these kernels needs sm_90 instructions (wgmma, TMA); when a
 //! kernel does, compile it for `sm_90a` as GPU.md says. The PTX ISA version is nvcc's (13.0 here), which the
@@ -46,21 +47,40 @@ fn main() {
         println!("cargo:rerun-if-changed={}", src.display());
         let module = rel.with_extension("").to_string_lossy().replace('\\', "/");
         let ident = module.to_uppercase().replace(|c: char| !c.is_ascii_alphanumeric(), "_");
-        let ptx = out_dir.join(format!("{}.ptx", module.replace('/', "__")));
-        let status = Command::new(&nvcc)
-            .args(["--ptx", "-arch=compute_80", "-O3", "-std=c++17", "-lineinfo"])
+        // The tensor-core kernels (gemm/, conv/) ship as a fatbin: SASS for sm_80 and sm_90 plus sm_90 PTX
+        // (no JIT at load, and the driver JIT-compiles that PTX for newer GPUs). The others stay PTX for
+        // candle's loader.
+        let fatbin = module.starts_with("gemm/") || module.starts_with("conv/");
+        let out = out_dir.join(format!("{}.{}", module.replace('/', "__"), if fatbin { "fatbin" } else { "ptx" }));
+        let mut cmd = Command::new(&nvcc);
+        if fatbin {
+            cmd.args([
+                "--fatbin",
+                "-gencode=arch=compute_80,code=sm_80",
+                "-gencode=arch=compute_90,code=[sm_90,compute_90]",
+            ]);
+        } else {
+            cmd.args(["--ptx", "-arch=compute_80"]);
+        }
+        let status = cmd
+            .args(["-O3", "-std=c++17", "-lineinfo"])
             .arg("-I")
             .arg(&src_root)
             .arg("-o")
-            .arg(&ptx)
+            .arg(&out)
             .arg(src)
             .status()
             .unwrap_or_else(|e| panic!("cannot run {} (source scripts/setup-cuda.sh first): {e}", nvcc.display()));
         if !status.success() {
             panic!("nvcc failed on {} ({status})", src.display());
         }
+        if fatbin {
+            writeln!(generated, "/// Fatbin (sm_80, sm_90, compute_90) of `kernels/{}`.", rel.display()).unwrap();
+            writeln!(generated, "pub const {ident}: &[u8] = include_bytes!({:?});", out.display().to_string()).unwrap();
+            continue;
+        }
         writeln!(generated, "/// PTX of `kernels/{}`.", rel.display()).unwrap();
-        writeln!(generated, "pub const {ident}: &str = include_str!({:?});", ptx.display().to_string()).unwrap();
+        writeln!(generated, "pub const {ident}: &str = include_str!({:?});", out.display().to_string()).unwrap();
         writeln!(registry, "    ({module:?}, {ident}),").unwrap();
     }
     registry.push_str("];\n");

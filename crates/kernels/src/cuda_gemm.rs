@@ -1,21 +1,696 @@
-//! CUDA launchers of the tensor-core GEMM and implicit-GEMM convolution kernels (`kernels/gemm/`).
+//! CUDA launchers and candle custom ops of the tensor-core GEMM (`kernels/gemm/01_mma_cp_async.cu`) and the
+//! implicit-GEMM channels-last convolution (`kernels/conv/01_implicit_gemm.cu`), both on `kernels/gemm/igemm.cuh`.
+//!
+//! The kernels ship as fatbins (SASS for sm_80/sm_90 + PTX) loaded once per device into a module cache here.
+//! Each launch picks a variant (block tile, vectorised or scalar loads, split-K) from the shape: see
+//! [`choose`]; [`set_forced_tile`] overrides the tile for benchmarks.
 
-use candle_core::{DType, Result, Tensor};
+use crate::cuda::alloc_out;
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaModule, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
+use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
+use candle_core::{CpuStorage, CudaStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType};
+use half::{bf16, f16};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
 
-/// Whether [`conv2d_nhwc`] runs our kernels for this input (CUDA, BF16/FP16).
+/// Mirror of `ig::Shape` (kernels/gemm/igemm.cuh): passed to every kernel by value.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GemmShape {
+    pub m: i32,
+    pub n: i32,
+    pub k: i32,
+    pub lda: i32,
+    pub ldb: i32,
+    pub ldc: i32,
+    pub batch: i32,
+    pub h: i32,
+    pub w: i32,
+    pub c: i32,
+    pub ko: i32,
+    pub r: i32,
+    pub s: i32,
+    pub p: i32,
+    pub q: i32,
+    pub stride: i32,
+    pub pad: i32,
+    pub k_split: i32,
+    pub has_bias: i32,
+}
+
+// SAFETY: #[repr(C)] plain integers, laid out as the C struct the kernels take by value.
+unsafe impl DeviceRepr for GemmShape {}
+
+/// A block-tile variant of the kernels (the `t128` / `t64` part of a kernel name).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tile {
+    pub name: &'static str,
+    pub bm: usize,
+    pub bn: usize,
+    pub threads: u32,
+    pub smem: u32,
+}
+
+/// 128x128x32, 8 warps of 64x32, 4 stages.
+pub const T128: Tile = Tile { name: "t128", bm: 128, bn: 128, threads: 256, smem: 4 * (128 + 128) * 32 * 2 };
+/// 64x64x32, 4 warps of 32x32, 4 stages.
+pub const T64: Tile = Tile { name: "t64", bm: 64, bn: 64, threads: 128, smem: 4 * (64 + 64) * 32 * 2 };
+/// Every tile variant, for benchmarks and tests.
+pub const TILES: [Tile; 2] = [T128, T64];
+const BK: usize = 32;
+
+static FORCED_TILE: Mutex<Option<Tile>> = Mutex::new(None);
+
+/// Forces one tile variant for every later launch (`None`: the per-shape choice). Benchmarks and tests only;
+/// scalar (unaligned) shapes always run `t64`.
+pub fn set_forced_tile(t: Option<Tile>) {
+    *FORCED_TILE.lock().unwrap() = t;
+}
+
+/// Per-shape choice: the 128x128 tile when it yields at least one block per SM, else 64x64; split-K
+/// (`splits` > 1) when even 64x64 blocks cannot fill two waves and K is long. Returns (tile, k_split, splits).
+pub fn choose(m: usize, n: usize, k: usize, sms: usize, vec: bool, split_ok: bool) -> (Tile, usize, usize) {
+    let tiles = |t: Tile| m.div_ceil(t.bm) * n.div_ceil(t.bn);
+    let forced = *FORCED_TILE.lock().unwrap();
+    let tile = match forced {
+        _ if !vec => T64,
+        Some(t) => t,
+        None if tiles(T128) >= sms => T128,
+        None => T64,
+    };
+    let mut splits = 1;
+    if split_ok {
+        let blocks = tiles(tile);
+        let want = (2 * sms).div_ceil(blocks.max(1));
+        // Keep at least 8 k-tiles per split.
+        splits = want.min(k / (8 * BK)).max(1);
+    }
+    let k_split = k.div_ceil(splits).div_ceil(BK) * BK;
+    let splits = k.div_ceil(k_split.max(1)).max(1);
+    (tile, k_split.max(BK), splits)
+}
+
+type FuncKey = (usize, &'static str, String);
+
+fn module_cache() -> &'static Mutex<HashMap<(usize, &'static str), Arc<CudaModule>>> {
+    static M: OnceLock<Mutex<HashMap<(usize, &'static str), Arc<CudaModule>>>> = OnceLock::new();
+    M.get_or_init(Default::default)
+}
+
+fn func_cache() -> &'static Mutex<HashMap<FuncKey, CudaFunction>> {
+    static F: OnceLock<Mutex<HashMap<FuncKey, CudaFunction>>> = OnceLock::new();
+    F.get_or_init(Default::default)
+}
+
+fn dev_key(dev: &CudaDevice) -> usize {
+    Arc::as_ptr(dev.cuda_stream().context()) as usize
+}
+
+/// Loads (once per device) `name` from the fatbin `image` of `module`; opts in to `smem` bytes of dynamic
+/// shared memory when that is above the 48 KiB default.
+fn function(dev: &CudaDevice, module: &'static str, image: &'static [u8], name: &str, smem: u32) -> Result<CudaFunction> {
+    let key = (dev_key(dev), module, name.to_string());
+    if let Some(f) = func_cache().lock().unwrap().get(&key) {
+        return Ok(f.clone());
+    }
+    let md = {
+        let mut mods = module_cache().lock().unwrap();
+        match mods.get(&(key.0, module)) {
+            Some(m) => m.clone(),
+            None => {
+                let m = dev.cuda_stream().context().load_module(Ptx::from_binary(image.to_vec())).w()?;
+                mods.insert((key.0, module), m.clone());
+                m
+            }
+        }
+    };
+    let f = md.load_function(name).w()?;
+    if smem > 48 * 1024 {
+        f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).w()?;
+    }
+    func_cache().lock().unwrap().insert(key, f.clone());
+    Ok(f)
+}
+
+/// Number of SMs of the device (cached per device).
+pub fn sm_count(dev: &CudaDevice) -> Result<usize> {
+    static C: OnceLock<Mutex<HashMap<usize, usize>>> = OnceLock::new();
+    let key = dev_key(dev);
+    let cache = C.get_or_init(Default::default);
+    if let Some(v) = cache.lock().unwrap().get(&key) {
+        return Ok(*v);
+    }
+    let v = dev.cuda_stream().context().attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).w()?
+        as usize;
+    cache.lock().unwrap().insert(key, v);
+    Ok(v)
+}
+
+const CONV_MODULE: &str = "conv/01_implicit_gemm";
+const GEMM_MODULE: &str = "gemm/01_mma_cp_async";
+
+fn conv_image() -> &'static [u8] {
+    crate::cuda::ptx::CONV_01_IMPLICIT_GEMM
+}
+fn gemm_image() -> &'static [u8] {
+    crate::cuda::ptx::GEMM_01_MMA_CP_ASYNC
+}
+
+fn i32_of(v: usize, op: &str, what: &str) -> Result<i32> {
+    i32::try_from(v).map_err(|_| candle_core::Error::Msg(format!("{op} (cuda): {what} = {v} exceeds i32")))
+}
+
+fn suffix(dt: DType, op: &str) -> Result<&'static str> {
+    Ok(match dt {
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        other => candle_core::bail!("{op} (cuda): unsupported dtype {other:?} (bf16, f16 only)"),
+    })
+}
+
+fn contiguous(l: &Layout, op: &str, what: &str) -> Result<(usize, usize)> {
+    match l.contiguous_offsets() {
+        Some((a, b)) if a % 8 == 0 => Ok((a, b)),
+        _ => candle_core::bail!("{op} (cuda): {what} must be contiguous and 16-byte aligned, got {l:?}"),
+    }
+}
+
+fn blocks(tile: Tile, m: usize, n: usize, splits: usize, op: &str) -> Result<LaunchConfig> {
+    let gy = m.div_ceil(tile.bm).max(1);
+    let gn = n.div_ceil(tile.bn).max(1);
+    if gn > 65535 || splits > 65535 {
+        candle_core::bail!("{op} (cuda): grid {gy}x{gn}x{splits} too large");
+    }
+    Ok(LaunchConfig {
+        grid_dim: (i32_of(gy, op, "grid")? as u32, gn as u32, splits as u32),
+        block_dim: (tile.threads, 1, 1),
+        shared_mem_bytes: tile.smem,
+    })
+}
+
+fn reduce_cfg(len: usize) -> LaunchConfig {
+    let b = len.div_ceil(256).clamp(1, 1 << 16) as u32;
+    LaunchConfig { grid_dim: (b, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Convolution.
+
+/// Geometry of a channels-last convolution: x (n, h, w, c), w (ko, r, r, c), y (n, p, q, ko).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConvGeom {
+    pub n: usize,
+    pub h: usize,
+    pub w: usize,
+    pub c: usize,
+    pub ko: usize,
+    pub r: usize,
+    pub stride: usize,
+    pub pad: usize,
+}
+
+impl ConvGeom {
+    pub fn p(&self) -> usize {
+        (self.h + 2 * self.pad - self.r) / self.stride + 1
+    }
+    pub fn q(&self) -> usize {
+        (self.w + 2 * self.pad - self.r) / self.stride + 1
+    }
+    /// FLOPs of the forward pass (2 per multiply-add); grad-input and grad-weight cost the same.
+    pub fn flops(&self) -> f64 {
+        2.0 * (self.n * self.p() * self.q() * self.ko * self.r * self.r * self.c) as f64
+    }
+    fn shape(&self, op: &str) -> Result<GemmShape> {
+        let f = |v: usize, w: &str| i32_of(v, op, w);
+        // Every flat index the kernels form from these stays below the largest tensor, checked here.
+        f(self.n * self.h * self.w * self.c, "input size")?;
+        f(self.n * self.p() * self.q() * self.ko, "output size")?;
+        f(self.ko * self.r * self.r * self.c, "weight size")?;
+        Ok(GemmShape {
+            batch: f(self.n, "n")?,
+            h: f(self.h, "h")?,
+            w: f(self.w, "w")?,
+            c: f(self.c, "c")?,
+            ko: f(self.ko, "ko")?,
+            r: f(self.r, "r")?,
+            s: f(self.r, "s")?,
+            p: f(self.p(), "p")?,
+            q: f(self.q(), "q")?,
+            stride: f(self.stride, "stride")?,
+            pad: f(self.pad, "pad")?,
+            ..Default::default()
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ConvPass {
+    Fwd,
+    Dgrad,
+    Wgrad,
+}
+
+/// One pass of a channels-last convolution as a candle op (no backward of its own; [`ConvNhwc`] has the
+/// backward of the forward pass). Fwd: (x, w) -> y. Dgrad: (dy, w) -> dx. Wgrad: (dy, x) -> dw.
+#[derive(Debug, Clone, Copy)]
+struct ConvOp {
+    geom: ConvGeom,
+    pass: ConvPass,
+}
+
+impl ConvOp {
+    fn name_of(&self) -> &'static str {
+        match self.pass {
+            ConvPass::Fwd => "conv2d_nhwc_fwd",
+            ConvPass::Dgrad => "conv2d_nhwc_dgrad",
+            ConvPass::Wgrad => "conv2d_nhwc_wgrad",
+        }
+    }
+
+    fn launch<T: CudaDType + DeviceRepr + WithDType + 'static>(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let op = self.name_of();
+        let g = self.geom;
+        let dev = &s1.device;
+        let sms = sm_count(dev)?;
+        let (a0, a1) = contiguous(l1, op, "first input")?;
+        let (b0, b1) = contiguous(l2, op, "second input")?;
+        let v1 = s1.as_cuda_slice::<T>()?.slice(a0..a1);
+        let v2 = s2.as_cuda_slice::<T>()?.slice(b0..b1);
+        let sfx = suffix(T::DTYPE, op)?;
+        let mut sh = g.shape(op)?;
+        let (p, q) = (g.p(), g.q());
+        match self.pass {
+            ConvPass::Fwd => {
+                let (m, n, k) = (g.n * p * q, g.ko, g.r * g.r * g.c);
+                let vec = g.c % 8 == 0;
+                let (tile, _, _) = choose(m, n, k, sms, vec, false);
+                sh.m = i32_of(m, op, "M")?;
+                sh.n = i32_of(n, op, "N")?;
+                sh.k = i32_of(k, op, "K")?;
+                sh.ldb = sh.k;
+                sh.ldc = sh.n;
+                sh.k_split = i32_of(k.div_ceil(BK) * BK, op, "K")?;
+                let name = format!("conv_fwd_{}_{}_{sfx}", tile.name, if vec { "vec" } else { "scalar" });
+                let f = function(dev, CONV_MODULE, conv_image(), &name, tile.smem)?;
+                let y = alloc_out::<T>(dev, m * n)?;
+                let stream = dev.cuda_stream();
+                let mut b = stream.launch_builder(&f);
+                b.arg(&v1).arg(&v2).arg(&y).arg(&sh);
+                // SAFETY: (x, w, y, shape) as conv_fwd_* takes them; x holds n*h*w*c, w ko*r*r*c, y m*n elements.
+                unsafe { b.launch(blocks(tile, m, n, 1, op)?) }.w()?;
+                Ok((CudaStorage::wrap_cuda_slice(y, dev.clone()), Shape::from((g.n, p, q, g.ko))))
+            }
+            ConvPass::Dgrad => {
+                let (m, n, k) = (g.n * g.h * g.w, g.c, g.r * g.r * g.ko);
+                if g.c % 8 != 0 || g.ko % 8 != 0 {
+                    candle_core::bail!("{op} (cuda): channels {} -> {} must be multiples of 8", g.c, g.ko);
+                }
+                let (tile, _, _) = choose(m, n, k, sms, true, false);
+                sh.m = i32_of(m, op, "M")?;
+                sh.n = i32_of(n, op, "N")?;
+                sh.k = i32_of(k, op, "K")?;
+                sh.ldc = sh.n;
+                sh.k_split = i32_of(k.div_ceil(BK) * BK, op, "K")?;
+                let name = format!("conv_dgrad_{}_vec_{sfx}", tile.name);
+                let f = function(dev, CONV_MODULE, conv_image(), &name, tile.smem)?;
+                let dx = alloc_out::<T>(dev, m * n)?;
+                let stream = dev.cuda_stream();
+                let mut b = stream.launch_builder(&f);
+                b.arg(&v1).arg(&v2).arg(&dx).arg(&sh);
+                // SAFETY: (dy, w, dx, shape) as conv_dgrad_* takes them; sizes from the checked geometry.
+                unsafe { b.launch(blocks(tile, m, n, 1, op)?) }.w()?;
+                Ok((CudaStorage::wrap_cuda_slice(dx, dev.clone()), Shape::from((g.n, g.h, g.w, g.c))))
+            }
+            ConvPass::Wgrad => {
+                let (m, n, k) = (g.ko, g.r * g.r * g.c, g.n * p * q);
+                let vec = g.c % 8 == 0 && g.ko % 8 == 0;
+                let (tile, k_split, splits) = choose(m, n, k, sms, vec, true);
+                sh.m = i32_of(m, op, "M")?;
+                sh.n = i32_of(n, op, "N")?;
+                sh.k = i32_of(k, op, "K")?;
+                sh.lda = sh.ko;
+                sh.ldc = sh.n;
+                sh.k_split = i32_of(k_split, op, "k_split")?;
+                i32_of(splits * m * n, op, "split-K workspace")?;
+                let name = format!("conv_wgrad_{}_{}_{sfx}", tile.name, if vec { "vec" } else { "scalar" });
+                let f = function(dev, CONV_MODULE, conv_image(), &name, tile.smem)?;
+                // SAFETY: every (z, row < M, col < N) element is written by the block that owns its tile.
+                let ws = unsafe { dev.alloc::<f32>(splits * m * n)? };
+                let dw = alloc_out::<T>(dev, m * n)?;
+                let stream = dev.cuda_stream();
+                let mut b = stream.launch_builder(&f);
+                b.arg(&v1).arg(&v2).arg(&ws).arg(&sh);
+                // SAFETY: (dy, x, ws, shape) as conv_wgrad_* takes them; ws holds splits*m*n floats.
+                unsafe { b.launch(blocks(tile, m, n, splits, op)?) }.w()?;
+                let r = function(dev, CONV_MODULE, conv_image(), &format!("conv_splitk_reduce_{sfx}"), 0)?;
+                let mut b = stream.launch_builder(&r);
+                let (mn, sp) = (i32_of(m * n, op, "M*N")?, splits as i32);
+                b.arg(&ws).arg(&dw).arg(&mn).arg(&sp);
+                // SAFETY: (ws, out, mn, splits) as conv_splitk_reduce_* takes them.
+                unsafe { b.launch(reduce_cfg(m * n)) }.w()?;
+                Ok((CudaStorage::wrap_cuda_slice(dw, dev.clone()), Shape::from((g.ko, g.r, g.r, g.c))))
+            }
+        }
+    }
+}
+
+impl CustomOp2 for ConvOp {
+    fn name(&self) -> &'static str {
+        self.name_of()
+    }
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("{} runs on CUDA only (the CPU path is conv2d_nhwc_reference)", self.name_of())
+    }
+    fn cuda_fwd(&self, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<(CudaStorage, Shape)> {
+        if s1.dtype() != s2.dtype() {
+            candle_core::bail!("{} (cuda): operands are {:?} and {:?}", self.name_of(), s1.dtype(), s2.dtype());
+        }
+        match s1.dtype() {
+            DType::BF16 => self.launch::<bf16>(s1, l1, s2, l2),
+            DType::F16 => self.launch::<f16>(s1, l1, s2, l2),
+            other => candle_core::bail!("{} (cuda): unsupported dtype {other:?} (bf16, f16 only)", self.name_of()),
+        }
+    }
+}
+
+/// The differentiable forward op: (x, w) -> y, backward through [`conv_nhwc_dgrad`] and [`conv_nhwc_wgrad`].
+#[derive(Debug, Clone, Copy)]
+struct ConvNhwc {
+    geom: ConvGeom,
+}
+
+impl CustomOp2 for ConvNhwc {
+    fn name(&self) -> &'static str {
+        "conv2d_nhwc"
+    }
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        ConvOp { geom: self.geom, pass: ConvPass::Fwd }.cpu_fwd(s1, l1, s2, l2)
+    }
+    fn cuda_fwd(&self, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<(CudaStorage, Shape)> {
+        ConvOp { geom: self.geom, pass: ConvPass::Fwd }.cuda_fwd(s1, l1, s2, l2)
+    }
+    fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let dy = aligned(&dy.to_dtype(x.dtype())?)?;
+        let dx = if x.track_op() { Some(dgrad_geom(&dy, w, self.geom)?) } else { None };
+        let dw = if w.track_op() { Some(wgrad_geom(&dy, x, self.geom)?) } else { None };
+        Ok((dx, dw))
+    }
+}
+
+/// `t` contiguous and starting on a 16-byte boundary (what the vectorised loads need).
+fn aligned(t: &Tensor) -> Result<Tensor> {
+    let t = t.contiguous()?;
+    if t.layout().start_offset() % 8 == 0 {
+        Ok(t)
+    } else {
+        t.copy()
+    }
+}
+
+fn geom_of(x: &Tensor, w: &Tensor, stride: usize, pad: usize) -> Result<ConvGeom> {
+    let (n, h, wd, c) = x.dims4()?;
+    let (ko, r, _, _) = w.dims4()?;
+    Ok(ConvGeom { n, h, w: wd, c, ko, r, stride, pad })
+}
+
+fn dgrad_geom(dy: &Tensor, w: &Tensor, g: ConvGeom) -> Result<Tensor> {
+    if g.c % 8 != 0 || g.ko % 8 != 0 {
+        // Channel counts the vectorised kernel cannot take (the 3-channel stem, whose input needs no gradient
+        // in a model): candle's grad-input through permutes.
+        let dyn_ = dy.permute((0, 3, 1, 2))?.contiguous()?;
+        let wn = w.permute((0, 3, 1, 2))?.contiguous()?;
+        let p = crate::conv::Conv2dParams { stride: g.stride, padding: g.pad };
+        return crate::conv::conv2d_grad_input(&dyn_, &wn, p, (g.h, g.w))?.permute((0, 2, 3, 1))?.contiguous();
+    }
+    dy.apply_op2_no_bwd(&aligned(w)?, &ConvOp { geom: g, pass: ConvPass::Dgrad })
+}
+
+fn wgrad_geom(dy: &Tensor, x: &Tensor, g: ConvGeom) -> Result<Tensor> {
+    dy.apply_op2_no_bwd(&aligned(x)?, &ConvOp { geom: g, pass: ConvPass::Wgrad })
+}
+
+/// Whether [`crate::conv2d_nhwc`] runs our kernels for this input (CUDA, BF16/FP16).
 pub fn conv_supported(x: &Tensor) -> bool {
-    x.device().is_cuda() && matches!(x.dtype(), DType::BF16 | DType::F16) && false
+    x.device().is_cuda() && matches!(x.dtype(), DType::BF16 | DType::F16)
 }
 
-/// Whether [`linear`] runs our GEMM for this input (CUDA, BF16/FP16).
+/// Differentiable channels-last convolution on our kernels. x: (n, h, w, c), w: (ko, r, r, c) -> (n, p, q, ko).
+pub fn conv2d_nhwc(x: &Tensor, w: &Tensor, stride: usize, pad: usize) -> Result<Tensor> {
+    let geom = geom_of(x, w, stride, pad)?;
+    let x = aligned(x)?;
+    let w = aligned(w)?;
+    x.apply_op2(&w, ConvNhwc { geom })
+}
+
+/// Forward pass only (benchmarks, tests).
+pub fn conv_nhwc_fwd(x: &Tensor, w: &Tensor, stride: usize, pad: usize) -> Result<Tensor> {
+    let geom = geom_of(x, w, stride, pad)?;
+    aligned(x)?.apply_op2_no_bwd(&aligned(w)?, &ConvOp { geom, pass: ConvPass::Fwd })
+}
+
+/// Grad-input: dy (n, p, q, ko), w (ko, r, r, c) -> dx (n, h, w, c) for an input of `in_hw`.
+pub fn conv_nhwc_dgrad(dy: &Tensor, w: &Tensor, stride: usize, pad: usize, in_hw: (usize, usize)) -> Result<Tensor> {
+    let (n, _, _, ko) = dy.dims4()?;
+    let (_, r, _, c) = w.dims4()?;
+    let geom = ConvGeom { n, h: in_hw.0, w: in_hw.1, c, ko, r, stride, pad };
+    dgrad_geom(&aligned(dy)?, w, geom)
+}
+
+/// Grad-weight: dy (n, p, q, ko), x (n, h, w, c) -> dw (ko, r, r, c).
+pub fn conv_nhwc_wgrad(dy: &Tensor, x: &Tensor, r: usize, stride: usize, pad: usize) -> Result<Tensor> {
+    let (n, h, w, c) = x.dims4()?;
+    let ko = dy.dim(3)?;
+    let geom = ConvGeom { n, h, w, c, ko, r, stride, pad };
+    wgrad_geom(&aligned(dy)?, x, geom)
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Matmul.
+
+/// Operand layouts of the GEMM kernels (row-major storage): see kernels/gemm/01_mma_cp_async.cu.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemmLayout {
+    /// C[M][N] = A[M][K] B[N][K]^T (+ bias)
+    Nt,
+    /// C[M][N] = A[M][K] B[K][N]
+    Nn,
+    /// C[M][N] = A[K][M]^T B[K][N]
+    Tn,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct GemmOp {
+    layout: GemmLayout,
+    m: usize,
+    n: usize,
+    k: usize,
+}
+
+impl GemmOp {
+    fn launch<T: CudaDType + DeviceRepr + WithDType + 'static>(
+        &self,
+        a: (&CudaStorage, &Layout),
+        b: (&CudaStorage, &Layout),
+        bias: Option<(&CudaStorage, &Layout)>,
+    ) -> Result<(CudaStorage, Shape)> {
+        let op = "matmul";
+        let (m, n, k) = (self.m, self.n, self.k);
+        let dev = &a.0.device;
+        let sms = sm_count(dev)?;
+        let (a0, a1) = contiguous(a.1, op, "A")?;
+        let (b0, b1) = contiguous(b.1, op, "B")?;
+        let va = a.0.as_cuda_slice::<T>()?.slice(a0..a1);
+        let vb = b.0.as_cuda_slice::<T>()?.slice(b0..b1);
+        let sfx = suffix(T::DTYPE, op)?;
+        let (tag, lda, ldb, vec) = match self.layout {
+            GemmLayout::Nt => ("nt", k, k, k % 8 == 0),
+            GemmLayout::Nn => ("nn", k, n, k % 8 == 0 && n % 8 == 0),
+            GemmLayout::Tn => ("tn", m, n, m % 8 == 0 && n % 8 == 0),
+        };
+        i32_of(m * k, op, "A size")?;
+        i32_of(k * n, op, "B size")?;
+        i32_of(m * n, op, "C size")?;
+        let (mut tile, mut k_split, mut splits) = choose(m, n, k, sms, vec, false);
+        if tile == T64 && m.div_ceil(64) * n.div_ceil(64) < sms {
+            (tile, k_split, splits) = choose(m, n, k, sms, vec, true);
+        }
+        let split = splits > 1;
+        if split {
+            i32_of(splits * m * n, op, "split-K workspace")?;
+        }
+        let sh = GemmShape {
+            m: i32_of(m, op, "M")?,
+            n: i32_of(n, op, "N")?,
+            k: i32_of(k, op, "K")?,
+            lda: lda as i32,
+            ldb: ldb as i32,
+            ldc: n as i32,
+            k_split: i32_of(k_split, op, "k_split")?,
+            has_bias: bias.is_some() as i32,
+            ..Default::default()
+        };
+        let name = format!(
+            "gemm_{tag}_{}_{}{}_{sfx}",
+            tile.name,
+            if vec { "vec" } else { "scalar" },
+            if split { "_split" } else { "" }
+        );
+        let f = function(dev, GEMM_MODULE, gemm_image(), &name, tile.smem)?;
+        let c = alloc_out::<T>(dev, m * n)?;
+        // SAFETY: written in full by the kernel (split: by the blocks of every z) before it is read.
+        let ws = unsafe { dev.alloc::<f32>(if split { splits * m * n } else { 1 })? };
+        let bias_view = match bias {
+            Some((s, l)) => {
+                let (o0, o1) = contiguous(l, op, "bias")?;
+                Some(s.as_cuda_slice::<T>()?.slice(o0..o1))
+            }
+            None => None,
+        };
+        let stream = dev.cuda_stream();
+        let mut bld = stream.launch_builder(&f);
+        bld.arg(&va).arg(&vb).arg(&c).arg(&ws);
+        match &bias_view {
+            Some(v) => bld.arg(v),
+            None => bld.arg(&va), // never read: has_bias = 0
+        };
+        bld.arg(&sh);
+        // SAFETY: (a, b, c, ws, bias, shape) as gemm_* takes them; sizes checked above.
+        unsafe { bld.launch(blocks(tile, m, n, splits, op)?) }.w()?;
+        if split {
+            let r = function(dev, GEMM_MODULE, gemm_image(), &format!("gemm_splitk_reduce_{sfx}"), 0)?;
+            let mut bld = stream.launch_builder(&r);
+            let (hb, mn, nn, sp) = (sh.has_bias, (m * n) as i32, n as i32, splits as i32);
+            bld.arg(&ws).arg(&c);
+            match &bias_view {
+                Some(v) => bld.arg(v),
+                None => bld.arg(&va),
+            };
+            bld.arg(&hb).arg(&mn).arg(&nn).arg(&sp);
+            // SAFETY: (ws, c, bias, has_bias, mn, n, splits) as gemm_splitk_reduce_* takes them.
+            unsafe { bld.launch(reduce_cfg(m * n)) }.w()?;
+        }
+        Ok((CudaStorage::wrap_cuda_slice(c, dev.clone()), Shape::from((m, n))))
+    }
+
+    fn dispatch(
+        &self,
+        a: (&CudaStorage, &Layout),
+        b: (&CudaStorage, &Layout),
+        bias: Option<(&CudaStorage, &Layout)>,
+    ) -> Result<(CudaStorage, Shape)> {
+        if a.0.dtype() != b.0.dtype() || bias.is_some_and(|(s, _)| s.dtype() != a.0.dtype()) {
+            candle_core::bail!("matmul (cuda): operands of different dtypes");
+        }
+        match a.0.dtype() {
+            DType::BF16 => self.launch::<bf16>(a, b, bias),
+            DType::F16 => self.launch::<f16>(a, b, bias),
+            other => candle_core::bail!("matmul (cuda): unsupported dtype {other:?} (bf16, f16 only)"),
+        }
+    }
+}
+
+impl CustomOp2 for GemmOp {
+    fn name(&self) -> &'static str {
+        "matmul"
+    }
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("our matmul runs on CUDA only (candle's matmul is the CPU path)")
+    }
+    fn cuda_fwd(&self, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<(CudaStorage, Shape)> {
+        self.dispatch((s1, l1), (s2, l2), None)
+    }
+}
+
+/// The differentiable Linear op: (x, w, b) -> x w^T + b.
+#[derive(Debug, Clone, Copy)]
+struct LinearOp {
+    m: usize,
+    n: usize,
+    k: usize,
+}
+
+impl CustomOp3 for LinearOp {
+    fn name(&self) -> &'static str {
+        "linear"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("our linear runs on CUDA only (candle's matmul is the CPU path)")
+    }
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        GemmOp { layout: GemmLayout::Nt, m: self.m, n: self.n, k: self.k }.dispatch((s1, l1), (s2, l2), Some((s3, l3)))
+    }
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let dy = aligned(&dy.to_dtype(x.dtype())?)?;
+        let dx = if x.track_op() { Some(matmul(&dy, w, GemmLayout::Nn)?) } else { None };
+        let dw = matmul(&dy, x, GemmLayout::Tn)?;
+        let db = dy.to_dtype(DType::F32)?.sum(0)?.to_dtype(b.dtype())?;
+        Ok((dx, Some(dw), Some(db)))
+    }
+}
+
+/// Whether [`crate::linear`] runs our GEMM for this input (CUDA, BF16/FP16).
 pub fn gemm_supported(x: &Tensor) -> bool {
-    x.device().is_cuda() && matches!(x.dtype(), DType::BF16 | DType::F16) && false
+    x.device().is_cuda() && matches!(x.dtype(), DType::BF16 | DType::F16)
 }
 
-pub fn conv2d_nhwc(x: &Tensor, w: &Tensor, stride: usize, padding: usize) -> Result<Tensor> {
-    crate::igemm::conv2d_nhwc_reference(x, w, stride, padding)
-}
-
+/// Differentiable x w^T + b on our GEMM (bias fused into the epilogue).
 pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
-    x.matmul(&w.t()?)?.broadcast_add(b)
+    let (m, k) = x.dims2()?;
+    let n = w.dim(0)?;
+    aligned(x)?.apply_op3(&aligned(w)?, &aligned(b)?, LinearOp { m, n, k })
+}
+
+/// C = A B in one of the three layouts (no backward). Nt: a (m, k), b (n, k); Nn: a (m, k), b (k, n);
+/// Tn: a (k, m), b (k, n).
+pub fn matmul(a: &Tensor, b: &Tensor, layout: GemmLayout) -> Result<Tensor> {
+    let (a0, a1) = a.dims2()?;
+    let (b0, b1) = b.dims2()?;
+    let (m, k, kb, n) = match layout {
+        GemmLayout::Nt => (a0, a1, b1, b0),
+        GemmLayout::Nn => (a0, a1, b0, b1),
+        GemmLayout::Tn => (a1, a0, b0, b1),
+    };
+    if k != kb {
+        candle_core::bail!("matmul ({layout:?}): inner dimensions differ, a {:?} b {:?}", a.dims(), b.dims());
+    }
+    aligned(a)?.apply_op2_no_bwd(&aligned(b)?, &GemmOp { layout, m, n, k })
+}
+
+/// Nt matmul with the fused bias (no backward).
+pub fn matmul_bias(a: &Tensor, b: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    let (m, k) = a.dims2()?;
+    let n = b.dim(0)?;
+    aligned(a)?.apply_op3_no_bwd(&aligned(b)?, &aligned(bias)?, &LinearOp { m, n, k })
 }

@@ -11,6 +11,7 @@ pub mod cuda_gemm;
 pub mod igemm;
 pub mod matmul;
 pub mod maxpool;
+pub mod shapes;
 
 pub use conv::{conv2d, conv_impl, set_conv_impl, ConvImpl};
 pub use igemm::{conv2d_nhwc, conv2d_nhwc_reference};

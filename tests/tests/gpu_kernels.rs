@@ -1,0 +1,248 @@
+//! GPU tests of the tensor-core kernels (feature `cuda`): implicit-GEMM convolution forward / grad-input /
+//! grad-weight on all 23 distinct ResNet-152 convolutions and on awkward shapes, and the matmul in its three
+//! layouts, each against FP32 candle ops on the same (rounded) inputs, outputs poisoned with NaN before every
+//! launch, under every tile variant. Run by scripts/gpu-test.sh (`--test-threads=1 --nocapture`).
+#![cfg(feature = "cuda")]
+
+use anyhow::{ensure, Context, Result};
+use candle_core::{DType, Device, Tensor, Var};
+use kernels::conv::{conv2d_grad_input, conv2d_grad_weight, Conv2dParams};
+use kernels::cuda_gemm::{self, GemmLayout, TILES};
+use kernels::shapes::{resnet152_convs, ConvShape};
+
+fn cuda() -> Result<Device> {
+    Device::new_cuda(0).context("no CUDA device 0")
+}
+
+/// Output poisoning (unwritten outputs read as NaN) and a forced tile for the guard's lifetime.
+struct Guard;
+impl Guard {
+    fn new(tile: Option<cuda_gemm::Tile>) -> Self {
+        kernels::cuda::set_poison_outputs(true);
+        cuda_gemm::set_forced_tile(tile);
+        Guard
+    }
+}
+impl Drop for Guard {
+    fn drop(&mut self) {
+        kernels::cuda::set_poison_outputs(false);
+        cuda_gemm::set_forced_tile(None);
+    }
+}
+
+fn host(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+}
+
+/// Relative L2 error ‖got − want‖ / ‖want‖ and the largest |got − want| / max|want|; fails on any non-finite
+/// output (a poisoned element the kernel did not write) or an error above `tol`.
+fn check(what: &str, got: &Tensor, want: &Tensor, tol: f64) -> Result<f64> {
+    ensure!(got.dims() == want.dims(), "{what}: shape {:?} vs reference {:?}", got.dims(), want.dims());
+    let (g, w) = (host(got)?, host(want)?);
+    let bad = g.iter().filter(|v| !v.is_finite()).count();
+    ensure!(bad == 0, "{what}: {bad} of {} outputs are not finite (unwritten?)", g.len());
+    let (mut num, mut den, mut maxd, mut maxw) = (0f64, 0f64, 0f64, 0f64);
+    for (&a, &b) in g.iter().zip(&w) {
+        let d = (a as f64 - b as f64).abs();
+        num += d * d;
+        den += (b as f64).powi(2);
+        maxd = maxd.max(d);
+        maxw = maxw.max((b as f64).abs());
+    }
+    let rel = (num / den.max(1e-30)).sqrt();
+    let rel_max = maxd / maxw.max(1e-30);
+    ensure!(
+        rel <= tol && rel_max <= 4.0 * tol,
+        "{what}: relative L2 error {rel:.2e}, max error {rel_max:.2e} of max |ref| (bound {tol:.0e})"
+    );
+    Ok(rel)
+}
+
+fn tol(dt: DType) -> f64 {
+    // Inputs are exact in both paths (rounded once); the kernels accumulate in FP32 and round the output once
+    // (bf16: 2^-9 relative, f16: 2^-12), the split-K sum adds FP32 rounding only.
+    if dt == DType::BF16 {
+        6e-3
+    } else {
+        1e-3
+    }
+}
+
+/// (n, h, w, c) input, (ko, k, k, c) weight, (n, p, q, ko) output gradient: random, rounded to `dt`.
+fn conv_inputs(s: &ConvShape, n: usize, dt: DType, dev: &Device) -> Result<(Tensor, Tensor, Tensor)> {
+    let oh = s.out_hw();
+    let x = Tensor::randn(0f32, 1.0, (n, s.hw, s.hw, s.c_in), dev)?.to_dtype(dt)?;
+    let scale = 1.0 / ((s.c_in * s.k * s.k) as f64).sqrt();
+    let w = (Tensor::randn(0f32, 1.0, (s.c_out, s.k, s.k, s.c_in), dev)? * scale)?.to_dtype(dt)?;
+    let dy = Tensor::randn(0f32, 1.0, (n, oh, oh, s.c_out), dev)?.to_dtype(dt)?;
+    Ok((x, w, dy))
+}
+
+/// FP32 references through candle's NCHW ops (our forward-conv backward, itself tested against candle's).
+fn conv_reference(s: &ConvShape, x: &Tensor, w: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    let nchw = |t: &Tensor| -> Result<Tensor> { Ok(t.to_dtype(DType::F32)?.permute((0, 3, 1, 2))?.contiguous()?) };
+    let nhwc = |t: Tensor| -> Result<Tensor> { Ok(t.permute((0, 2, 3, 1))?.contiguous()?) };
+    let (xn, wn, dyn_) = (nchw(x)?, nchw(w)?, nchw(dy)?);
+    let p = Conv2dParams { stride: s.stride, padding: s.pad };
+    let y = nhwc(xn.conv2d(&wn, s.pad, s.stride, 1, 1)?)?;
+    let dx = nhwc(conv2d_grad_input(&dyn_, &wn, p, (s.hw, s.hw))?)?;
+    let dw = nhwc(conv2d_grad_weight(&xn, &dyn_, p, s.k)?)?;
+    Ok((y, dx, dw))
+}
+
+fn check_conv(s: &ConvShape, n: usize, dt: DType, dev: &Device, tag: &str) -> Result<String> {
+    let (x, w, dy) = conv_inputs(s, n, dt, dev)?;
+    let (y_ref, dx_ref, dw_ref) = conv_reference(s, &x, &w, &dy)?;
+    let what = format!("{s} n{n} {dt:?} {tag}");
+    let y = cuda_gemm::conv_nhwc_fwd(&x, &w, s.stride, s.pad)?;
+    let ef = check(&format!("fwd {what}"), &y, &y_ref, tol(dt))?;
+    let dx = cuda_gemm::conv_nhwc_dgrad(&dy, &w, s.stride, s.pad, (s.hw, s.hw))?;
+    let ed = check(&format!("dgrad {what}"), &dx, &dx_ref, tol(dt))?;
+    let dw = cuda_gemm::conv_nhwc_wgrad(&dy, &x, s.k, s.stride, s.pad)?;
+    let eg = check(&format!("wgrad {what}"), &dw, &dw_ref, tol(dt))?;
+    Ok(format!("{what}: rel err fwd {ef:.1e} dgrad {ed:.1e} wgrad {eg:.1e}"))
+}
+
+/// Every distinct ResNet-152 convolution (batch 2), both dtypes, every tile variant.
+#[test]
+fn conv_resnet152_shapes_match_reference() -> Result<()> {
+    let dev = cuda()?;
+    for (s, _) in resnet152_convs() {
+        for dt in [DType::BF16, DType::F16] {
+            for tile in [None, Some(TILES[0]), Some(TILES[1])] {
+                let _g = Guard::new(tile);
+                let tag = tile.map_or("auto", |t| t.name);
+                println!("{}", check_conv(&s, 2, dt, &dev, tag)?);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Shapes that are no tile multiple: odd channel counts (scalar loads), channel counts below and not
+/// multiple of the 32-wide k-tile (counter wrap-around inside a tile), odd sizes with stride 2, batch 1, and a
+/// larger batch where many 128x128 tiles run.
+#[test]
+fn conv_awkward_shapes_match_reference() -> Result<()> {
+    let dev = cuda()?;
+    let sh = |c_in, c_out, k, stride, hw| ConvShape { c_in, c_out, k, stride, pad: k / 2, hw };
+    let cases = [
+        (sh(3, 64, 7, 2, 37), 3),   // stem, odd size
+        (sh(5, 24, 3, 1, 9), 2),    // 5 channels: scalar loads
+        (sh(8, 8, 3, 1, 5), 1),     // 8 channels: several (r, s) per 32-wide k-tile
+        (sh(24, 40, 3, 2, 15), 2),  // 24 channels, stride 2, odd size
+        (sh(40, 72, 1, 2, 7), 1),   // strided 1x1, odd size
+        (sh(16, 200, 1, 1, 13), 3), // N not a tile multiple
+        (sh(264, 136, 3, 1, 6), 2), // K and N not tile multiples
+        (sh(64, 64, 3, 1, 56), 1),  // batch 1, full-size layer1 conv
+        (sh(256, 256, 3, 1, 14), 32), // many tiles
+        (sh(3, 16, 3, 1, 8), 1),    // 3 channels, 3x3
+    ];
+    for (s, n) in cases {
+        for dt in [DType::BF16, DType::F16] {
+            for tile in [None, Some(TILES[0]), Some(TILES[1])] {
+                let _g = Guard::new(tile);
+                let tag = tile.map_or("auto", |t| t.name);
+                println!("{}", check_conv(&s, n, dt, &dev, tag)?);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The differentiable op: gradients of sum(conv(x, w)^2 / 2) through conv2d_nhwc vs the FP32 reference path.
+#[test]
+fn conv2d_nhwc_autograd_matches_reference() -> Result<()> {
+    let dev = cuda()?;
+    let s = ConvShape { c_in: 32, c_out: 48, k: 3, stride: 2, pad: 1, hw: 11 };
+    let (x, w, _) = conv_inputs(&s, 3, DType::BF16, &dev)?;
+    let (xv, wv) = (Var::from_tensor(&x)?, Var::from_tensor(&w)?);
+    let y = kernels::conv2d_nhwc(xv.as_tensor(), wv.as_tensor(), s.stride, s.pad)?;
+    let loss = (y.to_dtype(DType::F32)?.sqr()?.sum_all()? * 0.5)?;
+    let g = loss.backward()?;
+    let (x32, w32) = (Var::from_tensor(&x.to_dtype(DType::F32)?)?, Var::from_tensor(&w.to_dtype(DType::F32)?)?);
+    let y32 = kernels::conv2d_nhwc_reference(x32.as_tensor(), w32.as_tensor(), s.stride, s.pad)?;
+    // The reference backward sees the FP32 output; ours the bf16-rounded one: loosen by one rounding.
+    let g32 = (y32.sqr()?.sum_all()? * 0.5)?.backward()?;
+    check("autograd y", &y, &y32, 6e-3)?;
+    check("autograd dx", g.get(xv.as_tensor()).context("no dx")?, g32.get(x32.as_tensor()).context("no dx")?, 1e-2)?;
+    check("autograd dw", g.get(wv.as_tensor()).context("no dw")?, g32.get(w32.as_tensor()).context("no dw")?, 1e-2)?;
+    Ok(())
+}
+
+fn matmul_reference(a: &Tensor, b: &Tensor, layout: GemmLayout) -> Result<Tensor> {
+    let (a, b) = (a.to_dtype(DType::F32)?, b.to_dtype(DType::F32)?);
+    Ok(match layout {
+        GemmLayout::Nt => a.matmul(&b.t()?)?,
+        GemmLayout::Nn => a.matmul(&b)?,
+        GemmLayout::Tn => a.t()?.matmul(&b)?,
+    })
+}
+
+/// Matmul in the three layouts on tile multiples, non-multiples, vectors and scalars-only shapes; with bias.
+#[test]
+fn matmul_matches_reference() -> Result<()> {
+    let dev = cuda()?;
+    let cases = [
+        (1, 1, 1),
+        (37, 53, 71),    // scalar loads
+        (200, 136, 264), // vec, no tile multiple
+        (128, 1000, 2048),
+        (1000, 2048, 128),
+        (256, 256, 4096), // long K: split-K
+        (8, 8, 8),
+        (1024, 1024, 1024),
+    ];
+    for (m, n, k) in cases {
+        for dt in [DType::BF16, DType::F16] {
+            for tile in [None, Some(TILES[0]), Some(TILES[1])] {
+                let _g = Guard::new(tile);
+                for layout in [GemmLayout::Nt, GemmLayout::Nn, GemmLayout::Tn] {
+                    let (ash, bsh) = match layout {
+                        GemmLayout::Nt => ((m, k), (n, k)),
+                        GemmLayout::Nn => ((m, k), (k, n)),
+                        GemmLayout::Tn => ((k, m), (k, n)),
+                    };
+                    let a = Tensor::randn(0f32, 1.0, ash, &dev)?.to_dtype(dt)?;
+                    let b = Tensor::randn(0f32, 1.0, bsh, &dev)?.to_dtype(dt)?;
+                    let what = format!("{layout:?} {m}x{n}x{k} {dt:?} {}", tile.map_or("auto", |t| t.name));
+                    let e = check(&what, &cuda_gemm::matmul(&a, &b, layout)?, &matmul_reference(&a, &b, layout)?, tol(dt))?;
+                    if layout == GemmLayout::Nt {
+                        let bias = Tensor::randn(0f32, 1.0, n, &dev)?.to_dtype(dt)?;
+                        let want = matmul_reference(&a, &b, layout)?.broadcast_add(&bias.to_dtype(DType::F32)?)?;
+                        check(&format!("{what} +bias"), &cuda_gemm::matmul_bias(&a, &b, &bias)?, &want, tol(dt))?;
+                    }
+                    println!("matmul {what}: rel err {e:.1e}");
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// kernels::linear with the custom matmul: output and the three gradients vs candle in FP32.
+#[test]
+fn linear_custom_autograd_matches_reference() -> Result<()> {
+    let dev = cuda()?;
+    let (m, n, k) = (24, 1000, 2048);
+    let x = Tensor::randn(0f32, 1.0, (m, k), &dev)?.to_dtype(DType::BF16)?;
+    let w = (Tensor::randn(0f32, 1.0, (n, k), &dev)? * 0.02)?.to_dtype(DType::BF16)?;
+    let b = Tensor::randn(0f32, 1.0, n, &dev)?.to_dtype(DType::BF16)?;
+    let (xv, wv, bv) = (Var::from_tensor(&x)?, Var::from_tensor(&w)?, Var::from_tensor(&b)?);
+    kernels::set_matmul_impl(kernels::MatmulImpl::Custom);
+    let y = kernels::linear(xv.as_tensor(), wv.as_tensor(), bv.as_tensor());
+    kernels::set_matmul_impl(kernels::MatmulImpl::Cublas);
+    let y = y?;
+    let g = (y.to_dtype(DType::F32)?.sqr()?.sum_all()? * 0.5)?.backward()?;
+    let f = |t: &Tensor| -> Result<Var> { Ok(Var::from_tensor(&t.to_dtype(DType::F32)?)?) };
+    let (x32, w32, b32) = (f(&x)?, f(&w)?, f(&b)?);
+    let y32 = x32.as_tensor().matmul(&w32.as_tensor().t()?)?.broadcast_add(b32.as_tensor())?;
+    let g32 = (y32.sqr()?.sum_all()? * 0.5)?.backward()?;
+    check("linear y", &y, &y32, 6e-3)?;
+    for (name, ours, want) in [("dx", &xv, &x32), ("dw", &wv, &w32), ("db", &bv, &b32)] {
+        let a = g.get(ours.as_tensor()).with_context(|| format!("no {name}"))?;
+        let r = g32.get(want.as_tensor()).with_context(|| format!("no {name}"))?;
+        check(&format!("linear {name}"), a, r, 1e-2)?;
+    }
+    Ok(())
+}
