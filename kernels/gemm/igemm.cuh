@@ -38,6 +38,9 @@ struct Shape {
     int stride, pad;
     int k_split;        // K elements per blockIdx.z (multiple of BK)
     int has_bias;
+    // Grad-input phase class (see DgradA): input pixels h = hh * stride + ph (hh < mh), w = ww * stride + pw
+    // (ww < mw); kernel taps r = r0 + stride * i (i < tr), s = s0 + stride * j (j < ts).
+    int ph, pw, mh, mw, r0, s0, tr, ts;
 };
 
 __device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -247,8 +250,11 @@ struct ConvFwdA {
     }
 };
 
-// Grad-input, A[m][k]: m = (n, h, w) input pixel, k = (r, s, ko) with ko fastest;
-// A = dy[n][p][q][ko] where h + pad - r = p * stride (and likewise w, q), zero where no such output exists.
+// Grad-input of a strided conv, decomposed into stride^2 phase classes so that no tap is wasted: for the input
+// pixels of class (ph, pw) (h = hh * stride + ph, w = ww * stride + pw) exactly the taps r = r0 + stride * i,
+// s = s0 + stride * j with (ph + pad - r) divisible by the stride reach an output, at p = (h + pad - r) / stride.
+// One launch per class; stride 1 is the single class (0, 0) with every tap.
+// A[m][k]: m = (n, hh, ww), k = (i, j, ko) with ko fastest; A = dy[n][p][q][ko] (zero where p or q is outside).
 template <typename T, int ROWS, int THREADS, bool VEC>
 struct DgradA {
     static constexpr int CPT = ROWS * 4 / THREADS;
@@ -257,7 +263,7 @@ struct DgradA {
     int k;
     int row[CPT], kc[CPT];
     int nb[CPT], hp[CPT], wp[CPT];
-    int r[CPT], s[CPT], o[CPT];
+    int ti[CPT], tj[CPT], o[CPT];
     __device__ void init(const T* dy_, const Shape& sh_, int m0, int k0, int tid) {
         dy = dy_; sh = sh_; k = k0;
 #pragma unroll
@@ -266,26 +272,25 @@ struct DgradA {
             row[j] = idx >> 2;
             kc[j] = (idx & 3) << 3;
             int m = m0 + row[j];
-            int hw = sh.h * sh.w;
+            int hw = sh.mh * sh.mw;
             int n = m / hw, rem = m - n * hw;
-            int h = rem / sh.w, w = rem - h * sh.w;
+            int hh = rem / sh.mw, ww = rem - hh * sh.mw;
             nb[j] = m < sh.M ? n : -1;
-            hp[j] = h + sh.pad;
-            wp[j] = w + sh.pad;
+            hp[j] = hh * sh.stride + sh.ph + sh.pad;
+            wp[j] = ww * sh.stride + sh.pw + sh.pad;
             int kk = k0 + kc[j];
-            int rs = kk / sh.ko;
-            o[j] = kk - rs * sh.ko;
-            r[j] = rs / sh.s;
-            s[j] = rs - r[j] * sh.s;
+            int ij = kk / sh.ko;
+            o[j] = kk - ij * sh.ko;
+            ti[j] = ij / sh.ts;
+            tj[j] = ij - ti[j] * sh.ts;
         }
     }
-    __device__ __forceinline__ bool at(int j, int rr, int ss, int64_t& off) const {
-        int pn = hp[j] - rr, qn = wp[j] - ss;
-        bool ok = nb[j] >= 0 && rr < sh.r && pn >= 0 && qn >= 0;
+    __device__ __forceinline__ bool at(int j, int i_, int j_, int64_t& off) const {
+        int pn = hp[j] - (sh.r0 + sh.stride * i_), qn = wp[j] - (sh.s0 + sh.stride * j_);
+        bool ok = nb[j] >= 0 && i_ < sh.tr && pn >= 0 && qn >= 0;
         int p = pn, q = qn;
         if (sh.stride != 1) {
-            ok = ok && (pn % sh.stride) == 0 && (qn % sh.stride) == 0;
-            p = pn / sh.stride;
+            p = pn / sh.stride;  // exact: the class guarantees divisibility
             q = qn / sh.stride;
         }
         ok = ok && p < sh.p && q < sh.q;
@@ -298,21 +303,21 @@ struct DgradA {
             T* dst = sm + off_kmajor(row[j], kc[j] >> 3);
             if (VEC) {
                 int64_t off;
-                bool ok = at(j, r[j], s[j], off);
+                bool ok = at(j, ti[j], tj[j], off);
                 cp_async16(dst, ok ? dy + off + o[j] : dy, ok);
                 o[j] += BK;
                 while (o[j] >= sh.ko) {
                     o[j] -= sh.ko;
-                    if (++s[j] == sh.s) { s[j] = 0; ++r[j]; }
+                    if (++tj[j] == sh.ts) { tj[j] = 0; ++ti[j]; }
                 }
             } else {
 #pragma unroll
                 for (int e = 0; e < 8; ++e) {
                     int kk = k + kc[j] + e;
-                    int rs = kk / sh.ko, oo = kk - rs * sh.ko;
-                    int rr = rs / sh.s, ss = rs - rr * sh.s;
+                    int ij = kk / sh.ko, oo = kk - ij * sh.ko;
+                    int ii = ij / sh.ts, jj = ij - ii * sh.ts;
                     int64_t off;
-                    bool ok = kk < sh.K && at(j, rr, ss, off);
+                    bool ok = kk < sh.K && at(j, ii, jj, off);
                     dst[e] = ok ? dy[off + oo] : zero<T>();
                 }
             }
@@ -321,7 +326,7 @@ struct DgradA {
     }
 };
 
-// Grad-input, B[k][n]: k = (r, s, ko), n = c; B = w[ko][r][s][c] (weights KRSC). MN-major.
+// Grad-input, B[k][n]: k = (i, j, ko) of the phase class, n = c; B = w[ko][r0 + st*i][s0 + st*j][c]. MN-major.
 template <typename T, int ROWS, int THREADS, bool VEC>
 struct DgradB {
     static constexpr int CPR = ROWS / 8;
@@ -330,7 +335,7 @@ struct DgradB {
     Shape sh;
     int k, col;
     int krow[CPT], mc;
-    int r[CPT], s[CPT], o[CPT];
+    int ti[CPT], tj[CPT], o[CPT];
     __device__ void init(const T* w_, const Shape& sh_, int n0, int k0, int tid) {
         wt = w_; sh = sh_; k = k0;
         mc = (tid % CPR) << 3;
@@ -339,34 +344,36 @@ struct DgradB {
         for (int j = 0; j < CPT; ++j) {
             krow[j] = (tid + j * THREADS) / CPR;
             int kk = k0 + krow[j];
-            int rs = kk / sh.ko;
-            o[j] = kk - rs * sh.ko;
-            r[j] = rs / sh.s;
-            s[j] = rs - r[j] * sh.s;
+            int ij = kk / sh.ko;
+            o[j] = kk - ij * sh.ko;
+            ti[j] = ij / sh.ts;
+            tj[j] = ij - ti[j] * sh.ts;
         }
+    }
+    __device__ __forceinline__ int64_t off(int oo, int i_, int j_, int c) const {
+        int r = sh.r0 + sh.stride * i_, s = sh.s0 + sh.stride * j_;
+        return (((int64_t)oo * sh.r + r) * sh.s + s) * sh.c + c;
     }
     __device__ void load(T* sm) {
 #pragma unroll
         for (int j = 0; j < CPT; ++j) {
             T* dst = sm + off_mnmajor<ROWS>(krow[j], mc >> 3);
             if (VEC) {
-                bool ok = r[j] < sh.r && col < sh.c;
-                int64_t off = (((int64_t)o[j] * sh.r + r[j]) * sh.s + s[j]) * sh.c + col;
-                cp_async16(dst, ok ? wt + off : wt, ok);
+                bool ok = ti[j] < sh.tr && col < sh.c;
+                cp_async16(dst, ok ? wt + off(o[j], ti[j], tj[j], col) : wt, ok);
                 o[j] += BK;
                 while (o[j] >= sh.ko) {
                     o[j] -= sh.ko;
-                    if (++s[j] == sh.s) { s[j] = 0; ++r[j]; }
+                    if (++tj[j] == sh.ts) { tj[j] = 0; ++ti[j]; }
                 }
             } else {
                 int kk = k + krow[j];
-                int rs = kk / sh.ko, oo = kk - rs * sh.ko;
-                int rr = rs / sh.s, ss = rs - rr * sh.s;
+                int ij = kk / sh.ko, oo = kk - ij * sh.ko;
+                int ii = ij / sh.ts, jj = ij - ii * sh.ts;
 #pragma unroll
                 for (int e = 0; e < 8; ++e) {
                     bool ok = kk < sh.K && col + e < sh.c;
-                    int64_t off = (((int64_t)oo * sh.r + rr) * sh.s + ss) * sh.c + col + e;
-                    dst[e] = ok ? wt[off] : zero<T>();
+                    dst[e] = ok ? wt[off(oo, ii, jj, col + e)] : zero<T>();
                 }
             }
         }
@@ -447,8 +454,10 @@ struct WgradB {
 // ---------------------------------------------------------------------------------------------------------
 // The kernel body. LA / LB are loader types; A_KMAJOR / B_KMAJOR say how their tiles sit in shared memory.
 // OUT_SPLIT: write FP32 partial sums to ws + blockIdx.z * M * N (row-major, ld N) instead of T to C.
+// ROWMAP: GEMM row m is input pixel (n, hh, ww) of a grad-input phase class; it is stored at row
+// (n * h + hh * stride + ph) * w + ww * stride + pw of C.
 template <typename T, int BM, int BN, int WM, int WN, int STAGES, bool A_KMAJOR, bool B_KMAJOR, bool OUT_SPLIT,
-          typename LA, typename LB>
+          typename LA, typename LB, bool ROWMAP = false>
 __device__ __forceinline__ void gemm_body(LA& la, LB& lb, const Shape& sh, int k_begin, int k_end, T* C, float* ws,
                                           const T* bias, T* smem) {
     constexpr int THREADS = WM * WN * 32;
@@ -554,6 +563,12 @@ __device__ __forceinline__ void gemm_body(LA& la, LB& lb, const Shape& sh, int k
             for (int hf = 0; hf < 2; ++hf) {
                 int row = m_blk + wm0 + mi * 16 + g + hf * 8;
                 if (row >= sh.M) continue;
+                if (ROWMAP && sh.stride != 1) {
+                    int hw = sh.mh * sh.mw;
+                    int n = row / hw, rem = row - n * hw;
+                    int hh = rem / sh.mw, ww = rem - hh * sh.mw;
+                    row = (n * sh.h + hh * sh.stride + sh.ph) * sh.w + ww * sh.stride + sh.pw;
+                }
                 float v0 = acc[mi][ni][2 * hf] + b0, v1 = acc[mi][ni][2 * hf + 1] + b1;
                 if (OUT_SPLIT) {
                     float* o = ws + (int64_t)blockIdx.z * sh.M * sh.N + (int64_t)row * sh.N + col;

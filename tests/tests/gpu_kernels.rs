@@ -10,6 +10,11 @@ use kernels::conv::{conv2d_grad_input, conv2d_grad_weight, Conv2dParams};
 use kernels::cuda_gemm::{self, GemmLayout, TILES};
 use kernels::shapes::{resnet152_convs, ConvShape};
 
+/// The per-shape choice (None) and every forced tile variant.
+fn tiles() -> Vec<Option<cuda_gemm::Tile>> {
+    std::iter::once(None).chain(TILES.iter().copied().map(Some)).collect()
+}
+
 fn cuda() -> Result<Device> {
     Device::new_cuda(0).context("no CUDA device 0")
 }
@@ -109,7 +114,7 @@ fn conv_resnet152_shapes_match_reference() -> Result<()> {
     let dev = cuda()?;
     for (s, _) in resnet152_convs() {
         for dt in [DType::BF16, DType::F16] {
-            for tile in [None, Some(TILES[0]), Some(TILES[1])] {
+            for tile in tiles() {
                 let _g = Guard::new(tile);
                 let tag = tile.map_or("auto", |t| t.name);
                 println!("{}", check_conv(&s, 2, dt, &dev, tag)?);
@@ -140,7 +145,7 @@ fn conv_awkward_shapes_match_reference() -> Result<()> {
     ];
     for (s, n) in cases {
         for dt in [DType::BF16, DType::F16] {
-            for tile in [None, Some(TILES[0]), Some(TILES[1])] {
+            for tile in tiles() {
                 let _g = Guard::new(tile);
                 let tag = tile.map_or("auto", |t| t.name);
                 println!("{}", check_conv(&s, n, dt, &dev, tag)?);
@@ -195,7 +200,7 @@ fn matmul_matches_reference() -> Result<()> {
     ];
     for (m, n, k) in cases {
         for dt in [DType::BF16, DType::F16] {
-            for tile in [None, Some(TILES[0]), Some(TILES[1])] {
+            for tile in tiles() {
                 let _g = Guard::new(tile);
                 for layout in [GemmLayout::Nt, GemmLayout::Nn, GemmLayout::Tn] {
                     let (ash, bsh) = match layout {

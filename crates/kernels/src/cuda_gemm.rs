@@ -14,6 +14,7 @@ use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
 use candle_core::{CpuStorage, CudaStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType};
 use half::{bf16, f16};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// Mirror of `ig::Shape` (kernels/gemm/igemm.cuh): passed to every kernel by value.
@@ -39,12 +40,21 @@ pub struct GemmShape {
     pub pad: i32,
     pub k_split: i32,
     pub has_bias: i32,
+    pub ph: i32,
+    pub pw: i32,
+    pub mh: i32,
+    pub mw: i32,
+    pub r0: i32,
+    pub s0: i32,
+    pub tr: i32,
+    pub ts: i32,
 }
 
 // SAFETY: #[repr(C)] plain integers, laid out as the C struct the kernels take by value.
 unsafe impl DeviceRepr for GemmShape {}
 
-/// A block-tile variant of the kernels (the `t128` / `t64` part of a kernel name).
+/// A block-tile variant of the kernels (the `t128` / `t64` / ... part of a kernel name) and the numbered file
+/// (module) that instantiates it: 1 = `01_*.cu`, 2 = `02_large_tiles.cu`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Tile {
     pub name: &'static str,
@@ -52,17 +62,23 @@ pub struct Tile {
     pub bn: usize,
     pub threads: u32,
     pub smem: u32,
+    pub file: u8,
 }
 
-/// 128x128x32, 8 warps of 64x32, 4 stages.
-pub const T128: Tile = Tile { name: "t128", bm: 128, bn: 128, threads: 256, smem: 4 * (128 + 128) * 32 * 2 };
-/// 64x64x32, 4 warps of 32x32, 4 stages.
-pub const T64: Tile = Tile { name: "t64", bm: 64, bn: 64, threads: 128, smem: 4 * (64 + 64) * 32 * 2 };
-/// Every tile variant, for benchmarks and tests.
-pub const TILES: [Tile; 2] = [T128, T64];
+/// 128x128x32, 8 warps of 64x32, 4 stages (01).
+pub const T128: Tile = Tile { name: "t128", bm: 128, bn: 128, threads: 256, smem: 4 * (128 + 128) * 32 * 2, file: 1 };
+/// 64x64x32, 4 warps of 32x32, 4 stages (01); the only tile with scalar loads and (matmul) split-K.
+pub const T64: Tile = Tile { name: "t64", bm: 64, bn: 64, threads: 128, smem: 4 * (64 + 64) * 32 * 2, file: 1 };
+/// 256x128x32, 8 warps of 64x64, 3 stages (02).
+pub const T256: Tile = Tile { name: "t256", bm: 256, bn: 128, threads: 256, smem: 3 * (256 + 128) * 32 * 2, file: 2 };
+/// 128x256x32, 8 warps of 64x64, 3 stages (02).
+pub const T128W: Tile = Tile { name: "t128w", bm: 128, bn: 256, threads: 256, smem: 3 * (128 + 256) * 32 * 2, file: 2 };
+/// Every tile variant, for the per-shape choice, benchmarks and tests.
+pub const TILES: [Tile; 4] = [T128, T64, T256, T128W];
 const BK: usize = 32;
 
 static FORCED_TILE: Mutex<Option<Tile>> = Mutex::new(None);
+static AUTOTUNE: AtomicBool = AtomicBool::new(true);
 
 /// Forces one tile variant for every later launch (`None`: the per-shape choice). Benchmarks and tests only;
 /// scalar (unaligned) shapes always run `t64`.
@@ -70,27 +86,90 @@ pub fn set_forced_tile(t: Option<Tile>) {
     *FORCED_TILE.lock().unwrap() = t;
 }
 
-/// Per-shape choice: the 128x128 tile when it yields at least one block per SM, else 64x64; split-K
-/// (`splits` > 1) when even 64x64 blocks cannot fill two waves and K is long. Returns (tile, k_split, splits).
-pub fn choose(m: usize, n: usize, k: usize, sms: usize, vec: bool, split_ok: bool) -> (Tile, usize, usize) {
+/// Per-shape autotuning (on by default): the first launch of each (op, shape, dtype) times every tile variant
+/// on the real operands (one warm-up and three timed runs each) and keeps the fastest for the process; off, the
+/// heuristic of [`choose`] decides.
+pub fn set_autotune(on: bool) {
+    AUTOTUNE.store(on, Ordering::Relaxed);
+}
+
+fn tuned_cache() -> &'static Mutex<HashMap<String, Tile>> {
+    static T: OnceLock<Mutex<HashMap<String, Tile>>> = OnceLock::new();
+    T.get_or_init(Default::default)
+}
+
+/// The autotuner's choices so far: (op and shape, tile name), sorted.
+pub fn tuned_choices() -> Vec<(String, &'static str)> {
+    let mut v: Vec<_> = tuned_cache().lock().unwrap().iter().map(|(k, t)| (k.clone(), t.name)).collect();
+    v.sort();
+    v
+}
+
+/// Heuristic tile: 64x64 when N is at most 64 (a wider tile would idle half its columns) or when 128x128 blocks
+/// cannot give every SM one; otherwise 128x128.
+pub fn choose(m: usize, n: usize, sms: usize, split_ok: bool) -> Tile {
     let tiles = |t: Tile| m.div_ceil(t.bm) * n.div_ceil(t.bn);
-    let forced = *FORCED_TILE.lock().unwrap();
-    let tile = match forced {
-        _ if !vec => T64,
-        Some(t) => t,
-        None if tiles(T128) >= sms => T128,
-        None => T64,
-    };
-    let mut splits = 1;
-    if split_ok {
-        let blocks = tiles(tile);
-        let want = (2 * sms).div_ceil(blocks.max(1));
-        // Keep at least 8 k-tiles per split.
-        splits = want.min(k / (8 * BK)).max(1);
+    if n <= 64 || (m < 128 && split_ok) {
+        T64
+    } else if split_ok || tiles(T128) >= sms {
+        T128
+    } else {
+        T64
     }
-    let k_split = k.div_ceil(splits).div_ceil(BK) * BK;
-    let splits = k.div_ceil(k_split.max(1)).max(1);
-    (tile, k_split.max(BK), splits)
+}
+
+/// Split-K for `tile`: enough splits to give the GPU two waves of blocks, at least 8 k-tiles each.
+/// Returns (k_split, splits).
+pub fn split_k(tile: Tile, m: usize, n: usize, k: usize, sms: usize) -> (usize, usize) {
+    let blocks = m.div_ceil(tile.bm) * n.div_ceil(tile.bn);
+    let want = (2 * sms).div_ceil(blocks.max(1));
+    let splits = want.min(k / (8 * BK)).max(1);
+    let k_split = k.div_ceil(splits).div_ceil(BK).max(1) * BK;
+    (k_split, k.div_ceil(k_split).max(1))
+}
+
+/// Picks the tile of a launch: forced, else the only one with scalar loads, else the autotuned or heuristic one.
+/// `run(tile)` launches the op with that tile (used to time the candidates).
+fn pick<F: FnMut(Tile) -> Result<()>>(
+    dev: &CudaDevice,
+    key: impl FnOnce() -> String,
+    vec: bool,
+    candidates: &[Tile],
+    heuristic: Tile,
+    mut run: F,
+) -> Result<Tile> {
+    if let Some(t) = *FORCED_TILE.lock().unwrap() {
+        if vec {
+            return Ok(t);
+        }
+    }
+    if !vec {
+        return Ok(T64);
+    }
+    if !AUTOTUNE.load(Ordering::Relaxed) || candidates.len() < 2 {
+        return Ok(heuristic);
+    }
+    let key = key();
+    if let Some(t) = tuned_cache().lock().unwrap().get(&key) {
+        return Ok(*t);
+    }
+    let stream = dev.cuda_stream();
+    let mut best = (f64::INFINITY, heuristic);
+    for &t in candidates {
+        run(t)?;
+        stream.synchronize().w()?;
+        let t0 = std::time::Instant::now();
+        for _ in 0..3 {
+            run(t)?;
+        }
+        stream.synchronize().w()?;
+        let dt = t0.elapsed().as_secs_f64();
+        if dt < best.0 {
+            best = (dt, t);
+        }
+    }
+    tuned_cache().lock().unwrap().insert(key, best.1);
+    Ok(best.1)
 }
 
 type FuncKey = (usize, &'static str, String);
@@ -149,14 +228,31 @@ pub fn sm_count(dev: &CudaDevice) -> Result<usize> {
     Ok(v)
 }
 
-const CONV_MODULE: &str = "conv/01_implicit_gemm";
-const GEMM_MODULE: &str = "gemm/01_mma_cp_async";
-
-fn conv_image() -> &'static [u8] {
-    crate::cuda::ptx::CONV_01_IMPLICIT_GEMM
+/// (module name, fatbin) of the conv / matmul kernels of `tile`'s file.
+fn conv_module(tile: Tile) -> (&'static str, &'static [u8]) {
+    use crate::cuda::ptx;
+    if tile.file == 2 {
+        ("conv/02_large_tiles", ptx::CONV_02_LARGE_TILES)
+    } else {
+        ("conv/01_implicit_gemm", ptx::CONV_01_IMPLICIT_GEMM)
+    }
 }
-fn gemm_image() -> &'static [u8] {
-    crate::cuda::ptx::GEMM_01_MMA_CP_ASYNC
+fn gemm_module(tile: Tile) -> (&'static str, &'static [u8]) {
+    use crate::cuda::ptx;
+    if tile.file == 2 {
+        ("gemm/02_large_tiles", ptx::GEMM_02_LARGE_TILES)
+    } else {
+        ("gemm/01_mma_cp_async", ptx::GEMM_01_MMA_CP_ASYNC)
+    }
+}
+
+fn conv_function(dev: &CudaDevice, tile: Tile, name: &str) -> Result<CudaFunction> {
+    let (m, img) = conv_module(tile);
+    function(dev, m, img, name, tile.smem)
+}
+fn gemm_function(dev: &CudaDevice, tile: Tile, name: &str) -> Result<CudaFunction> {
+    let (m, img) = gemm_module(tile);
+    function(dev, m, img, name, tile.smem)
 }
 
 fn i32_of(v: usize, op: &str, what: &str) -> Result<i32> {
@@ -286,77 +382,125 @@ impl ConvOp {
         let v1 = s1.as_cuda_slice::<T>()?.slice(a0..a1);
         let v2 = s2.as_cuda_slice::<T>()?.slice(b0..b1);
         let sfx = suffix(T::DTYPE, op)?;
-        let mut sh = g.shape(op)?;
+        let base = g.shape(op)?;
         let (p, q) = (g.p(), g.q());
+        let stream = dev.cuda_stream();
+        let key = || format!("{op} {:?} {sfx}", g);
         match self.pass {
             ConvPass::Fwd => {
                 let (m, n, k) = (g.n * p * q, g.ko, g.r * g.r * g.c);
                 let vec = g.c % 8 == 0;
-                let (tile, _, _) = choose(m, n, k, sms, vec, false);
-                sh.m = i32_of(m, op, "M")?;
-                sh.n = i32_of(n, op, "N")?;
-                sh.k = i32_of(k, op, "K")?;
-                sh.ldb = sh.k;
-                sh.ldc = sh.n;
-                sh.k_split = i32_of(k.div_ceil(BK) * BK, op, "K")?;
-                let name = format!("conv_fwd_{}_{}_{sfx}", tile.name, if vec { "vec" } else { "scalar" });
-                let f = function(dev, CONV_MODULE, conv_image(), &name, tile.smem)?;
+                let sh = GemmShape {
+                    m: i32_of(m, op, "M")?,
+                    n: i32_of(n, op, "N")?,
+                    k: i32_of(k, op, "K")?,
+                    ldb: k as i32,
+                    ldc: n as i32,
+                    k_split: i32_of(k.div_ceil(BK) * BK, op, "K")?,
+                    ..base
+                };
                 let y = alloc_out::<T>(dev, m * n)?;
-                let stream = dev.cuda_stream();
-                let mut b = stream.launch_builder(&f);
-                b.arg(&v1).arg(&v2).arg(&y).arg(&sh);
-                // SAFETY: (x, w, y, shape) as conv_fwd_* takes them; x holds n*h*w*c, w ko*r*r*c, y m*n elements.
-                unsafe { b.launch(blocks(tile, m, n, 1, op)?) }.w()?;
+                let run = |tile: Tile| -> Result<()> {
+                    let name = format!("conv_fwd_{}_{}_{sfx}", tile.name, if vec { "vec" } else { "scalar" });
+                    let f = conv_function(dev, tile, &name)?;
+                    let mut b = stream.launch_builder(&f);
+                    b.arg(&v1).arg(&v2).arg(&y).arg(&sh);
+                    // SAFETY: (x, w, y, shape) as conv_fwd_* takes them; x holds n*h*w*c, w ko*r*r*c, y m*n.
+                    unsafe { b.launch(blocks(tile, m, n, 1, op)?) }.w()?;
+                    Ok(())
+                };
+                let mut run = run;
+                let tile = pick(dev, key, vec, &TILES, choose(m, n, sms, false), &mut run)?;
+                run(tile)?;
                 Ok((CudaStorage::wrap_cuda_slice(y, dev.clone()), Shape::from((g.n, p, q, g.ko))))
             }
             ConvPass::Dgrad => {
-                let (m, n, k) = (g.n * g.h * g.w, g.c, g.r * g.r * g.ko);
                 if g.c % 8 != 0 || g.ko % 8 != 0 {
                     candle_core::bail!("{op} (cuda): channels {} -> {} must be multiples of 8", g.c, g.ko);
                 }
-                let (tile, _, _) = choose(m, n, k, sms, true, false);
-                sh.m = i32_of(m, op, "M")?;
-                sh.n = i32_of(n, op, "N")?;
-                sh.k = i32_of(k, op, "K")?;
-                sh.ldc = sh.n;
-                sh.k_split = i32_of(k.div_ceil(BK) * BK, op, "K")?;
-                let name = format!("conv_dgrad_{}_vec_{sfx}", tile.name);
-                let f = function(dev, CONV_MODULE, conv_image(), &name, tile.smem)?;
-                let dx = alloc_out::<T>(dev, m * n)?;
-                let stream = dev.cuda_stream();
-                let mut b = stream.launch_builder(&f);
-                b.arg(&v1).arg(&v2).arg(&dx).arg(&sh);
-                // SAFETY: (dy, w, dx, shape) as conv_dgrad_* takes them; sizes from the checked geometry.
-                unsafe { b.launch(blocks(tile, m, n, 1, op)?) }.w()?;
+                // One launch per phase class (h % stride, w % stride): see DgradA in igemm.cuh.
+                let st = g.stride;
+                let mut classes = Vec::new();
+                for ph in 0..st.min(g.h) {
+                    for pw in 0..st.min(g.w) {
+                        let r0 = (ph + g.pad) % st;
+                        let s0 = (pw + g.pad) % st;
+                        let tr = if r0 < g.r { (g.r - r0).div_ceil(st) } else { 0 };
+                        let ts = if s0 < g.r { (g.r - s0).div_ceil(st) } else { 0 };
+                        let (mh, mw) = ((g.h - ph).div_ceil(st), (g.w - pw).div_ceil(st));
+                        let (m, k) = (g.n * mh * mw, tr * ts * g.ko);
+                        let sh = GemmShape {
+                            m: i32_of(m, op, "M")?,
+                            n: i32_of(g.c, op, "N")?,
+                            k: i32_of(k, op, "K")?,
+                            ldc: g.c as i32,
+                            k_split: i32_of(k.div_ceil(BK).max(1) * BK, op, "K")?,
+                            ph: ph as i32,
+                            pw: pw as i32,
+                            mh: mh as i32,
+                            mw: mw as i32,
+                            r0: r0 as i32,
+                            s0: s0 as i32,
+                            tr: tr as i32,
+                            ts: ts as i32,
+                            ..base
+                        };
+                        classes.push((m, sh));
+                    }
+                }
+                let dx = alloc_out::<T>(dev, g.n * g.h * g.w * g.c)?;
+                let run = |tile: Tile| -> Result<()> {
+                    let name = format!("conv_dgrad_{}_vec_{sfx}", tile.name);
+                    let f = conv_function(dev, tile, &name)?;
+                    for (m, sh) in &classes {
+                        let mut b = stream.launch_builder(&f);
+                        b.arg(&v1).arg(&v2).arg(&dx).arg(sh);
+                        // SAFETY: (dy, w, dx, shape) as conv_dgrad_* takes them; the classes partition dx's rows.
+                        unsafe { b.launch(blocks(tile, *m, g.c, 1, op)?) }.w()?;
+                    }
+                    Ok(())
+                };
+                let mut run = run;
+                let m_class = classes.first().map_or(0, |c| c.0);
+                let tile = pick(dev, key, true, &TILES, choose(m_class, g.c, sms, false), &mut run)?;
+                run(tile)?;
                 Ok((CudaStorage::wrap_cuda_slice(dx, dev.clone()), Shape::from((g.n, g.h, g.w, g.c))))
             }
             ConvPass::Wgrad => {
                 let (m, n, k) = (g.ko, g.r * g.r * g.c, g.n * p * q);
                 let vec = g.c % 8 == 0 && g.ko % 8 == 0;
-                let (tile, k_split, splits) = choose(m, n, k, sms, vec, true);
-                sh.m = i32_of(m, op, "M")?;
-                sh.n = i32_of(n, op, "N")?;
-                sh.k = i32_of(k, op, "K")?;
-                sh.lda = sh.ko;
-                sh.ldc = sh.n;
-                sh.k_split = i32_of(k_split, op, "k_split")?;
-                i32_of(splits * m * n, op, "split-K workspace")?;
-                let name = format!("conv_wgrad_{}_{}_{sfx}", tile.name, if vec { "vec" } else { "scalar" });
-                let f = function(dev, CONV_MODULE, conv_image(), &name, tile.smem)?;
-                // SAFETY: every (z, row < M, col < N) element is written by the block that owns its tile.
-                let ws = unsafe { dev.alloc::<f32>(splits * m * n)? };
                 let dw = alloc_out::<T>(dev, m * n)?;
-                let stream = dev.cuda_stream();
-                let mut b = stream.launch_builder(&f);
-                b.arg(&v1).arg(&v2).arg(&ws).arg(&sh);
-                // SAFETY: (dy, x, ws, shape) as conv_wgrad_* takes them; ws holds splits*m*n floats.
-                unsafe { b.launch(blocks(tile, m, n, splits, op)?) }.w()?;
-                let r = function(dev, CONV_MODULE, conv_image(), &format!("conv_splitk_reduce_{sfx}"), 0)?;
-                let mut b = stream.launch_builder(&r);
-                let (mn, sp) = (i32_of(m * n, op, "M*N")?, splits as i32);
-                b.arg(&ws).arg(&dw).arg(&mn).arg(&sp);
-                // SAFETY: (ws, out, mn, splits) as conv_splitk_reduce_* takes them.
-                unsafe { b.launch(reduce_cfg(m * n)) }.w()?;
+                let run = |tile: Tile| -> Result<()> {
+                    let (k_split, splits) = split_k(tile, m, n, k, sms);
+                    i32_of(splits * m * n, op, "split-K workspace")?;
+                    let sh = GemmShape {
+                        m: i32_of(m, op, "M")?,
+                        n: i32_of(n, op, "N")?,
+                        k: i32_of(k, op, "K")?,
+                        lda: g.ko as i32,
+                        ldc: n as i32,
+                        k_split: i32_of(k_split, op, "k_split")?,
+                        ..base
+                    };
+                    let name = format!("conv_wgrad_{}_{}_{sfx}", tile.name, if vec { "vec" } else { "scalar" });
+                    let f = conv_function(dev, tile, &name)?;
+                    // SAFETY: every (z, row < M, col < N) element is written by the block that owns its tile.
+                    let ws = unsafe { dev.alloc::<f32>(splits * m * n)? };
+                    let mut b = stream.launch_builder(&f);
+                    b.arg(&v1).arg(&v2).arg(&ws).arg(&sh);
+                    // SAFETY: (dy, x, ws, shape) as conv_wgrad_* takes them; ws holds splits*m*n floats.
+                    unsafe { b.launch(blocks(tile, m, n, splits, op)?) }.w()?;
+                    let r = conv_function(dev, T64, &format!("conv_splitk_reduce_{sfx}"))?;
+                    let mut b = stream.launch_builder(&r);
+                    let (mn, sp) = (i32_of(m * n, op, "M*N")?, splits as i32);
+                    b.arg(&ws).arg(&dw).arg(&mn).arg(&sp);
+                    // SAFETY: (ws, out, mn, splits) as conv_splitk_reduce_* takes them.
+                    unsafe { b.launch(reduce_cfg(m * n)) }.w()?;
+                    Ok(())
+                };
+                let mut run = run;
+                let tile = pick(dev, key, vec, &TILES, choose(m, n, sms, true), &mut run)?;
+                run(tile)?;
                 Ok((CudaStorage::wrap_cuda_slice(dw, dev.clone()), Shape::from((g.ko, g.r, g.r, g.c))))
             }
         }
@@ -519,35 +663,17 @@ impl GemmOp {
         i32_of(m * k, op, "A size")?;
         i32_of(k * n, op, "B size")?;
         i32_of(m * n, op, "C size")?;
-        let (mut tile, mut k_split, mut splits) = choose(m, n, k, sms, vec, false);
-        if tile == T64 && m.div_ceil(64) * n.div_ceil(64) < sms {
-            (tile, k_split, splits) = choose(m, n, k, sms, vec, true);
-        }
-        let split = splits > 1;
-        if split {
-            i32_of(splits * m * n, op, "split-K workspace")?;
-        }
-        let sh = GemmShape {
+        let base = GemmShape {
             m: i32_of(m, op, "M")?,
             n: i32_of(n, op, "N")?,
             k: i32_of(k, op, "K")?,
             lda: lda as i32,
             ldb: ldb as i32,
             ldc: n as i32,
-            k_split: i32_of(k_split, op, "k_split")?,
             has_bias: bias.is_some() as i32,
             ..Default::default()
         };
-        let name = format!(
-            "gemm_{tag}_{}_{}{}_{sfx}",
-            tile.name,
-            if vec { "vec" } else { "scalar" },
-            if split { "_split" } else { "" }
-        );
-        let f = function(dev, GEMM_MODULE, gemm_image(), &name, tile.smem)?;
         let c = alloc_out::<T>(dev, m * n)?;
-        // SAFETY: written in full by the kernel (split: by the blocks of every z) before it is read.
-        let ws = unsafe { dev.alloc::<f32>(if split { splits * m * n } else { 1 })? };
         let bias_view = match bias {
             Some((s, l)) => {
                 let (o0, o1) = contiguous(l, op, "bias")?;
@@ -556,28 +682,55 @@ impl GemmOp {
             None => None,
         };
         let stream = dev.cuda_stream();
-        let mut bld = stream.launch_builder(&f);
-        bld.arg(&va).arg(&vb).arg(&c).arg(&ws);
-        match &bias_view {
-            Some(v) => bld.arg(v),
-            None => bld.arg(&va), // never read: has_bias = 0
-        };
-        bld.arg(&sh);
-        // SAFETY: (a, b, c, ws, bias, shape) as gemm_* takes them; sizes checked above.
-        unsafe { bld.launch(blocks(tile, m, n, splits, op)?) }.w()?;
-        if split {
-            let r = function(dev, GEMM_MODULE, gemm_image(), &format!("gemm_splitk_reduce_{sfx}"), 0)?;
-            let mut bld = stream.launch_builder(&r);
-            let (hb, mn, nn, sp) = (sh.has_bias, (m * n) as i32, n as i32, splits as i32);
-            bld.arg(&ws).arg(&c);
+        let run = |tile: Tile| -> Result<()> {
+            // Split-K only on the 64x64 tile, when even its blocks cannot fill the GPU.
+            let (k_split, splits) = if tile == T64 && m.div_ceil(64) * n.div_ceil(64) < sms {
+                split_k(tile, m, n, k, sms)
+            } else {
+                (k.div_ceil(BK).max(1) * BK, 1)
+            };
+            let split = splits > 1;
+            if split {
+                i32_of(splits * m * n, op, "split-K workspace")?;
+            }
+            let sh = GemmShape { k_split: i32_of(k_split, op, "k_split")?, ..base };
+            let name = format!(
+                "gemm_{tag}_{}_{}{}_{sfx}",
+                tile.name,
+                if vec { "vec" } else { "scalar" },
+                if split { "_split" } else { "" }
+            );
+            let f = gemm_function(dev, tile, &name)?;
+            // SAFETY: written in full by the kernel (split: by the blocks of every z) before it is read.
+            let ws = unsafe { dev.alloc::<f32>(if split { splits * m * n } else { 1 })? };
+            let mut bld = stream.launch_builder(&f);
+            bld.arg(&va).arg(&vb).arg(&c).arg(&ws);
             match &bias_view {
                 Some(v) => bld.arg(v),
-                None => bld.arg(&va),
+                None => bld.arg(&va), // never read: has_bias = 0
             };
-            bld.arg(&hb).arg(&mn).arg(&nn).arg(&sp);
-            // SAFETY: (ws, c, bias, has_bias, mn, n, splits) as gemm_splitk_reduce_* takes them.
-            unsafe { bld.launch(reduce_cfg(m * n)) }.w()?;
-        }
+            bld.arg(&sh);
+            // SAFETY: (a, b, c, ws, bias, shape) as gemm_* takes them; sizes checked above.
+            unsafe { bld.launch(blocks(tile, m, n, splits, op)?) }.w()?;
+            if split {
+                let r = gemm_function(dev, T64, &format!("gemm_splitk_reduce_{sfx}"))?;
+                let mut bld = stream.launch_builder(&r);
+                let (hb, mn, nn, sp) = (sh.has_bias, (m * n) as i32, n as i32, splits as i32);
+                bld.arg(&ws).arg(&c);
+                match &bias_view {
+                    Some(v) => bld.arg(v),
+                    None => bld.arg(&va),
+                };
+                bld.arg(&hb).arg(&mn).arg(&nn).arg(&sp);
+                // SAFETY: (ws, c, bias, has_bias, mn, n, splits) as gemm_splitk_reduce_* takes them.
+                unsafe { bld.launch(reduce_cfg(m * n)) }.w()?;
+            }
+            Ok(())
+        };
+        let mut run = run;
+        let key = || format!("matmul {tag} {m}x{n}x{k} {sfx}");
+        let tile = pick(dev, key, vec, &TILES, choose(m, n, sms, false), &mut run)?;
+        run(tile)?;
         Ok((CudaStorage::wrap_cuda_slice(c, dev.clone()), Shape::from((m, n))))
     }
 
