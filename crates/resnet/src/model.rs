@@ -251,7 +251,7 @@ impl ResNet {
     }
 
     // x: [n, 3, h, w] (any float dtype) -> logits [n, num_classes] in the activation dtype.
-    // Shapes below are NCHW; with `channels_last` every 4D activation is the same tensor as (n, h, w, c).
+    // The shape comments below are NCHW; with `channels_last` each 4D activation is (n, h, w, c) instead.
     pub fn forward(&self, x: &Tensor, train: bool, precision: Precision) -> Result<Tensor> {
         let ctx = Ctx { train, act: precision.act_dtype(), channels_last: self.config.channels_last };
         let mut x = x.to_dtype(ctx.act)?;
