@@ -71,10 +71,11 @@ main() {
     local san
     san="$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)"
     if [ "${SANITIZE:-1}" = 1 ] && [ -n "$san" ]; then
-        echo "== compute-sanitizer memcheck on the max-pool correctness tests"
+        echo "== compute-sanitizer memcheck on the max-pool and average-pool correctness tests"
         t0=$SECONDS
         timeout 150 "$san" --tool memcheck --error-exitcode 99 "$bin/gpu-tests" --test-threads=1 \
-            maxpool_cuda_matches_cpu maxpool_cuda_nan_matches_cpu > "$out/memcheck.log" 2>&1
+            maxpool_cuda_matches_cpu maxpool_cuda_nan_matches_cpu maxpool_nhwc_cuda_nan_matches_cpu \
+            avgpool_nhwc_cuda_matches_cpu > "$out/memcheck.log" 2>&1
         local rc=$?
         timeout 200 "$san" --tool memcheck --error-exitcode 99 "$bin/gpu-kernel-tests" --test-threads=1 \
             conv_awkward_shapes_match_reference matmul_matches_reference >> "$out/memcheck.log" 2>&1

@@ -1,11 +1,13 @@
-//! GPU tests (feature `cuda`): the CUDA max-pool against the CPU reference, ResNets on CUDA against the CPU.
+//! GPU tests (feature `cuda`): the CUDA max-pools (NCHW and NHWC) and the NHWC average pool against the CPU
+//! references, ResNets (NCHW and channels-last) on CUDA against the CPU.
 //!
 //! Run on the GPU machine with `--test-threads=1 --nocapture` (scripts/gpu-test.sh): the tests print timings.
 #![cfg(feature = "cuda")]
 
 use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
-use kernels::maxpool::{MaxPool2d, MaxPool2dBackward};
+use kernels::avgpool::GlobalAvgPoolNhwcBackward;
+use kernels::maxpool::{MaxPool2d, MaxPool2dBackward, MaxPool2dNhwcBackward};
 use resnet::{Arch, Precision, ResNet, ResNetConfig, Stem};
 use std::time::Instant;
 
@@ -214,9 +216,181 @@ fn maxpool_cuda_autograd_and_timing() -> Result<()> {
     Ok(())
 }
 
+/// (n, c, h, w) NCHW pool input of `pool_input` permuted to a contiguous (n, h, w, c) tensor of dtype `dt`.
+fn nhwc_input(data: Vec<f32>, (n, c, h, w): (usize, usize, usize, usize), dt: DType) -> Result<Tensor> {
+    Ok(Tensor::from_vec(data, (n, c, h, w), &Device::Cpu)?.permute((0, 2, 3, 1))?.contiguous()?.to_dtype(dt)?)
+}
+
+/// Forward and backward of the CUDA NHWC max-pool vs the CPU reference on every case and dtype, bit for bit
+/// (max is exact; the backward sums in FP32 in the CPU's order and rounds once), and the forward vs the CUDA
+/// NCHW max-pool on the permuted tensor.
+#[test]
+fn maxpool_nhwc_cuda_matches_cpu() -> Result<()> {
+    let gpu = cuda()?;
+    let _poison = Poison::on();
+    for (ci, &(n, c, h, w, k, s, p)) in POOL_CASES.iter().enumerate() {
+        let op = MaxPool2d { kernel: k, stride: s, padding: p };
+        let (oh, ow) = (op.out_size(h), op.out_size(w));
+        for (di, &dt) in DTYPES.iter().enumerate() {
+            let what = format!("case {ci} nhwc {:?} k{k} s{s} p{p} {dt:?}", (n, h, w, c));
+            let x_cpu = nhwc_input(pool_input((n, c, h, w), ci + di)?, (n, c, h, w), dt)?;
+            let g_cpu = Tensor::randn(0f32, 1.0, (n, oh, ow, c), &Device::Cpu)?.to_dtype(dt)?;
+            let (x_gpu, g_gpu) = (x_cpu.to_device(&gpu)?, g_cpu.to_device(&gpu)?);
+
+            let y_cpu = kernels::max_pool2d_nhwc(&x_cpu, k, s, p)?;
+            let y_gpu = kernels::max_pool2d_nhwc(&x_gpu, k, s, p)?;
+            assert_close(&format!("fwd {what}"), &y_gpu, &y_cpu, 0.0, 0.0)?;
+            let y_nchw = kernels::max_pool2d(&x_gpu.permute((0, 3, 1, 2))?.contiguous()?, k, s, p)?;
+            assert_close(
+                &format!("fwd vs nchw {what}"),
+                &y_gpu,
+                &y_nchw.permute((0, 2, 3, 1))?.contiguous()?,
+                0.0,
+                0.0,
+            )?;
+
+            let bwd = MaxPool2dNhwcBackward(op);
+            let dx_cpu = x_cpu.apply_op2_no_bwd(&g_cpu, &bwd)?;
+            let dx_gpu = x_gpu.apply_op2_no_bwd(&g_gpu, &bwd)?;
+            assert_close(&format!("bwd {what}"), &dx_gpu, &dx_cpu, 0.0, 0.0)?;
+            println!("maxpool {what}: fwd and bwd bit-exact");
+        }
+    }
+    Ok(())
+}
+
+/// NaNs propagate through the NHWC forward and the backward picks the same element as the CPU.
+#[test]
+fn maxpool_nhwc_cuda_nan_matches_cpu() -> Result<()> {
+    let gpu = cuda()?;
+    let _poison = Poison::on();
+    let (n, c, h, w) = (2, 3, 11, 10);
+    for &dt in &DTYPES {
+        let mut data = pool_input((n, c, h, w), 2)?;
+        for i in (0..data.len()).step_by(37) {
+            data[i] = f32::NAN;
+        }
+        data[1] = f32::NAN; // two NaNs in one window
+        let x_cpu = nhwc_input(data, (n, c, h, w), dt)?;
+        let x_gpu = x_cpu.to_device(&gpu)?;
+        for &(k, s, p) in &[(3, 2, 1), (2, 2, 0), (3, 1, 1)] {
+            let op = MaxPool2d { kernel: k, stride: s, padding: p };
+            let what = format!("NaN input nhwc k{k} s{s} p{p} {dt:?}");
+            let y_cpu = kernels::max_pool2d_nhwc(&x_cpu, k, s, p)?;
+            let y_gpu = kernels::max_pool2d_nhwc(&x_gpu, k, s, p)?;
+            ensure!(host_f32(&y_cpu)?.iter().any(|v| v.is_nan()), "{what}: the reference has no NaN");
+            assert_close(&format!("fwd {what}"), &y_gpu, &y_cpu, 0.0, 0.0)?;
+            let g_cpu = Tensor::randn(0f32, 1.0, (n, op.out_size(h), op.out_size(w), c), &Device::Cpu)?.to_dtype(dt)?;
+            let bwd = MaxPool2dNhwcBackward(op);
+            let dx_cpu = x_cpu.apply_op2_no_bwd(&g_cpu, &bwd)?;
+            let dx_gpu = x_gpu.apply_op2_no_bwd(&g_cpu.to_device(&gpu)?, &bwd)?;
+            assert_close(&format!("bwd {what}"), &dx_gpu, &dx_cpu, 0.0, 0.0)?;
+        }
+    }
+    Ok(())
+}
+
+/// The NHWC max-pool's backward through candle's autograd on CUDA equals the CPU's, and the ResNet-stem
+/// forward/backward timings (median of 20 after warm-up) are printed next to the NCHW kernel's.
+#[test]
+fn maxpool_nhwc_cuda_autograd_and_timing() -> Result<()> {
+    let gpu = cuda()?;
+    let (n, c, h, w) = (8, 64, 112, 112);
+    let x_cpu = nhwc_input(pool_input((n, c, h, w), 1)?, (n, c, h, w), DType::F32)?;
+    let g_cpu = Tensor::randn(0f32, 1.0, (n, 56, 56, c), &Device::Cpu)?;
+    let grad_of = |dev: &Device| -> Result<Tensor> {
+        let x = Var::from_tensor(&x_cpu.to_device(dev)?)?;
+        let loss = kernels::max_pool2d_nhwc(x.as_tensor(), 3, 2, 1)?.mul(&g_cpu.to_device(dev)?)?.sum_all()?;
+        let grads = loss.backward()?;
+        Ok(grads.get(x.as_tensor()).context("no gradient for x")?.clone())
+    };
+    assert_close("autograd dx nhwc f32", &grad_of(&gpu)?, &grad_of(&Device::Cpu)?, 0.0, 0.0)?;
+
+    let bwd = MaxPool2dNhwcBackward(MaxPool2d { kernel: 3, stride: 2, padding: 1 });
+    for &dt in &DTYPES {
+        let x = x_cpu.to_dtype(dt)?.to_device(&gpu)?;
+        let g = g_cpu.to_dtype(dt)?.to_device(&gpu)?;
+        let time = |f: &dyn Fn() -> candle_core::Result<Tensor>| -> Result<f64> {
+            for _ in 0..3 {
+                f()?;
+            }
+            gpu.synchronize()?;
+            let mut ms = Vec::new();
+            for _ in 0..20 {
+                let t0 = Instant::now();
+                f()?;
+                gpu.synchronize()?;
+                ms.push(t0.elapsed().as_secs_f64() * 1e3);
+            }
+            ms.sort_by(f64::total_cmp);
+            Ok(ms[ms.len() / 2])
+        };
+        let fwd_ms = time(&|| kernels::max_pool2d_nhwc(&x, 3, 2, 1))?;
+        let bwd_ms = time(&|| x.apply_op2_no_bwd(&g, &bwd))?;
+        let es = dt.size_in_bytes() as f64;
+        let (nx, ny) = ((n * c * h * w) as f64, (n * c * 56 * 56) as f64);
+        println!(
+            "maxpool nhwc 8x112x112x64 k3 s2 p1 {dt:?}: fwd {fwd_ms:.3} ms ({:.0} GB/s of x+y), bwd {bwd_ms:.3} ms ({:.0} GB/s of x+dy+dx); host-timed medians incl. launch",
+            (nx + ny) * es / fwd_ms / 1e6,
+            (2.0 * nx + ny) * es / bwd_ms / 1e6
+        );
+    }
+    Ok(())
+}
+
+/// The CUDA NHWC global average pool vs the CPU reference, forward and backward, every dtype, bit for bit (both
+/// sum each channel in ascending pixel order in FP32 and divide once), and the autograd path.
+#[test]
+fn avgpool_nhwc_cuda_matches_cpu() -> Result<()> {
+    let gpu = cuda()?;
+    let _poison = Poison::on();
+    // (n, h, w, c): ResNet-50/152 at 224 and ResNet-18 at 224, CIFAR stem at 32, awkward sizes.
+    let cases = [(8, 7, 7, 2048), (16, 7, 7, 512), (4, 4, 4, 512), (3, 5, 3, 7), (1, 1, 1, 1), (2, 13, 11, 33)];
+    for (ci, &(n, h, w, c)) in cases.iter().enumerate() {
+        for &dt in &DTYPES {
+            let what = format!("avgpool case {ci} {:?} {dt:?}", (n, h, w, c));
+            let x_cpu = Tensor::randn(0f32, 1.0, (n, h, w, c), &Device::Cpu)?.to_dtype(dt)?;
+            let g_cpu = Tensor::randn(0f32, 1.0, (n, c), &Device::Cpu)?.to_dtype(dt)?;
+            let (x_gpu, g_gpu) = (x_cpu.to_device(&gpu)?, g_cpu.to_device(&gpu)?);
+            let y_cpu = kernels::global_avg_pool_nhwc(&x_cpu)?;
+            let y_gpu = kernels::global_avg_pool_nhwc(&x_gpu)?;
+            assert_close(&format!("fwd {what}"), &y_gpu, &y_cpu, 0.0, 0.0)?;
+            let bwd = GlobalAvgPoolNhwcBackward { h, w };
+            let dx_cpu = g_cpu.apply_op1_no_bwd(&bwd)?;
+            let dx_gpu = g_gpu.apply_op1_no_bwd(&bwd)?;
+            assert_close(&format!("bwd {what}"), &dx_gpu, &dx_cpu, 0.0, 0.0)?;
+            // Against candle's FP32 mean, loosely (another summation order).
+            let mean = x_cpu.to_dtype(DType::F32)?.mean((1, 2))?;
+            let e = rel_err(&y_gpu, &mean)?;
+            ensure!(e < if dt == DType::F32 { 1e-6 } else { 1e-2 }, "{what}: rel err vs candle mean {e:e}");
+            println!("{what}: fwd and bwd bit-exact, rel err vs candle f32 mean {e:.1e}");
+        }
+    }
+    let x_cpu = Tensor::randn(0f32, 1.0, (4, 7, 7, 64), &Device::Cpu)?;
+    let g_cpu = Tensor::randn(0f32, 1.0, (4, 64), &Device::Cpu)?;
+    let grad_of = |dev: &Device| -> Result<Tensor> {
+        let x = Var::from_tensor(&x_cpu.to_device(dev)?)?;
+        let loss = kernels::global_avg_pool_nhwc(x.as_tensor())?.mul(&g_cpu.to_device(dev)?)?.sum_all()?;
+        let grads = loss.backward()?;
+        Ok(grads.get(x.as_tensor()).context("no gradient for x")?.clone())
+    };
+    assert_close("autograd avgpool dx f32", &grad_of(&gpu)?, &grad_of(&Device::Cpu)?, 0.0, 0.0)?;
+    Ok(())
+}
+
+fn tiny_config(stem: Stem) -> ResNetConfig {
+    ResNetConfig {
+        arch: Arch::ResNet18,
+        num_classes: 10,
+        stem,
+        zero_init_residual: false,
+        seed: 17,
+        channels_last: false,
+    }
+}
+
 fn tiny_resnet(stem: Stem, dev: &Device) -> Result<ResNet> {
-    let cfg = ResNetConfig { arch: Arch::ResNet18, num_classes: 10, stem, zero_init_residual: false, seed: 17 };
-    Ok(ResNet::new(cfg, dev)?)
+    Ok(ResNet::new(tiny_config(stem), dev)?)
 }
 
 /// Logits, loss and the gradients of `names` after one training-mode forward + backward.
@@ -340,6 +514,7 @@ fn resnet152_cuda_bf16_train_steps() -> Result<()> {
         stem: Stem::ImageNet,
         zero_init_residual: true,
         seed: 1,
+        channels_last: false,
     };
     let model = ResNet::new(cfg, &gpu)?;
     let params = model.store().trainable();
@@ -376,5 +551,67 @@ fn resnet152_cuda_bf16_train_steps() -> Result<()> {
         batch as f64 / med * 1e3,
         times.len()
     );
+    Ok(())
+}
+
+/// Channels-last ResNet-18 (both stems, 64x64, batch 4) on CUDA vs the NCHW model on the CPU, f32: logits and
+/// loss to 1e-3, gradients to max(1e-3, 3 x the CPU's f32 noise floor) as in `resnet18_cuda_matches_cpu_f32`; then
+/// bf16 (the custom kernels' dtype) training- and eval-mode forwards give finite logits.
+#[test]
+fn resnet18_channels_last_cuda_matches_cpu() -> Result<()> {
+    let gpu = cuda()?;
+    let names = [
+        "conv1.weight",
+        "bn1.weight",
+        "layer1.0.conv1.weight",
+        "layer2.0.downsample.0.weight",
+        "layer3.1.conv2.weight",
+        "layer4.1.bn2.bias",
+        "fc.weight",
+        "fc.bias",
+    ];
+    let nhwc = |stem: Stem, dev: &Device| -> Result<ResNet> {
+        let cfg = ResNetConfig { channels_last: true, ..tiny_config(stem) };
+        Ok(ResNet::new(cfg, dev)?)
+    };
+    for stem in [Stem::Cifar, Stem::ImageNet] {
+        let x = Tensor::randn(0f32, 1.0, (4, 3, 64, 64), &Device::Cpu)?;
+        let labels = Tensor::new(&[3u32, 0, 9, 4], &Device::Cpu)?;
+        let perm = Tensor::new(&[2u32, 3, 1, 0], &Device::Cpu)?;
+        let (l_cpu, loss_cpu, g_cpu) =
+            train_step(&tiny_resnet(stem, &Device::Cpu)?, &x, &labels, Precision::F32, &names)?;
+        let (_, _, g_perm) = train_step(
+            &tiny_resnet(stem, &Device::Cpu)?,
+            &x.index_select(&perm, 0)?,
+            &labels.index_select(&perm, 0)?,
+            Precision::F32,
+            &names,
+        )?;
+        let gpu_model = nhwc(stem, &gpu)?;
+        let (l_gpu, loss_gpu, g_gpu) =
+            train_step(&gpu_model, &x.to_device(&gpu)?, &labels.to_device(&gpu)?, Precision::F32, &names)?;
+        let e = rel_err(&l_gpu, &l_cpu)?;
+        println!("resnet18 channels-last {} f32: logits rel err {e:.2e} vs the NCHW CPU model", stem.name());
+        ensure!(e < 1e-3, "resnet18 channels-last {}: logits rel err {e:e}", stem.name());
+        let le = rel_err(&loss_gpu, &loss_cpu)?;
+        ensure!(le < 1e-3, "resnet18 channels-last {}: loss rel err {le:e}", stem.name());
+        for (i, name) in names.iter().enumerate() {
+            let e = rel_err(&g_gpu[i], &g_cpu[i])?;
+            let tol = f64::max(1e-3, 3.0 * rel_err(&g_perm[i], &g_cpu[i])?);
+            println!("resnet18 channels-last {} f32: grad {name} rel err {e:.2e} (tol {tol:.1e})", stem.name());
+            ensure!(e < tol, "resnet18 channels-last {}: grad {name} rel err {e:e} over {tol:e}", stem.name());
+        }
+        let model = nhwc(stem, &gpu)?;
+        let xg = x.to_device(&gpu)?;
+        for train in [false, true] {
+            let l16 = model.forward(&xg, train, Precision::Bf16)?;
+            ensure!(l16.dtype() == DType::BF16, "bf16 logits are {:?}", l16.dtype());
+            ensure!(
+                host_f32(&l16)?.iter().all(|v| v.is_finite()),
+                "resnet18 channels-last {} bf16 (train {train}): non-finite logits",
+                stem.name()
+            );
+        }
+    }
     Ok(())
 }

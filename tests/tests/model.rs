@@ -5,7 +5,7 @@ use resnet::weights;
 use resnet::{Arch, Precision, ResNet, ResNetConfig, Stem};
 
 fn cfg(arch: Arch, classes: usize, stem: Stem) -> ResNetConfig {
-    ResNetConfig { arch, num_classes: classes, stem, zero_init_residual: false, seed: 7 }
+    ResNetConfig { arch, num_classes: classes, stem, zero_init_residual: false, seed: 7, channels_last: false }
 }
 
 fn tmp(name: &str) -> std::path::PathBuf {
@@ -79,7 +79,7 @@ fn batchnorm_train_and_eval_numerics() {
     store.set("bn.bias", &Tensor::new(&[1f32, -1.0], &dev).unwrap()).unwrap();
     // channel 0 values: 1, 2, 3, 6 (mean 3, biased var 3.5, unbiased 14/3); channel 1: 4, 4, 0, 8 (mean 4, var 8, unbiased 32/3)
     let x = Tensor::new(&[[[[1f32, 2.]], [[4., 4.]]], [[[3., 6.]], [[0., 8.]]]], &dev).unwrap();
-    let y = bn.forward(&x, &Ctx { train: true, act: DType::F32 }).unwrap();
+    let y = bn.forward(&x, &Ctx { train: true, act: DType::F32, channels_last: false }).unwrap();
     let y: Vec<f32> = y.flatten_all().unwrap().to_vec1().unwrap();
     let eps = 1e-5f32;
     let n0 = |v: f32| 2.0 * (v - 3.0) / (3.5 + eps).sqrt() + 1.0;
@@ -95,14 +95,16 @@ fn batchnorm_train_and_eval_numerics() {
     assert!((rv[1] - (0.9 + 0.1 * 32.0 / 3.0)).abs() < 1e-5, "{rv:?}");
     assert_eq!(bn.num_batches_tracked.tensor().to_scalar::<i64>().unwrap(), 1);
     // Eval uses the running statistics and leaves them alone.
-    let y = bn.forward(&x, &Ctx { train: false, act: DType::F32 }).unwrap();
+    let y = bn.forward(&x, &Ctx { train: false, act: DType::F32, channels_last: false }).unwrap();
     let y: Vec<f32> = y.flatten_all().unwrap().to_vec1().unwrap();
     let e0 = |v: f32| 2.0 * (v - rm[0]) / (rv[0] + eps).sqrt() + 1.0;
     assert!((y[0] - e0(1.0)).abs() < 1e-5);
     let rm2: Vec<f32> = bn.running_mean.tensor().to_vec1().unwrap();
     assert_eq!(rm, rm2);
     // Low-precision input: statistics in FP32, output in the input dtype.
-    let yb = bn.forward(&x.to_dtype(DType::BF16).unwrap(), &Ctx { train: true, act: DType::BF16 }).unwrap();
+    let yb = bn
+        .forward(&x.to_dtype(DType::BF16).unwrap(), &Ctx { train: true, act: DType::BF16, channels_last: false })
+        .unwrap();
     assert_eq!(yb.dtype(), DType::BF16);
     assert_eq!(bn.running_mean.tensor().dtype(), DType::F32);
 }
@@ -387,4 +389,247 @@ fn resnet152_forward_backward_224_on_cpu() {
     let g = grads.get(m.store().get("conv1.weight").unwrap().param.var().as_tensor()).unwrap();
     assert!(g.abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap() > 0.0);
     eprintln!("resnet152 fwd+bwd batch 2 at 224: {:.1} s", t.elapsed().as_secs_f64());
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Channels-last (NHWC): the model against its NCHW twin, and the NHWC pooling ops against their NCHW/candle
+// counterparts.
+// ---------------------------------------------------------------------------------------------------------------
+
+/// ‖a − b‖₂ / ‖b‖₂ (f64), after casting both to f32 on the CPU.
+fn rel_l2(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.dims(), b.dims());
+    let f = |t: &Tensor| -> Vec<f32> { t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap() };
+    let (x, y) = (f(a), f(b));
+    let num: f64 = x.iter().zip(&y).map(|(p, q)| (*p as f64 - *q as f64).powi(2)).sum();
+    let den: f64 = y.iter().map(|q| (*q as f64).powi(2)).sum();
+    (num / den.max(1e-300)).sqrt()
+}
+
+fn flat_f32(t: &Tensor) -> Vec<f32> {
+    t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+}
+
+fn resnet18_layout(stem: Stem, channels_last: bool) -> ResNet {
+    let c = ResNetConfig { seed: 11, channels_last, ..cfg(Arch::ResNet18, 10, stem) };
+    ResNet::new(c, &Device::Cpu).unwrap()
+}
+
+/// A channels-last ResNet-18 gives the NCHW model's logits, loss, parameter gradients and running statistics
+/// (one training step, FP32), and then the same eval-mode logits; both stems, 2x3x32x32.
+#[test]
+fn channels_last_resnet18_matches_nchw() {
+    let dev = Device::Cpu;
+    for stem in [Stem::Cifar, Stem::ImageNet] {
+        let (nchw, nhwc) = (resnet18_layout(stem, false), resnet18_layout(stem, true));
+        assert!(nhwc.config.channels_last && !nchw.config.channels_last);
+        let x = Tensor::randn(0f32, 1., (2, 3, 32, 32), &dev).unwrap();
+        let labels = Tensor::new(&[3u32, 8], &dev).unwrap();
+        let step = |m: &ResNet| {
+            let logits = m.forward(&x, true, Precision::F32).unwrap();
+            let loss = candle_nn_free_xent(&logits, &labels);
+            let grads = loss.backward().unwrap();
+            (logits, loss, grads)
+        };
+        let ((la, lossa, ga), (lb, lossb, gb)) = (step(&nchw), step(&nhwc));
+        let name = stem.name();
+        assert_eq!(lb.dims(), &[2, 10]);
+        let e = rel_l2(&lb, &la);
+        assert!(e < 1e-4, "{name}: train-mode logits rel err {e:e}");
+        assert!(rel_l2(&lossb, &lossa) < 1e-4, "{name}: loss {lossb} vs {lossa}");
+        let mut worst = (0.0, String::new());
+        for (pname, var) in nchw.store().trainable() {
+            let vb = nhwc.store().get(&pname).unwrap().param.var().clone();
+            assert_eq!(var.dims(), vb.dims(), "{name}: master weight {pname} keeps its torchvision shape");
+            let (gra, grb) = (ga.get(var.as_tensor()).unwrap(), gb.get(vb.as_tensor()).unwrap());
+            let e = rel_l2(grb, gra);
+            if e > worst.0 {
+                worst = (e, pname.clone());
+            }
+            assert!(e < 1e-4, "{name}: grad {pname} rel err {e:e}");
+        }
+        eprintln!("{name}: logits rel err {:.1e}, worst grad rel err {:.1e} ({})", rel_l2(&lb, &la), worst.0, worst.1);
+        // Running statistics (and the batch counter) after the step, then eval-mode logits from them.
+        let (sa, sb) = (nchw.store().snapshot().unwrap(), nhwc.store().snapshot().unwrap());
+        for (k, ta) in sa.iter().filter(|(k, _)| k.contains("running_") || k.contains("num_batches")) {
+            let tb = &sb[k];
+            if ta.dtype() == DType::I64 {
+                assert_eq!(ta.to_scalar::<i64>().unwrap(), tb.to_scalar::<i64>().unwrap(), "{name}: {k}");
+            } else {
+                let e = rel_l2(tb, ta);
+                assert!(e < 1e-5, "{name}: {k} rel err {e:e}");
+            }
+        }
+        assert_eq!(nhwc.store().get("bn1.num_batches_tracked").unwrap().param.tensor().to_scalar::<i64>().unwrap(), 1);
+        let (ea, eb) =
+            (nchw.forward(&x, false, Precision::F32).unwrap(), nhwc.forward(&x, false, Precision::F32).unwrap());
+        let e = rel_l2(&eb, &ea);
+        assert!(e < 1e-4, "{name}: eval logits rel err {e:e}");
+        // Low precision runs too (autocast unchanged): bf16 eval logits close to the NCHW model's.
+        let (ba, bb) =
+            (nchw.forward(&x, false, Precision::Bf16).unwrap(), nhwc.forward(&x, false, Precision::Bf16).unwrap());
+        assert_eq!(bb.dtype(), DType::BF16);
+        let e = rel_l2(&bb, &ba);
+        assert!(e < 2e-2, "{name}: bf16 eval logits rel err {e:e}");
+    }
+}
+
+/// BatchNorm in channels-last mode equals NCHW BatchNorm on the permuted input (train then eval), running
+/// statistics included, and frozen statistics stay frozen.
+#[test]
+fn channels_last_batchnorm_matches_nchw() {
+    use resnet::layers::{BatchNorm2d, Builder, Ctx};
+    let dev = Device::Cpu;
+    let (sa, sb) = (resnet::ParamStore::new(&dev), resnet::ParamStore::new(&dev));
+    let bna = BatchNorm2d::new(&Builder::new(&sa, 0).pp("bn"), 5, false).unwrap();
+    let bnb = BatchNorm2d::new(&Builder::new(&sb, 0).pp("bn"), 5, false).unwrap();
+    for s in [&sa, &sb] {
+        s.set("bn.weight", &Tensor::new(&[1.5f32, 0.5, -1.0, 2.0, 1.0], &dev).unwrap()).unwrap();
+        s.set("bn.bias", &Tensor::new(&[0.1f32, -0.2, 0.3, 0.0, 1.0], &dev).unwrap()).unwrap();
+    }
+    let x = (Tensor::randn(0f32, 1., (3, 5, 4, 6), &dev).unwrap() * 3.0).unwrap();
+    let xl = x.permute((0, 2, 3, 1)).unwrap().contiguous().unwrap();
+    let nchw = |train| Ctx { train, act: DType::F32, channels_last: false };
+    let nhwc = |train| Ctx { train, act: DType::F32, channels_last: true };
+    for train in [true, true, false] {
+        let ya = bna.forward(&x, &nchw(train)).unwrap();
+        let yb = bnb.forward(&xl, &nhwc(train)).unwrap();
+        assert_eq!(yb.dims(), &[3, 4, 6, 5]);
+        let e = rel_l2(&yb.permute((0, 3, 1, 2)).unwrap(), &ya);
+        assert!(e < 1e-6, "train={train}: rel err {e:e}");
+        for k in ["bn.running_mean", "bn.running_var"] {
+            let (ta, tb) = (sa.get(k).unwrap().param.tensor(), sb.get(k).unwrap().param.tensor());
+            assert!(rel_l2(&tb, &ta) < 1e-6, "{k}");
+        }
+    }
+    assert_eq!(bnb.num_batches_tracked.tensor().to_scalar::<i64>().unwrap(), 2);
+    // Frozen statistics: training mode uses and keeps the running statistics.
+    bnb.stats_frozen.store(true, std::sync::atomic::Ordering::Relaxed);
+    let before = flat_f32(&bnb.running_var.tensor());
+    let y = bnb.forward(&xl, &nhwc(true)).unwrap();
+    let y_eval = bnb.forward(&xl, &nhwc(false)).unwrap();
+    assert_eq!(flat_f32(&y), flat_f32(&y_eval));
+    assert_eq!(flat_f32(&bnb.running_var.tensor()), before);
+    // Low precision: statistics in FP32, output in the input dtype.
+    let yb = bnb.forward(&xl.to_dtype(DType::BF16).unwrap(), &Ctx { act: DType::BF16, ..nhwc(true) }).unwrap();
+    assert_eq!(yb.dtype(), DType::BF16);
+}
+
+/// Pool inputs rich in ties: random normal, ReLU'd (many zeros), on a 0.25 grid, and constant.
+fn tie_rich(dims: (usize, usize, usize, usize), variant: usize) -> Tensor {
+    let t = Tensor::randn(0f32, 1., dims, &Device::Cpu).unwrap();
+    match variant % 4 {
+        0 => t,
+        1 => t.relu().unwrap(),
+        2 => ((t * 4.0).unwrap().round().unwrap() / 4.0).unwrap(),
+        _ => t.ones_like().unwrap(),
+    }
+}
+
+/// The NHWC max-pool equals the NCHW one on the permuted tensor, forward and backward, bit for bit (ties go to
+/// the first maximum of the window in both), in f32, bf16, f16 and f64.
+#[test]
+fn maxpool_nhwc_matches_permuted_nchw() {
+    let dev = Device::Cpu;
+    let cases = [
+        ((2, 3, 7, 9), 3, 2, 1),
+        ((1, 4, 8, 8), 3, 2, 1),
+        ((1, 2, 5, 5), 2, 2, 0),
+        ((2, 5, 6, 5), 3, 1, 1),
+        ((1, 3, 10, 10), 5, 3, 2),
+        ((1, 1, 1, 1), 1, 1, 0),
+        ((2, 3, 6, 7), 4, 1, 2),
+    ];
+    let mut variant = 0;
+    for &(dims, k, s, p) in &cases {
+        for dt in [DType::F32, DType::BF16, DType::F16, DType::F64] {
+            variant += 1;
+            let what = format!("{dims:?} k{k} s{s} p{p} {dt:?} variant {}", variant % 4);
+            let x = tie_rich(dims, variant).to_dtype(dt).unwrap();
+            let xl = x.permute((0, 2, 3, 1)).unwrap().contiguous().unwrap();
+            let (va, vb) = (candle_core::Var::from_tensor(&x).unwrap(), candle_core::Var::from_tensor(&xl).unwrap());
+            let ya = kernels::max_pool2d(va.as_tensor(), k, s, p).unwrap();
+            let yb = kernels::max_pool2d_nhwc(vb.as_tensor(), k, s, p).unwrap();
+            assert_eq!(yb.dtype(), dt);
+            let ya_l = ya.permute((0, 2, 3, 1)).unwrap().contiguous().unwrap();
+            assert_eq!(yb.dims(), ya_l.dims(), "{what}");
+            assert_eq!(flat_f32(&yb), flat_f32(&ya_l), "forward {what}");
+            let g = Tensor::randn(0f32, 1., ya.dims(), &dev).unwrap().to_dtype(dt).unwrap();
+            let gl = g.permute((0, 2, 3, 1)).unwrap().contiguous().unwrap();
+            let ga = (ya * &g).unwrap().sum_all().unwrap().backward().unwrap();
+            let gb = (yb * &gl).unwrap().sum_all().unwrap().backward().unwrap();
+            let dxa = ga.get(va.as_tensor()).unwrap().permute((0, 2, 3, 1)).unwrap();
+            let dxb = gb.get(vb.as_tensor()).unwrap();
+            assert_eq!(flat_f32(dxb), flat_f32(&dxa), "backward {what}");
+        }
+    }
+    // Ties: on a constant input every window's gradient lands on its first (top-left, in-bounds) cell.
+    let x = candle_core::Var::from_tensor(&Tensor::ones((1, 4, 4, 2), DType::F32, &dev).unwrap()).unwrap();
+    let y = kernels::max_pool2d_nhwc(x.as_tensor(), 2, 2, 0).unwrap();
+    let dx = y.sum_all().unwrap().backward().unwrap().get(x.as_tensor()).unwrap().clone();
+    let dx = dx.permute((0, 3, 1, 2)).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let plane = [1., 0., 1., 0., 0., 0., 0., 0., 1., 0., 1., 0., 0., 0., 0., 0.];
+    assert_eq!(dx, [plane, plane].concat());
+    // NaNs propagate as in the NCHW op.
+    let mut v = flat_f32(&tie_rich((1, 2, 5, 5), 2));
+    v[7] = f32::NAN;
+    let x = Tensor::from_vec(v, (1, 2, 5, 5), &dev).unwrap();
+    let a = kernels::max_pool2d(&x, 3, 2, 1).unwrap().permute((0, 2, 3, 1)).unwrap();
+    let b = kernels::max_pool2d_nhwc(&x.permute((0, 2, 3, 1)).unwrap(), 3, 2, 1).unwrap();
+    let (a, b) = (flat_f32(&a), flat_f32(&b));
+    assert!(b.iter().any(|v| v.is_nan()));
+    assert!(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits() || (p.is_nan() && q.is_nan())));
+    // Bad shapes and parameters are errors, not panics.
+    assert!(kernels::max_pool2d_nhwc(&Tensor::zeros((2, 2), DType::F32, &dev).unwrap(), 3, 2, 1).is_err());
+    assert!(kernels::max_pool2d_nhwc(&Tensor::zeros((1, 2, 2, 3), DType::F32, &dev).unwrap(), 5, 1, 0).is_err());
+    assert!(kernels::max_pool2d_nhwc(&Tensor::zeros((1, 4, 4, 3), DType::F32, &dev).unwrap(), 2, 1, 2).is_err());
+}
+
+/// The NHWC global average pool against candle's mean over (h, w): forward and backward, in f32, f64 and bf16
+/// (FP32 accumulation, output in the input dtype).
+#[test]
+fn avgpool_nhwc_matches_candle_mean() {
+    let dev = Device::Cpu;
+    for &(n, h, w, c) in &[(2, 7, 7, 64), (3, 4, 4, 5), (1, 1, 1, 1), (2, 3, 5, 7), (4, 1, 9, 2)] {
+        let what = format!("{:?}", (n, h, w, c));
+        let x = Tensor::randn(0f32, 1., (n, h, w, c), &dev).unwrap();
+        let g = Tensor::randn(0f32, 1., (n, c), &dev).unwrap();
+        for dt in [DType::F32, DType::F64] {
+            let (x, g) = (x.to_dtype(dt).unwrap(), g.to_dtype(dt).unwrap());
+            let (va, vb) = (candle_core::Var::from_tensor(&x).unwrap(), candle_core::Var::from_tensor(&x).unwrap());
+            let ya = va.as_tensor().mean((1, 2)).unwrap();
+            let yb = kernels::global_avg_pool_nhwc(vb.as_tensor()).unwrap();
+            assert_eq!(yb.dims(), &[n, c], "{what}");
+            assert_eq!(yb.dtype(), dt);
+            let tol = if dt == DType::F64 { 1e-12 } else { 1e-6 };
+            let e = rel_l2(&yb, &ya);
+            assert!(e < tol, "forward {what} {dt:?}: rel err {e:e}");
+            let ga = (ya * &g).unwrap().sum_all().unwrap().backward().unwrap();
+            let gb = (yb * &g).unwrap().sum_all().unwrap().backward().unwrap();
+            let (dxa, dxb) = (ga.get(va.as_tensor()).unwrap(), gb.get(vb.as_tensor()).unwrap());
+            assert_eq!(dxb.dims(), &[n, h, w, c]);
+            let e = rel_l2(dxb, dxa);
+            assert!(e < tol, "backward {what} {dt:?}: rel err {e:e}");
+        }
+        // bf16: the FP32 mean of the bf16 values, rounded once; the gradient dy / (h w) rounded once.
+        let xb = x.to_dtype(DType::BF16).unwrap();
+        let yb = kernels::global_avg_pool_nhwc(&xb).unwrap();
+        assert_eq!(yb.dtype(), DType::BF16);
+        let want = xb.to_dtype(DType::F32).unwrap().mean((1, 2)).unwrap().to_dtype(DType::BF16).unwrap();
+        let (got, want) = (flat_f32(&yb), flat_f32(&want));
+        for (a, b) in got.iter().zip(&want) {
+            // At most one bf16 ulp apart (summation order may differ from candle's).
+            assert!((a - b).abs() <= b.abs() * 2f32.powi(-7) + 1e-6, "bf16 forward {what}: {a} vs {b}");
+        }
+        let gb = g.to_dtype(DType::BF16).unwrap();
+        let dx = gb.apply_op1_no_bwd(&kernels::avgpool::GlobalAvgPoolNhwcBackward { h, w }).unwrap();
+        let gv = flat_f32(&gb);
+        let want: Vec<f32> = (0..n * h * w * c)
+            .map(|i| half::bf16::from_f32(gv[(i / (h * w * c)) * c + i % c] / (h * w) as f32).to_f32())
+            .collect();
+        assert_eq!(dx.dims(), &[n, h, w, c]);
+        assert_eq!(flat_f32(&dx), want, "bf16 backward {what}");
+    }
+    assert!(kernels::global_avg_pool_nhwc(&Tensor::zeros((2, 3, 4), DType::F32, &dev).unwrap()).is_err());
+    assert!(kernels::global_avg_pool_nhwc(&Tensor::zeros((2, 0, 4, 3), DType::F32, &dev).unwrap()).is_err());
 }

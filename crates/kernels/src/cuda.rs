@@ -176,3 +176,217 @@ pub fn maxpool_bwd(
     };
     Ok((out, xl.shape().clone()))
 }
+
+// ---------------------------------------------------------------------------------------------------------------
+// Channels-last max-pool (kernels/maxpool/02_nhwc.cu) and global average pool (kernels/pool/01_avgpool.cu).
+// ---------------------------------------------------------------------------------------------------------------
+
+/// Module name under which candle caches the NHWC max-pool PTX.
+const MAXPOOL_NHWC_MODULE: &str = "maxpool/02_nhwc";
+/// Module name under which candle caches the global-average-pool PTX.
+const AVGPOOL_MODULE: &str = "pool/01_avgpool";
+
+fn i32_arg(v: usize, op: &str, what: &str) -> Result<i32> {
+    i32::try_from(v).map_err(|_| candle_core::Error::Msg(format!("{op} (cuda): {what} = {v} exceeds i32")))
+}
+
+fn input_range(l: &Layout, op: &str, what: &str) -> Result<(usize, usize)> {
+    l.contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg(format!("{op} (cuda): {what} must be contiguous, got {l:?}")))
+}
+
+/// Kernel arguments of the NHWC max-pool, forward and backward: `n, h, w, c, oh, ow, k, s, p`.
+fn nhwc_geom_args(p: &MaxPool2d, dims: (usize, usize, usize, usize)) -> Result<[i32; 9]> {
+    const OP: &str = "max_pool2d_nhwc";
+    let (n, h, w, c) = dims;
+    let (oh, ow) = (p.out_size(h), p.out_size(w));
+    // The kernels index within one image with i32.
+    i32_arg(h * w * c, OP, "h * w * c")?;
+    i32_arg(oh * ow * c, OP, "oh * ow * c")?;
+    Ok([
+        i32_arg(n, OP, "n")?,
+        i32_arg(h, OP, "h")?,
+        i32_arg(w, OP, "w")?,
+        i32_arg(c, OP, "c")?,
+        i32_arg(oh, OP, "oh")?,
+        i32_arg(ow, OP, "ow")?,
+        i32_arg(p.kernel, OP, "kernel")?,
+        i32_arg(p.stride, OP, "stride")?,
+        i32_arg(p.padding, OP, "padding")?,
+    ])
+}
+
+fn maxpool_nhwc_fwd_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
+    p: &MaxPool2d,
+    s: &CudaStorage,
+    l: &Layout,
+    dims: (usize, usize, usize, usize),
+) -> Result<CudaStorage> {
+    let dev = &s.device;
+    let (a, b) = input_range(l, "max_pool2d_nhwc", "input")?;
+    let x = s.as_cuda_slice::<T>()?.slice(a..b);
+    let args = nhwc_geom_args(p, dims)?;
+    let out_len = dims.0 * p.out_size(dims.1) * p.out_size(dims.2) * dims.3;
+    let y = alloc_out::<T>(dev, out_len)?;
+    let name = format!("maxpool2d_nhwc_fwd_{}", suffix(T::DTYPE, "max_pool2d_nhwc")?);
+    let func = dev.get_or_load_custom_func(&name, MAXPOOL_NHWC_MODULE, ptx::MAXPOOL_02_NHWC)?;
+    let mut builder = func.builder();
+    builder.arg(&x);
+    builder.arg(&y);
+    for v in &args {
+        builder.arg(v);
+    }
+    // SAFETY: argument types and count match maxpool2d_nhwc_fwd_* (x, y, n, h, w, c, oh, ow, k, s, p); x holds
+    // n*h*w*c elements and y n*oh*ow*c.
+    unsafe { builder.launch(grid_for(out_len)) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
+}
+
+fn maxpool_nhwc_bwd_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
+    p: &MaxPool2d,
+    xs: &CudaStorage,
+    xl: &Layout,
+    gs: &CudaStorage,
+    gl: &Layout,
+    dims: (usize, usize, usize, usize),
+) -> Result<CudaStorage> {
+    let dev = &xs.device;
+    let (a, b) = input_range(xl, "max_pool2d_nhwc_backward", "x")?;
+    let x = xs.as_cuda_slice::<T>()?.slice(a..b);
+    let (a, b) = input_range(gl, "max_pool2d_nhwc_backward", "grad")?;
+    let g = gs.as_cuda_slice::<T>()?.slice(a..b);
+    let args = nhwc_geom_args(p, dims)?;
+    let in_len = dims.0 * dims.1 * dims.2 * dims.3;
+    let dx = alloc_out::<T>(dev, in_len)?;
+    let name = format!("maxpool2d_nhwc_bwd_{}", suffix(T::DTYPE, "max_pool2d_nhwc_backward")?);
+    let func = dev.get_or_load_custom_func(&name, MAXPOOL_NHWC_MODULE, ptx::MAXPOOL_02_NHWC)?;
+    let mut builder = func.builder();
+    builder.arg(&x);
+    builder.arg(&g);
+    builder.arg(&dx);
+    for v in &args {
+        builder.arg(v);
+    }
+    // SAFETY: argument types and count match maxpool2d_nhwc_bwd_* (x, dy, dx, n, h, w, c, oh, ow, k, s, p); x
+    // and dx hold n*h*w*c elements, dy n*oh*ow*c (checked by the caller against the layouts).
+    unsafe { builder.launch(grid_for(in_len)) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(dx, dev.clone()))
+}
+
+/// NHWC max-pool forward on CUDA. `s`: (n, h, w, c) contiguous -> (n, oh, ow, c).
+pub fn maxpool_nhwc_fwd(
+    p: &MaxPool2d,
+    s: &CudaStorage,
+    l: &Layout,
+    dims: (usize, usize, usize, usize),
+) -> Result<(CudaStorage, Shape)> {
+    let out = match s.dtype() {
+        DType::F32 => maxpool_nhwc_fwd_t::<f32>(p, s, l, dims)?,
+        DType::BF16 => maxpool_nhwc_fwd_t::<bf16>(p, s, l, dims)?,
+        DType::F16 => maxpool_nhwc_fwd_t::<f16>(p, s, l, dims)?,
+        other => candle_core::bail!("max_pool2d_nhwc (cuda): unsupported dtype {other:?} (f32, bf16, f16 only)"),
+    };
+    Ok((out, Shape::from(p.out_shape_nhwc(dims))))
+}
+
+/// NHWC max-pool backward on CUDA. `x`: (n, h, w, c), `grad`: (n, oh, ow, c), both contiguous -> (n, h, w, c).
+pub fn maxpool_nhwc_bwd(
+    p: &MaxPool2d,
+    x: &CudaStorage,
+    xl: &Layout,
+    grad: &CudaStorage,
+    gl: &Layout,
+    dims: (usize, usize, usize, usize),
+) -> Result<(CudaStorage, Shape)> {
+    let (n, oh, ow, c) = p.out_shape_nhwc(dims);
+    if gl.dims() != [n, oh, ow, c] {
+        candle_core::bail!(
+            "max_pool2d_nhwc_backward (cuda): grad shape {:?}, expected {:?}",
+            gl.dims(),
+            [n, oh, ow, c]
+        );
+    }
+    if x.dtype() != grad.dtype() {
+        candle_core::bail!("max_pool2d_nhwc_backward (cuda): x is {:?} but grad is {:?}", x.dtype(), grad.dtype());
+    }
+    let out = match x.dtype() {
+        DType::F32 => maxpool_nhwc_bwd_t::<f32>(p, x, xl, grad, gl, dims)?,
+        DType::BF16 => maxpool_nhwc_bwd_t::<bf16>(p, x, xl, grad, gl, dims)?,
+        DType::F16 => maxpool_nhwc_bwd_t::<f16>(p, x, xl, grad, gl, dims)?,
+        other => {
+            candle_core::bail!("max_pool2d_nhwc_backward (cuda): unsupported dtype {other:?} (f32, bf16, f16 only)")
+        }
+    };
+    Ok((out, xl.shape().clone()))
+}
+
+/// Launches `avgpool_nhwc_{fwd,bwd}_*` (`dir`) on `s` (x for the forward, dy for the backward) with an output
+/// of `out_len` elements.
+fn avgpool_launch<T: CudaDType + DeviceRepr + WithDType + 'static>(
+    dir: &str,
+    s: &CudaStorage,
+    l: &Layout,
+    dims: (usize, usize, usize, usize),
+    out_len: usize,
+) -> Result<CudaStorage> {
+    let op = if dir == "fwd" { "global_avg_pool_nhwc" } else { "global_avg_pool_nhwc_backward" };
+    let (n, h, w, c) = dims;
+    let args = [i32_arg(n, op, "n")?, i32_arg(h * w, op, "h * w")?, i32_arg(c, op, "c")?];
+    let dev = &s.device;
+    let (a, b) = input_range(l, op, "input")?;
+    let src = s.as_cuda_slice::<T>()?.slice(a..b);
+    let dst = alloc_out::<T>(dev, out_len)?;
+    let name = format!("avgpool_nhwc_{dir}_{}", suffix(T::DTYPE, op)?);
+    let func = dev.get_or_load_custom_func(&name, AVGPOOL_MODULE, ptx::POOL_01_AVGPOOL)?;
+    let mut builder = func.builder();
+    builder.arg(&src);
+    builder.arg(&dst);
+    for v in &args {
+        builder.arg(v);
+    }
+    // SAFETY: argument types and count match avgpool_nhwc_{fwd,bwd}_* (src, dst, n, hw, c). Forward: src holds
+    // n*h*w*c elements, dst n*c; backward: src n*c, dst n*h*w*c (the callers pass out_len accordingly). The launch
+    // covers every output element (one thread each, grid-stride).
+    unsafe { builder.launch(grid_for(out_len)) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(dst, dev.clone()))
+}
+
+/// Global average pool forward on CUDA. `s`: (n, h, w, c) contiguous -> (n, c).
+pub fn avgpool_nhwc_fwd(
+    s: &CudaStorage,
+    l: &Layout,
+    dims: (usize, usize, usize, usize),
+) -> Result<(CudaStorage, Shape)> {
+    let (n, _, _, c) = dims;
+    let out = match s.dtype() {
+        DType::F32 => avgpool_launch::<f32>("fwd", s, l, dims, n * c)?,
+        DType::BF16 => avgpool_launch::<bf16>("fwd", s, l, dims, n * c)?,
+        DType::F16 => avgpool_launch::<f16>("fwd", s, l, dims, n * c)?,
+        other => {
+            candle_core::bail!("global_avg_pool_nhwc (cuda): unsupported dtype {other:?} (f32, bf16, f16 only)")
+        }
+    };
+    Ok((out, Shape::from((n, c))))
+}
+
+/// Global average pool backward on CUDA. `s`: dy (n, c) contiguous -> dx (n, h, w, c) with `dims` = (n, h, w, c).
+pub fn avgpool_nhwc_bwd(
+    s: &CudaStorage,
+    l: &Layout,
+    dims: (usize, usize, usize, usize),
+) -> Result<(CudaStorage, Shape)> {
+    let (n, h, w, c) = dims;
+    if l.dims() != [n, c] {
+        candle_core::bail!("global_avg_pool_nhwc_backward (cuda): grad shape {:?}, expected {:?}", l.dims(), [n, c]);
+    }
+    let len = n * h * w * c;
+    let out = match s.dtype() {
+        DType::F32 => avgpool_launch::<f32>("bwd", s, l, dims, len)?,
+        DType::BF16 => avgpool_launch::<bf16>("bwd", s, l, dims, len)?,
+        DType::F16 => avgpool_launch::<f16>("bwd", s, l, dims, len)?,
+        other => candle_core::bail!(
+            "global_avg_pool_nhwc_backward (cuda): unsupported dtype {other:?} (f32, bf16, f16 only)"
+        ),
+    };
+    Ok((out, Shape::from(dims)))
+}

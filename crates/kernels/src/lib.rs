@@ -3,6 +3,7 @@
 //! The CPU implementations are the references the CUDA kernels are tested against, and they are what the
 //! default (CPU-only) build runs.
 
+pub mod avgpool;
 pub mod conv;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -13,10 +14,12 @@ pub mod matmul;
 pub mod maxpool;
 pub mod shapes;
 
+pub use avgpool::global_avg_pool_nhwc;
 pub use conv::{conv2d, conv_impl, set_conv_impl, ConvImpl};
 pub use igemm::{conv2d_nhwc, conv2d_nhwc_reference};
 pub use matmul::{linear, matmul_impl, set_matmul_impl, MatmulImpl};
 pub use maxpool::{max_pool2d, MaxPool2d};
+pub use maxpool::{max_pool2d_nhwc, MaxPool2dNhwc};
 
 /// Errors of this crate's ops.
 #[derive(Debug, thiserror::Error)]

@@ -1,4 +1,4 @@
-//! 2D max-pooling (any kernel/stride/padding, NCHW) with a backward pass, as a candle custom op.
+//! 2D max-pooling (any kernel/stride/padding, NCHW or channels-last NHWC) with a backward pass, as candle custom ops.
 //!
 //! candle's own `max_pool2d` has no backward unless kernel == stride, so ResNet's 3x3/s2/p1 stem pool
 //! cannot train with it. The backward recomputes each window's argmax (first maximum, as PyTorch) from the
@@ -97,7 +97,18 @@ fn fwd_t<T: WithDType>(p: &MaxPool2d, x: &[T], dims: (usize, usize, usize, usize
 fn bwd_t<T: WithDType>(p: &MaxPool2d, x: &[T], g: &[T], dims: (usize, usize, usize, usize)) -> Vec<T> {
     let mut acc = vec![0f32; x.len()];
     argmax_windows(p, x, dims, |o, i, _v| acc[i] += g[o].to_f64() as f32);
-    acc.into_iter().map(|v| T::from_f64(v as f64)).collect()
+    acc.into_iter().map(round_f32).collect()
+}
+
+/// Rounds an FP32 value to `T` to nearest even, as the CUDA kernels' `__float2bfloat16_rn`/`__float2half_rn` do.
+/// (`T::from_f64` is not enough: half's f64 -> bf16 conversion drops the low 32 mantissa bits before rounding, so
+/// an FP32 value just above a tie, e.g. 0x3f808001, rounds down to even.)
+pub(crate) fn round_f32<T: WithDType>(v: f32) -> T {
+    match T::DTYPE {
+        candle_core::DType::BF16 => T::from_f64(bf16::from_f32(v).to_f64()),
+        candle_core::DType::F16 => T::from_f64(f16::from_f32(v).to_f64()),
+        _ => T::from_f64(v as f64),
+    }
 }
 
 fn contiguous_slice<'a, T>(data: &'a [T], l: &Layout, what: &str) -> Result<&'a [T]> {
@@ -181,5 +192,216 @@ impl CustomOp2 for MaxPool2dBackward {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let dims = self.0.check(l1.dims())?;
         crate::cuda::maxpool_bwd(&self.0, s1, l1, s2, l2, dims)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Channels-last (NHWC) max-pool: the same op over (n, h, w, c) tensors.
+// ---------------------------------------------------------------------------------------------------------------
+
+impl MaxPool2d {
+    /// Checks an (n, h, w, c) input; returns its dims as (n, h, w, c).
+    pub fn check_nhwc(&self, dims: &[usize]) -> Result<(usize, usize, usize, usize)> {
+        if dims.len() != 4 {
+            candle_core::bail!("max_pool2d_nhwc expects a (n, h, w, c) tensor, got shape {dims:?}");
+        }
+        if self.kernel == 0 || self.stride == 0 || 2 * self.padding > self.kernel {
+            candle_core::bail!(
+                "max_pool2d_nhwc: invalid parameters {self:?} (padding must be at most half the kernel)"
+            );
+        }
+        if dims[1] + 2 * self.padding < self.kernel || dims[2] + 2 * self.padding < self.kernel {
+            candle_core::bail!(
+                "max_pool2d_nhwc: input {dims:?} is smaller than the {}x{} window",
+                self.kernel,
+                self.kernel
+            );
+        }
+        Ok((dims[0], dims[1], dims[2], dims[3]))
+    }
+
+    /// Output shape (n, oh, ow, c) of an (n, h, w, c) input.
+    pub fn out_shape_nhwc(&self, dims: (usize, usize, usize, usize)) -> (usize, usize, usize, usize) {
+        (dims.0, self.out_size(dims.1), self.out_size(dims.2), dims.3)
+    }
+}
+
+/// Max-pooling over a channels-last tensor with backward support. `x`: (n, h, w, c) -> (n, oh, ow, c).
+///
+/// Same semantics as [`max_pool2d`] on the permuted tensor: the first maximum of a window (scanned row by row)
+/// wins ties, padded cells never win, NaNs propagate, and the backward recomputes each window's argmax.
+pub fn max_pool2d_nhwc(x: &Tensor, kernel: usize, stride: usize, padding: usize) -> Result<Tensor> {
+    let op = MaxPool2dNhwc(MaxPool2d { kernel, stride, padding });
+    op.0.check_nhwc(x.dims())?;
+    x.contiguous()?.apply_op1(op)
+}
+
+/// NHWC counterpart of `argmax_windows`: for every output element (n, oy, ox, ch) in order, calls
+/// `f(out_index, input_index_of_the_window_argmax, value)`. The window of every channel is scanned in the same
+/// (ky, kx) order as the NCHW reference, so ties and NaNs resolve identically.
+fn argmax_windows_nhwc<T: WithDType>(
+    p: &MaxPool2d,
+    x: &[T],
+    dims: (usize, usize, usize, usize),
+    mut f: impl FnMut(usize, usize, T),
+) {
+    let (n, h, w, c) = dims;
+    let (oh, ow) = (p.out_size(h), p.out_size(w));
+    let mut best_idx = vec![usize::MAX; c];
+    let mut best_val = vec![T::zero(); c];
+    for img in 0..n {
+        let xin = &x[img * h * w * c..(img + 1) * h * w * c];
+        for oy in 0..oh {
+            let y0 = (oy * p.stride) as isize - p.padding as isize;
+            for ox in 0..ow {
+                let x0 = (ox * p.stride) as isize - p.padding as isize;
+                best_idx.fill(usize::MAX);
+                for ky in 0..p.kernel as isize {
+                    let yy = y0 + ky;
+                    if yy < 0 || yy >= h as isize {
+                        continue;
+                    }
+                    for kx in 0..p.kernel as isize {
+                        let xx = x0 + kx;
+                        if xx < 0 || xx >= w as isize {
+                            continue;
+                        }
+                        let base = (yy as usize * w + xx as usize) * c;
+                        for ch in 0..c {
+                            let v = xin[base + ch];
+                            // Replace when empty, larger, or NaN (as the NCHW reference: NaNs propagate).
+                            if best_idx[ch] == usize::MAX || v.to_f64() > best_val[ch].to_f64() || v.to_f64().is_nan() {
+                                best_idx[ch] = base + ch;
+                                best_val[ch] = v;
+                            }
+                        }
+                    }
+                }
+                let o = ((img * oh + oy) * ow + ox) * c;
+                for ch in 0..c {
+                    // check_nhwc() guarantees every window overlaps the input.
+                    debug_assert!(best_idx[ch] != usize::MAX, "window overlaps the input");
+                    f(o + ch, img * h * w * c + best_idx[ch], best_val[ch]);
+                }
+            }
+        }
+    }
+}
+
+fn fwd_nhwc_t<T: WithDType>(p: &MaxPool2d, x: &[T], dims: (usize, usize, usize, usize)) -> Vec<T> {
+    let (n, oh, ow, c) = p.out_shape_nhwc(dims);
+    let mut out = vec![T::zero(); n * oh * ow * c];
+    argmax_windows_nhwc(p, x, dims, |o, _i, v| out[o] = v);
+    out
+}
+
+/// FP32 sums in output order ((oy, ox) ascending for every input element, as the NCHW reference and the CUDA
+/// gather), rounded once to `T`.
+fn bwd_nhwc_t<T: WithDType>(p: &MaxPool2d, x: &[T], g: &[T], dims: (usize, usize, usize, usize)) -> Vec<T> {
+    let mut acc = vec![0f32; x.len()];
+    argmax_windows_nhwc(p, x, dims, |o, i, _v| acc[i] += g[o].to_f64() as f32);
+    acc.into_iter().map(round_f32).collect()
+}
+
+/// [`max_pool2d_nhwc`] as a candle custom op (forward; its backward is [`MaxPool2dNhwcBackward`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MaxPool2dNhwc(pub MaxPool2d);
+
+impl CustomOp1 for MaxPool2dNhwc {
+    fn name(&self) -> &'static str {
+        "max_pool2d_nhwc"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let p = &self.0;
+        let dims = p.check_nhwc(l.dims())?;
+        let out_shape = Shape::from(p.out_shape_nhwc(dims));
+        let out = match s {
+            CpuStorage::F32(v) => CpuStorage::F32(fwd_nhwc_t(p, contiguous_slice(v, l, "input")?, dims)),
+            CpuStorage::BF16(v) => CpuStorage::BF16(fwd_nhwc_t::<bf16>(p, contiguous_slice(v, l, "input")?, dims)),
+            CpuStorage::F16(v) => CpuStorage::F16(fwd_nhwc_t::<f16>(p, contiguous_slice(v, l, "input")?, dims)),
+            CpuStorage::F64(v) => CpuStorage::F64(fwd_nhwc_t(p, contiguous_slice(v, l, "input")?, dims)),
+            other => candle_core::bail!("max_pool2d_nhwc: unsupported dtype {:?}", other.dtype()),
+        };
+        Ok((out, out_shape))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        let dims = self.0.check_nhwc(l.dims())?;
+        crate::cuda::maxpool_nhwc_fwd(&self.0, s, l, dims)
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        let g = grad_res.to_dtype(arg.dtype())?.contiguous()?;
+        Ok(Some(arg.contiguous()?.apply_op2_no_bwd(&g, &MaxPool2dNhwcBackward(self.0))?))
+    }
+}
+
+/// Gradient of [`MaxPool2dNhwc`] with respect to its input: `(x (n, h, w, c), grad_out (n, oh, ow, c)) -> grad_in`.
+#[derive(Debug, Clone, Copy)]
+pub struct MaxPool2dNhwcBackward(pub MaxPool2d);
+
+impl CustomOp2 for MaxPool2dNhwcBackward {
+    fn name(&self) -> &'static str {
+        "max_pool2d_nhwc_backward"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let p = &self.0;
+        let dims = p.check_nhwc(l1.dims())?;
+        let (n, oh, ow, c) = p.out_shape_nhwc(dims);
+        if l2.dims() != [n, oh, ow, c] {
+            candle_core::bail!("max_pool2d_nhwc_backward: grad shape {:?}, expected {:?}", l2.dims(), [n, oh, ow, c]);
+        }
+        let out = match (s1, s2) {
+            (CpuStorage::F32(x), CpuStorage::F32(g)) => {
+                CpuStorage::F32(bwd_nhwc_t(p, contiguous_slice(x, l1, "x")?, contiguous_slice(g, l2, "grad")?, dims))
+            }
+            (CpuStorage::BF16(x), CpuStorage::BF16(g)) => {
+                CpuStorage::BF16(bwd_nhwc_t(p, contiguous_slice(x, l1, "x")?, contiguous_slice(g, l2, "grad")?, dims))
+            }
+            (CpuStorage::F16(x), CpuStorage::F16(g)) => {
+                CpuStorage::F16(bwd_nhwc_t(p, contiguous_slice(x, l1, "x")?, contiguous_slice(g, l2, "grad")?, dims))
+            }
+            (CpuStorage::F64(x), CpuStorage::F64(g)) => {
+                CpuStorage::F64(bwd_nhwc_t(p, contiguous_slice(x, l1, "x")?, contiguous_slice(g, l2, "grad")?, dims))
+            }
+            (a, b) => {
+                candle_core::bail!("max_pool2d_nhwc_backward: unsupported dtypes {:?}/{:?}", a.dtype(), b.dtype())
+            }
+        };
+        Ok((out, l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let dims = self.0.check_nhwc(l1.dims())?;
+        crate::cuda::maxpool_nhwc_bwd(&self.0, s1, l1, s2, l2, dims)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::round_f32;
+    use half::{bf16, f16};
+
+    /// FP32 values just above a bf16/f16 rounding tie by their lowest mantissa bits: `round_f32` rounds them up,
+    /// as `__float2bfloat16_rn`/`__float2half_rn` do (half 2.7's `bf16::from_f64` returned 0x3f80 for the first).
+    #[test]
+    fn round_f32_is_round_to_nearest_even() {
+        let v = f32::from_bits(0x3f80_8001); // 1 + 2^-8 + 2^-23: above the tie between two bf16 values
+        assert_eq!(round_f32::<bf16>(v), bf16::from_f32(v));
+        assert_eq!(round_f32::<bf16>(v).to_bits(), 0x3f81);
+        let v = f32::from_bits(0x3f80_1001); // 1 + 2^-11 + 2^-23: above the tie between two f16 values
+        assert_eq!(round_f32::<f16>(v), f16::from_f32(v));
+        assert_eq!(round_f32::<f16>(v).to_bits(), 0x3c01);
+        assert_eq!(round_f32::<f32>(v), v);
     }
 }

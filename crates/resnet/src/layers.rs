@@ -65,11 +65,15 @@ impl<'a> Builder<'a> {
     }
 }
 
-/// Per-forward settings: training mode and the low-precision dtype of convs/matmuls and activations.
+/// Per-forward settings: training mode, the low-precision dtype of convs/matmuls and activations, and the
+/// activation layout.
 #[derive(Debug, Clone, Copy)]
 pub struct Ctx {
     pub train: bool,
     pub act: DType,
+    /// Activations are channels-last (n, h, w, c) instead of (n, c, h, w): convs run [`kernels::conv2d_nhwc`]
+    /// and BatchNorm normalises over dims (0, 1, 2).
+    pub channels_last: bool,
 }
 
 /// 2D convolution without bias (every ResNet conv feeds a BatchNorm). Weight: (out, in, k, k), FP32 master.
@@ -88,10 +92,18 @@ impl Conv2d {
     }
 
     // x: [n, c_in, h, w] in ctx.act -> [n, c_out, h', w'] in ctx.act
+    // (channels-last: x [n, h, w, c_in] -> [n, h', w', c_out]; the low-precision copy of the (out, in, k, k)
+    // master weight is permuted to (out, k, k, in))
     pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
         let w = operand(&self.weight.tensor(), ctx.act)?;
         let x = operand(x, ctx.act)?;
-        finish(&kernels::conv2d(&x, &w, self.stride, self.padding)?, ctx.act)
+        let y = if ctx.channels_last {
+            let w = w.permute((0, 2, 3, 1))?.contiguous()?;
+            kernels::conv2d_nhwc(&x, &w, self.stride, self.padding)?
+        } else {
+            kernels::conv2d(&x, &w, self.stride, self.padding)?
+        };
+        finish(&y, ctx.act)
     }
 }
 
@@ -125,17 +137,19 @@ impl BatchNorm2d {
         })
     }
 
-    // x: [n, c, h, w] in ctx.act -> same shape and dtype
+    // x: [n, c, h, w] in ctx.act -> same shape and dtype (channels-last: [n, h, w, c])
     pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
         let out_dtype = x.dtype();
         let x = x.to_dtype(DType::F32)?;
-        let c = x.dim(1)?;
-        let w = self.weight.tensor().reshape((1, c, 1, 1))?;
-        let b = self.bias.tensor().reshape((1, c, 1, 1))?;
+        let (n, d1, d2, d3) = x.dims4()?;
+        // Channel dim, the dims statistics reduce over, and the broadcast shape of per-channel tensors.
+        let (c, reduce, count) =
+            if ctx.channels_last { (d3, [0, 1, 2], n * d1 * d2) } else { (d1, [0, 2, 3], n * d2 * d3) };
+        let pshape = if ctx.channels_last { (1, 1, 1, c) } else { (1, c, 1, 1) };
+        let w = self.weight.tensor().reshape(pshape)?;
+        let b = self.bias.tensor().reshape(pshape)?;
         let use_batch = ctx.train && !self.stats_frozen.load(Ordering::Relaxed);
         let y = if use_batch {
-            let (n, _, h, wd) = x.dims4()?;
-            let count = n * h * wd;
             if count < 2 {
                 candle_core::bail!(
                     "BatchNorm2d in training mode needs more than one value per channel, got input {:?}",
@@ -143,15 +157,15 @@ impl BatchNorm2d {
                 );
             }
             // Per-channel mean and biased variance over (n, h, w).
-            let mean = x.mean_keepdim((0, 2, 3))?; // [1, c, 1, 1]
+            let mean = x.mean_keepdim(reduce)?; // per-channel, broadcastable
             let xc = x.broadcast_sub(&mean)?;
-            let var = xc.sqr()?.mean_keepdim((0, 2, 3))?;
+            let var = xc.sqr()?.mean_keepdim(reduce)?;
             let inv = (var.clone() + self.eps)?.sqrt()?.recip()?;
             self.update_running(&mean.detach(), &var.detach(), count)?;
             xc.broadcast_mul(&inv)?.broadcast_mul(&w)?.broadcast_add(&b)?
         } else {
-            let mean = self.running_mean.tensor().reshape((1, c, 1, 1))?;
-            let var = self.running_var.tensor().reshape((1, c, 1, 1))?;
+            let mean = self.running_mean.tensor().reshape(pshape)?;
+            let var = self.running_var.tensor().reshape(pshape)?;
             let scale = (var + self.eps)?.sqrt()?.recip()?.broadcast_mul(&w)?;
             x.broadcast_sub(&mean)?.broadcast_mul(&scale)?.broadcast_add(&b)?
         };
@@ -185,13 +199,12 @@ impl Linear {
         Ok(Self { weight: b.uniform(&[c_out, c_in], bound, "weight")?, bias: b.uniform(&[c_out], bound, "bias")? })
     }
 
-    // x: [n, c_in] -> [n, c_out] in ctx.act (the loss casts logits to FP32)
+    // x: [n, c_in] -> [n, c_out] in ctx.act (the loss casts logits to FP32); the same in both layouts
     pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
         let w = operand(&self.weight.tensor(), ctx.act)?;
         let x = operand(x, ctx.act)?;
-        let y = x.matmul(&w.t()?)?;
         let b = operand(&self.bias.tensor(), ctx.act)?;
-        finish(&y.broadcast_add(&b)?, ctx.act)
+        finish(&kernels::linear(&x, &w, &b)?, ctx.act)
     }
 }
 
@@ -199,4 +212,23 @@ impl Linear {
 pub fn global_avg_pool(x: &Tensor) -> Result<Tensor> {
     let dt = x.dtype();
     x.to_dtype(DType::F32)?.flatten_from(2)?.mean(D::Minus1)?.to_dtype(dt)
+}
+
+/// [`global_avg_pool`] in the layout of `ctx`: channels-last x [n, h, w, c] goes through
+/// [`kernels::global_avg_pool_nhwc`] (FP32 accumulation, output in x's dtype).
+pub fn global_avg_pool_ctx(x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
+    if ctx.channels_last {
+        kernels::global_avg_pool_nhwc(x)
+    } else {
+        global_avg_pool(x)
+    }
+}
+
+/// 2D max-pool with backward in the layout of `ctx` ([`kernels::max_pool2d`] or [`kernels::max_pool2d_nhwc`]).
+pub fn max_pool2d(x: &Tensor, ctx: &Ctx, kernel: usize, stride: usize, padding: usize) -> Result<Tensor> {
+    if ctx.channels_last {
+        kernels::max_pool2d_nhwc(x, kernel, stride, padding)
+    } else {
+        kernels::max_pool2d(x, kernel, stride, padding)
+    }
 }

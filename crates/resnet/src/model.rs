@@ -1,7 +1,7 @@
 //! The ResNet family (torchvision's v1.5: stride on the 3x3 conv of a bottleneck), any number of classes,
 //! an ImageNet stem (7x7/2 conv + 3x3/2 max-pool) or a small-image stem (3x3/1 conv, no pool).
 
-use crate::layers::{global_avg_pool, BatchNorm2d, Builder, Conv2d, Ctx, Linear};
+use crate::layers::{global_avg_pool_ctx, max_pool2d, BatchNorm2d, Builder, Conv2d, Ctx, Linear};
 use crate::store::ParamStore;
 use crate::{ModelError, Precision};
 use candle_core::{Device, Result, Tensor};
@@ -93,11 +93,23 @@ pub struct ResNetConfig {
     pub zero_init_residual: bool,
     /// Seed of the parameter initialisation.
     pub seed: u64,
+    /// Run channels-last (NHWC): the (n, 3, h, w) input is permuted to (n, h, w, 3) once, every activation is
+    /// (n, h, w, c), convs run [`kernels::conv2d_nhwc`] on a (k, r, s, c) copy of the low-precision weight, and
+    /// the pooled (n, c) features feed `fc`. Master weights stay torchvision-shaped (k, c, r, s) FP32, so weight
+    /// files and checkpoints do not depend on the layout.
+    pub channels_last: bool,
 }
 
 impl Default for ResNetConfig {
     fn default() -> Self {
-        Self { arch: Arch::ResNet50, num_classes: 1000, stem: Stem::ImageNet, zero_init_residual: false, seed: 0 }
+        Self {
+            arch: Arch::ResNet50,
+            num_classes: 1000,
+            stem: Stem::ImageNet,
+            zero_init_residual: false,
+            seed: 0,
+            channels_last: false,
+        }
     }
 }
 
@@ -151,7 +163,7 @@ impl Block {
         Ok(Self { convs, bns, downsample })
     }
 
-    // x: [n, c_in, h, w] -> [n, c_out, h/stride, w/stride]
+    // x: [n, c_in, h, w] -> [n, c_out, h/stride, w/stride] (channels-last: [n, h, w, c_in] -> [n, h', w', c_out])
     fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
         let mut y = x.clone();
         let last = self.convs.len() - 1;
@@ -238,24 +250,29 @@ impl ResNet {
         512 * self.config.arch.expansion()
     }
 
-    // x: [n, 3, h, w] (any float dtype) -> logits [n, num_classes] in the activation dtype
+    // x: [n, 3, h, w] (any float dtype) -> logits [n, num_classes] in the activation dtype.
+    // The shape comments below are NCHW; with `channels_last` each 4D activation is (n, h, w, c) instead.
     pub fn forward(&self, x: &Tensor, train: bool, precision: Precision) -> Result<Tensor> {
-        let ctx = Ctx { train, act: precision.act_dtype() };
-        let x = x.to_dtype(ctx.act)?;
+        let ctx = Ctx { train, act: precision.act_dtype(), channels_last: self.config.channels_last };
+        let mut x = x.to_dtype(ctx.act)?;
+        if ctx.channels_last {
+            x = x.permute((0, 2, 3, 1))?.contiguous()?; // [n, h, w, 3], the only layout conversion
+        }
         let mut x = self.bn1.forward(&self.conv1.forward(&x, &ctx)?, &ctx)?.relu()?; // [n, 64, h/2, w/2]
         if self.config.stem == Stem::ImageNet {
-            x = kernels::max_pool2d(&x, 3, 2, 1)?; // [n, 64, h/4, w/4]
+            x = max_pool2d(&x, &ctx, 3, 2, 1)?; // [n, 64, h/4, w/4]
         }
         for stage in &self.stages {
             for block in stage {
                 x = block.forward(&x, &ctx)?;
             }
         } // [n, 512 * expansion, h/32, w/32]
-        let x = global_avg_pool(&x)?; // [n, 512 * expansion]
+        let x = global_avg_pool_ctx(&x, &ctx)?; // [n, 512 * expansion] in either layout
         self.fc.forward(&x, &ctx)
     }
 
     /// Output shape after the stem and each stage for an input of `image_size`, batch `n` (computed, not run).
+    /// Always described as (n, c, h, w), whatever the layout the model runs in (see [`ResNetConfig::channels_last`]).
     pub fn stage_shapes(&self, n: usize, image_size: usize) -> Vec<StageShape> {
         let conv_out = |s: usize, k: usize, st: usize, p: usize| (s + 2 * p - k) / st + 1;
         let mut s = match self.config.stem {

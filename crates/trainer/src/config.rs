@@ -291,9 +291,11 @@ impl Default for FinetuneSection {
 #[serde(deny_unknown_fields, default)]
 pub struct KernelsSection {
     /// "fwdconv" (candle's conv2d forward, backward through forward convs) | "candle" (candle's conv2d and its
-    /// conv_transpose2d backward)
+    /// conv_transpose2d backward) | "custom" (channels-last implicit-GEMM tensor-core convs on CUDA for bf16/fp16,
+    /// candle's conv through permutes on the CPU and in fp32; the whole model then runs NHWC)
     pub conv: String,
-    /// "cublas" (candle's built-in matmul)
+    /// "cublas" (candle's built-in matmul) | "custom" (our tensor-core GEMM for `fc` on CUDA in bf16/fp16, with
+    /// the bias add fused; candle's matmul otherwise)
     pub matmul: String,
 }
 
@@ -449,8 +451,8 @@ impl Config {
         one_of("sched.name", &self.sched.name, &["cosine", "step", "multistep", "constant"])?;
         one_of("amp.dtype", &self.amp.dtype, &["fp32", "bf16", "fp16"])?;
         one_of("amp.loss_scaling", &self.amp.loss_scaling, &["auto", "on", "off"])?;
-        one_of("kernels.conv", &self.kernels.conv, &["fwdconv", "candle"])?;
-        one_of("kernels.matmul", &self.kernels.matmul, &["cublas"])?;
+        one_of("kernels.conv", &self.kernels.conv, &["fwdconv", "candle", "custom"])?;
+        one_of("kernels.matmul", &self.kernels.matmul, &["cublas", "custom"])?;
         if parse_device(&self.device).is_none() {
             bail!("device = \"{}\" is not one of cpu, cuda, cuda:N", self.device);
         }

@@ -184,6 +184,9 @@ fn info(c: ConfigArgs) -> Result<()> {
         "model: {} ({} stem, {} classes) at {}x{}",
         cfg.model.arch, cfg.model.stem, cfg.model.num_classes, cfg.data.image_size, cfg.data.image_size
     );
+    if model.config.channels_last {
+        println!("layout: channels-last (kernels.conv = \"custom\"); shapes below are (n, c, h, w)");
+    }
     for s in model.stage_shapes(cfg.train.batch_size, cfg.data.image_size) {
         println!("  {:<8} {:?}", s.name, s.shape);
     }
@@ -206,8 +209,8 @@ fn bench(c: ConfigArgs, dtypes: Vec<String>, batch_sizes: Vec<usize>, warmup: us
         bail!("--batch-sizes and --steps must be at least 1");
     }
     eprintln!(
-        "bench: {} at {}x{} on {}, {warmup} warm-up + {steps} timed steps",
-        cfg.model.arch, cfg.data.image_size, cfg.data.image_size, cfg.device
+        "bench: {} at {}x{} on {}, kernels.conv = {:?}, kernels.matmul = {:?}, {warmup} warm-up + {steps} timed steps",
+        cfg.model.arch, cfg.data.image_size, cfg.data.image_size, cfg.device, cfg.kernels.conv, cfg.kernels.matmul
     );
     trainer::bench::print_header();
     let mut failed = 0;

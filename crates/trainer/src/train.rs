@@ -45,13 +45,19 @@ pub fn scaling_enabled(cfg: &Config) -> bool {
     }
 }
 
-/// Builds the model of the config: initialisation, `model.init_from` (head replaced when the class count differs),
-/// frozen modules and BatchNorm statistics.
+/// Builds the model of the config: kernel choice (`kernels.conv`, `kernels.matmul`; "custom" convs make the model
+/// channels-last), initialisation, `model.init_from` (head replaced when the class count differs), frozen modules
+/// and BatchNorm statistics.
 pub fn build_model(cfg: &Config, device: &Device) -> Result<ResNet> {
-    kernels::set_conv_impl(if cfg.kernels.conv == "candle" {
-        kernels::ConvImpl::Candle
-    } else {
-        kernels::ConvImpl::FwdConv
+    let conv = match cfg.kernels.conv.as_str() {
+        "candle" => kernels::ConvImpl::Candle,
+        "custom" => kernels::ConvImpl::Custom,
+        _ => kernels::ConvImpl::FwdConv,
+    };
+    kernels::set_conv_impl(conv);
+    kernels::set_matmul_impl(match cfg.kernels.matmul.as_str() {
+        "custom" => kernels::MatmulImpl::Custom,
+        _ => kernels::MatmulImpl::Cublas,
     });
     let mc = ResNetConfig {
         arch: Arch::parse(&cfg.model.arch)?,
@@ -59,6 +65,8 @@ pub fn build_model(cfg: &Config, device: &Device) -> Result<ResNet> {
         stem: Stem::parse(&cfg.model.stem)?,
         zero_init_residual: cfg.model.zero_init_residual,
         seed: cfg.seed,
+        // The custom convs are channels-last: the whole model runs NHWC (the layout is the model's, not global).
+        channels_last: conv == kernels::ConvImpl::Custom,
     };
     let model = ResNet::new(mc, device)?;
     if !cfg.model.init_from.is_empty() {

@@ -118,6 +118,8 @@ fn bad_configs_name_the_culprit() {
         ),
         (vec!["--set", "model.init_from=\"/nonexistent/w.safetensors\""], vec!["/nonexistent/w.safetensors"]),
         (vec!["--set", "device=\"tpu\""], vec!["device", "tpu"]),
+        (vec!["--set", "kernels.conv=\"winograd\""], vec!["kernels.conv", "winograd", "custom"]),
+        (vec!["--set", "kernels.matmul=\"cutlass\""], vec!["kernels.matmul", "cutlass", "cublas, custom"]),
         (vec!["--resume"], vec!["no checkpoint"]),
     ];
     for (extra, needles) in cases {
@@ -228,6 +230,13 @@ fn info_prints_stages_and_parameter_count() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(text.contains("parameters: 60192808"), "{text}");
     assert!(text.contains("layer4   [2, 2048, 7, 7]"), "{text}");
+    assert!(!text.contains("channels-last"), "{text}");
+    // Channels-last: same (n, c, h, w) description, and the layout is said.
+    let out = trainer(&["info", "--config", &cfg, "--set", "kernels.conv=\"custom\""]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("layout: channels-last"), "{text}");
+    assert!(text.contains("layer4   [16, 512, 1, 1]"), "{text}");
 }
 
 #[test]
@@ -252,6 +261,27 @@ fn bench_and_sweep_on_the_cpu() {
     assert_eq!(text.lines().filter(|l| l.starts_with("BENCH_JSON")).count(), 4, "{text}");
     assert!(text.lines().any(|l| l.starts_with("resnet18") && l.contains("bf16")), "{text}");
     assert_error(&trainer(&["bench", "--config", &cfg, "--dtypes", "fp8"]), &["fp8"]);
+    // The bench builds the config's model: kernels.conv = "custom" runs it channels-last.
+    let out = trainer(&[
+        "bench",
+        "--config",
+        &cfg,
+        "--set",
+        "kernels.conv=\"custom\"",
+        "--set",
+        "kernels.matmul=\"custom\"",
+        "--batch-sizes",
+        "2",
+        "--warmup",
+        "1",
+        "--steps",
+        "1",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("kernels.conv = \"custom\""));
+    let json = text.lines().find_map(|l| l.strip_prefix("BENCH_JSON ")).expect("BENCH_JSON line");
+    assert!(json.contains("\"img_per_s\":") && !json.contains("\"img_per_s\":null"), "{json}");
 
     let sweep = dir.path().join("sweep");
     let out = trainer(&[

@@ -161,3 +161,33 @@ fn nan_loss_stops_and_keeps_the_last_good_checkpoint() {
         .iter()
         .all(|v| v.is_finite())));
 }
+
+/// `kernels.conv = "custom"` (and `kernels.matmul = "custom"`) is accepted, makes the model channels-last, and a
+/// short CPU run trains with the losses of the NCHW model (same seed, data and order: same numbers up to
+/// summation order).
+#[test]
+fn custom_kernels_train_channels_last_on_cpu() {
+    let custom = tiny(&["kernels.conv=\"custom\"", "kernels.matmul=\"custom\"", "train.max_steps=4"]);
+    assert_eq!((custom.kernels.conv.as_str(), custom.kernels.matmul.as_str()), ("custom", "custom"));
+    assert!(train::build_model(&custom, &candle_core::Device::Cpu).unwrap().config.channels_last);
+    let plain = tiny(&["train.max_steps=4"]);
+    assert!(!train::build_model(&plain, &candle_core::Device::Cpu).unwrap().config.channels_last);
+    for bad in ["kernels.conv=\"winograd\"", "kernels.matmul=\"cutlass\""] {
+        let e = format!(
+            "{:#}",
+            trainer::config::Config::from_str_with(common::TINY, "tiny.toml", &[bad.into()]).unwrap_err()
+        );
+        let key = bad.split('=').next().unwrap();
+        assert!(e.contains(key) && !e.contains('\n'), "{e}");
+    }
+
+    let (d1, d2) = (TempDir::new("custom-nhwc"), TempDir::new("custom-nchw"));
+    let s = train::train(&custom, d1.path(), false).unwrap();
+    let r = train::train(&plain, d2.path(), false).unwrap();
+    assert_eq!(s.steps, 4);
+    assert!(s.losses.iter().all(|l| l.is_finite()), "{:?}", s.losses);
+    for (a, b) in s.losses.iter().zip(&r.losses) {
+        assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0), "channels-last losses {:?} vs NCHW {:?}", s.losses, r.losses);
+    }
+    assert!(d1.path().join("model.safetensors").is_file());
+}
