@@ -47,23 +47,27 @@ fn main() {
         println!("cargo:rerun-if-changed={}", src.display());
         let module = rel.with_extension("").to_string_lossy().replace('\\', "/");
         let ident = module.to_uppercase().replace(|c: char| !c.is_ascii_alphanumeric(), "_");
-        // The tensor-core kernels (gemm/, conv/) ship as a fatbin: SASS for sm_80 and sm_90 plus sm_90 PTX
-        // (no JIT at load, and the driver JIT-compiles that PTX for newer GPUs). The others stay PTX for
-        // candle's loader.
+        // The tensor-core kernels (gemm/, conv/) ship as a fatbin: sm_90 SASS (H100/H200: no JIT at load) plus
+        // compute_80 PTX, which the driver JIT-compiles once for sm_80 (A100) and any newer GPU. No -lineinfo
+        // here: it would grow each fatbin ~5x and every binary carries all of them (the device tool carries
+        // 64 MiB). The others stay PTX for candle's loader.
         let fatbin = module.starts_with("gemm/") || module.starts_with("conv/");
         let out = out_dir.join(format!("{}.{}", module.replace('/', "__"), if fatbin { "fatbin" } else { "ptx" }));
         let mut cmd = Command::new(&nvcc);
         if fatbin {
             cmd.args([
                 "--fatbin",
-                "-gencode=arch=compute_80,code=sm_80",
-                "-gencode=arch=compute_90,code=[sm_90,compute_90]",
+                "-gencode=arch=compute_90,code=sm_90",
+                "-gencode=arch=compute_80,code=compute_80",
             ]);
         } else {
             cmd.args(["--ptx", "-arch=compute_80"]);
         }
+        if !fatbin {
+            cmd.arg("-lineinfo");
+        }
         let status = cmd
-            .args(["-O3", "-std=c++17", "-lineinfo"])
+            .args(["-O3", "-std=c++17"])
             .arg("-I")
             .arg(&src_root)
             .arg("-o")
@@ -75,7 +79,7 @@ fn main() {
             panic!("nvcc failed on {} ({status})", src.display());
         }
         if fatbin {
-            writeln!(generated, "/// Fatbin (sm_80, sm_90, compute_90) of `kernels/{}`.", rel.display()).unwrap();
+            writeln!(generated, "/// Fatbin (sm_90 SASS, compute_80 PTX) of `kernels/{}`.", rel.display()).unwrap();
             writeln!(generated, "pub const {ident}: &[u8] = include_bytes!({:?});", out.display().to_string()).unwrap();
             continue;
         }

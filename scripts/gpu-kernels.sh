@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One GPU call for the kernels crate (runs ON the GPU machine with dist/ carried; logs under $OUT):
+#   1. the kernel tests (gpu-kernel-tests: conv on the 23 ResNet-152 shapes + awkward ones, matmul, autograd),
+#   2. the rest of the GPU suite (gpu-tests: pools incl. NHWC, ResNets on CUDA vs CPU),
+#   3. scripts/kernels-bench.sh: per-shape TFLOP/s ours / candle / cuDNN and matmul vs cuBLAS,
+#   4. ResNet-152 training img/s with kernels.conv/matmul = custom vs the default path vs PyTorch eager AMP
+#      channels-last in the same invocation (scripts/bench-vs-torch.sh).
+#   usage: bash scripts/gpu-kernels.sh [DIST_DIR]
+# Knobs: DTYPES (bf16), SIZES (128,256), BASELINE=0 skips the default-path run, SKIP_TESTS=1, KB_ARGS.
+set -uo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+dist="$(cd "${1:-dist}" && pwd)" || exit 2
+out="${OUT:-$PWD/gpu-out}"
+mkdir -p "$out"
+site=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
+export LD_LIBRARY_PATH="$site/cu13/lib:$site/cudnn/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+bin="$(mktemp -d /tmp/gpu-kernels.XXXXXX)"
+for f in trainer gpu-tests gpu-kernel-tests; do
+    gunzip -c "$dist/$f.gz" > "$bin/$f" && chmod +x "$bin/$f" || exit 2
+done
+fails=0
+cat "$dist/BUILD_INFO"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+    for t in gpu-kernel-tests gpu-tests; do
+        echo "== $t"
+        if timeout 400 "$bin/$t" --test-threads=1 --nocapture > "$out/$t.log" 2>&1; then
+            grep -E "^test |test result" "$out/$t.log"
+        else
+            grep -E "^test |test result|Error:|panicked" "$out/$t.log" | head -30; echo "$t: FAILED"; fails=$((fails + 1))
+        fi
+    done
+fi
+echo "== kernels bench"
+KB_ARGS="${KB_ARGS:---variants}" bash "$here/kernels-bench.sh" "$dist" 128 bf16 > "$out/kernels-bench.log" 2>&1 || fails=$((fails + 1))
+sed -n '/ResNet-152 convs, batch/,$p' "$out/kernels-bench.log" | tail -35
+echo "== ResNet-152 training: kernels.conv=custom kernels.matmul=custom vs PyTorch"
+OUT="$out" bash "$here/bench-vs-torch.sh" "$bin/trainer" resnet152 "${DTYPES:-bf16}" "${SIZES:-128,256}" \
+    --set kernels.conv=custom --set kernels.matmul=custom > "$out/bench-custom.log" 2>&1 || fails=$((fails + 1))
+tail -6 "$out/bench-custom.log"
+if [ "${BASELINE:-1}" = 1 ]; then
+    echo "== same, default kernels (kernels.conv=fwdconv, cuBLAS), batch 128"
+    "$bin/trainer" bench --config "$here/../configs/resnet152.toml" --dtypes "${DTYPES:-bf16}" --batch-sizes 128 \
+        --warmup 2 --steps 5 > "$out/bench-default.log" 2>&1 || fails=$((fails + 1))
+    grep -E "img/s|BENCH_JSON" "$out/bench-default.log" | tail -3
+fi
+rm -rf "$bin"
+echo "== gpu-kernels: $fails failure(s)"
+[ "$fails" -eq 0 ]
