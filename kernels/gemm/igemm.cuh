@@ -36,7 +36,7 @@ struct Shape {
     int ko, r, s;       // conv output channels and kernel size
     int p, q;           // conv output size
     int stride, pad;
-    int k_split;        // K elements per blockIdx.z (multiple of BK)
+    int k_split;        // K elements per blockIdx.z (multiple of the k-tile depth)
     int has_bias;
     // Grad-input phase class (see DgradA): input pixels h = hh * stride + ph (hh < mh), w = ww * stride + pw
     // (ww < mw); kernel taps r = r0 + stride * i (i < tr), s = s0 + stride * j (j < ts).
@@ -97,7 +97,12 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
 }
 
 // Element offsets of 16-byte chunk `chunk` (8 elements) in a swizzled tile.
-__device__ __forceinline__ int off_kmajor(int row, int chunk) { return row * BK + ((chunk ^ ((row >> 1) & 3)) << 3); }
+// KD = 32: 64-byte rows, chunk c of row r at c ^ ((r >> 1) & 3); KD = 64: 128-byte rows, at c ^ (r & 7).
+template <int KD>
+__device__ __forceinline__ int off_kmajor(int row, int chunk) {
+    static_assert(KD == 32 || KD == 64, "k-tile depth 32 or 64");
+    return KD == 32 ? row * KD + ((chunk ^ ((row >> 1) & 3)) << 3) : row * KD + ((chunk ^ (row & 7)) << 3);
+}
 template <int COLS>
 __device__ __forceinline__ int off_mnmajor(int krow, int chunk) {
     static_assert(COLS >= 64, "MN-major swizzle needs at least 8 chunks per row");
@@ -105,15 +110,15 @@ __device__ __forceinline__ int off_mnmajor(int krow, int chunk) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Loaders. K-major: tile [ROWS][BK]; chunk j of a thread covers row idx / 4, k offset (idx % 4) * 8.
-// MN-major: tile [BK][ROWS]; chunk j covers k-row idx / (ROWS / 8), column offset (idx % (ROWS / 8)) * 8.
+// Loaders (k-tile depth KD = 32 or 64). K-major: tile [ROWS][KD]; chunk j of a thread covers row idx / (KD / 8),
+// k offset (idx % (KD / 8)) * 8. MN-major: tile [KD][ROWS]; chunk j covers k-row idx / (ROWS / 8), column offset (idx % (ROWS / 8)) * 8.
 // Each has init(shape, operand pointer, first row/column of the block, first k, tid) and load(stage), which
-// issues the copies of the next k-tile and advances by BK.
+// issues the copies of the next k-tile and advances by KD.
 
 // X[mn][k] = base[mn * ld + k]: A of a row-major matmul, B given as (N, K) (e.g. Linear's weight).
-template <typename T, int ROWS, int THREADS, bool VEC>
+template <typename T, int ROWS, int THREADS, bool VEC, int KD = 32>
 struct PlainK {
-    static constexpr int CPT = ROWS * 4 / THREADS;
+    static constexpr int CPT = ROWS * (KD / 8) / THREADS;
     const T* base;
     int ld, MN, K, k;
     int row[CPT], kc[CPT];
@@ -122,8 +127,8 @@ struct PlainK {
 #pragma unroll
         for (int j = 0; j < CPT; ++j) {
             int idx = tid + j * THREADS;
-            row[j] = idx >> 2;
-            kc[j] = (idx & 3) << 3;
+            row[j] = idx / (KD / 8);
+            kc[j] = (idx % (KD / 8)) << 3;
             row[j] += 0;
         }
         mnbase = mn0;
@@ -133,7 +138,7 @@ struct PlainK {
 #pragma unroll
         for (int j = 0; j < CPT; ++j) {
             int mn = mnbase + row[j], gk = k + kc[j];
-            T* dst = s + off_kmajor(row[j], kc[j] >> 3);
+            T* dst = s + off_kmajor<KD>(row[j], kc[j] >> 3);
             if (VEC) {
                 bool ok = mn < MN && gk < K;
                 cp_async16(dst, ok ? base + (int64_t)mn * ld + gk : base, ok);
@@ -145,15 +150,15 @@ struct PlainK {
                 }
             }
         }
-        k += BK;
+        k += KD;
     }
 };
 
 // X[k][mn] = base[k * ld + mn]: B of a row-major matmul, A given transposed (e.g. dy^T in grad-weight).
-template <typename T, int ROWS, int THREADS, bool VEC>
+template <typename T, int ROWS, int THREADS, bool VEC, int KD = 32>
 struct PlainMN {
     static constexpr int CPR = ROWS / 8;  // chunks per k-row
-    static constexpr int CPT = BK * CPR / THREADS;
+    static constexpr int CPT = KD * CPR / THREADS;
     const T* base;
     int ld, MN, K, k, mn;
     int krow[CPT], mc;
@@ -180,14 +185,14 @@ struct PlainMN {
                 }
             }
         }
-        k += BK;
+        k += KD;
     }
 };
 
 // Forward conv, A[m][k]: m = (n, p, q) output pixel, k = (r, s, c) with c fastest; A = x[n][p*st-pad+r][q*st-pad+s][c].
-template <typename T, int ROWS, int THREADS, bool VEC>
+template <typename T, int ROWS, int THREADS, bool VEC, int KD = 32>
 struct ConvFwdA {
-    static constexpr int CPT = ROWS * 4 / THREADS;
+    static constexpr int CPT = ROWS * (KD / 8) / THREADS;
     const T* x;
     Shape sh;
     int k;
@@ -199,8 +204,8 @@ struct ConvFwdA {
 #pragma unroll
         for (int j = 0; j < CPT; ++j) {
             int idx = tid + j * THREADS;
-            row[j] = idx >> 2;
-            kc[j] = (idx & 3) << 3;
+            row[j] = idx / (KD / 8);
+            kc[j] = (idx % (KD / 8)) << 3;
             int m = m0 + row[j];
             int pq = sh.p * sh.q;
             int n = m / pq, rem = m - n * pq;
@@ -224,12 +229,12 @@ struct ConvFwdA {
     __device__ void load(T* sm) {
 #pragma unroll
         for (int j = 0; j < CPT; ++j) {
-            T* dst = sm + off_kmajor(row[j], kc[j] >> 3);
+            T* dst = sm + off_kmajor<KD>(row[j], kc[j] >> 3);
             if (VEC) {
                 int64_t off;
                 bool ok = at(j, r[j], s[j], off);
                 cp_async16(dst, ok ? x + off + c[j] : x, ok);
-                c[j] += BK;
+                c[j] += KD;
                 while (c[j] >= sh.c) {
                     c[j] -= sh.c;
                     if (++s[j] == sh.s) { s[j] = 0; ++r[j]; }
@@ -246,7 +251,7 @@ struct ConvFwdA {
                 }
             }
         }
-        k += BK;
+        k += KD;
     }
 };
 
@@ -255,9 +260,9 @@ struct ConvFwdA {
 // s = s0 + stride * j with (ph + pad - r) divisible by the stride reach an output, at p = (h + pad - r) / stride.
 // One launch per class; stride 1 is the single class (0, 0) with every tap.
 // A[m][k]: m = (n, hh, ww), k = (i, j, ko) with ko fastest; A = dy[n][p][q][ko] (zero where p or q is outside).
-template <typename T, int ROWS, int THREADS, bool VEC>
+template <typename T, int ROWS, int THREADS, bool VEC, int KD = 32>
 struct DgradA {
-    static constexpr int CPT = ROWS * 4 / THREADS;
+    static constexpr int CPT = ROWS * (KD / 8) / THREADS;
     const T* dy;
     Shape sh;
     int k;
@@ -269,8 +274,8 @@ struct DgradA {
 #pragma unroll
         for (int j = 0; j < CPT; ++j) {
             int idx = tid + j * THREADS;
-            row[j] = idx >> 2;
-            kc[j] = (idx & 3) << 3;
+            row[j] = idx / (KD / 8);
+            kc[j] = (idx % (KD / 8)) << 3;
             int m = m0 + row[j];
             int hw = sh.mh * sh.mw;
             int n = m / hw, rem = m - n * hw;
@@ -300,12 +305,12 @@ struct DgradA {
     __device__ void load(T* sm) {
 #pragma unroll
         for (int j = 0; j < CPT; ++j) {
-            T* dst = sm + off_kmajor(row[j], kc[j] >> 3);
+            T* dst = sm + off_kmajor<KD>(row[j], kc[j] >> 3);
             if (VEC) {
                 int64_t off;
                 bool ok = at(j, ti[j], tj[j], off);
                 cp_async16(dst, ok ? dy + off + o[j] : dy, ok);
-                o[j] += BK;
+                o[j] += KD;
                 while (o[j] >= sh.ko) {
                     o[j] -= sh.ko;
                     if (++tj[j] == sh.ts) { tj[j] = 0; ++ti[j]; }
@@ -322,15 +327,15 @@ struct DgradA {
                 }
             }
         }
-        k += BK;
+        k += KD;
     }
 };
 
 // Grad-input, B[k][n]: k = (i, j, ko) of the phase class, n = c; B = w[ko][r0 + st*i][s0 + st*j][c]. MN-major.
-template <typename T, int ROWS, int THREADS, bool VEC>
+template <typename T, int ROWS, int THREADS, bool VEC, int KD = 32>
 struct DgradB {
     static constexpr int CPR = ROWS / 8;
-    static constexpr int CPT = BK * CPR / THREADS;
+    static constexpr int CPT = KD * CPR / THREADS;
     const T* wt;
     Shape sh;
     int k, col;
@@ -361,7 +366,7 @@ struct DgradB {
             if (VEC) {
                 bool ok = ti[j] < sh.tr && col < sh.c;
                 cp_async16(dst, ok ? wt + off(o[j], ti[j], tj[j], col) : wt, ok);
-                o[j] += BK;
+                o[j] += KD;
                 while (o[j] >= sh.ko) {
                     o[j] -= sh.ko;
                     if (++tj[j] == sh.ts) { tj[j] = 0; ++ti[j]; }
@@ -377,16 +382,16 @@ struct DgradB {
                 }
             }
         }
-        k += BK;
+        k += KD;
     }
 };
 
 // Grad-weight, B[k][n]: k = (n, p, q) output pixel, n = (r, s, c) with c fastest;
 // B = x[n][p*st-pad+r][q*st-pad+s][c]. MN-major.
-template <typename T, int ROWS, int THREADS, bool VEC>
+template <typename T, int ROWS, int THREADS, bool VEC, int KD = 32>
 struct WgradB {
     static constexpr int CPR = ROWS / 8;
-    static constexpr int CPT = BK * CPR / THREADS;
+    static constexpr int CPT = KD * CPR / THREADS;
     const T* x;
     Shape sh;
     int k, col, mc;
@@ -426,7 +431,7 @@ struct WgradB {
                 int64_t off;
                 bool ok = col < sh.N && at(nb[j], p[j], q[j], cr, cs, off);
                 cp_async16(dst, ok ? x + off + cc : x, ok);
-                q[j] += BK;
+                q[j] += KD;
                 while (q[j] >= sh.q) {
                     q[j] -= sh.q;
                     if (++p[j] == sh.p) { p[j] = 0; ++nb[j]; }
@@ -447,7 +452,7 @@ struct WgradB {
                 }
             }
         }
-        k += BK;
+        k += KD;
     }
 };
 
@@ -457,14 +462,14 @@ struct WgradB {
 // ROWMAP: GEMM row m is input pixel (n, hh, ww) of a grad-input phase class; it is stored at row
 // (n * h + hh * stride + ph) * w + ww * stride + pw of C.
 template <typename T, int BM, int BN, int WM, int WN, int STAGES, bool A_KMAJOR, bool B_KMAJOR, bool OUT_SPLIT,
-          typename LA, typename LB, bool ROWMAP = false>
+          typename LA, typename LB, bool ROWMAP = false, int KD = 32>
 __device__ __forceinline__ void gemm_body(LA& la, LB& lb, const Shape& sh, int k_begin, int k_end, T* C, float* ws,
                                           const T* bias, T* smem) {
     constexpr int THREADS = WM * WN * 32;
     constexpr int TM = BM / WM, TN = BN / WN;  // warp tile
     constexpr int MI = TM / 16, NI = TN / 8;
     static_assert(NI % 2 == 0, "warp tile N must be a multiple of 16");
-    constexpr int A_ELEMS = BM * BK, B_ELEMS = BN * BK, STAGE = A_ELEMS + B_ELEMS;
+    constexpr int A_ELEMS = BM * KD, B_ELEMS = BN * KD, STAGE = A_ELEMS + B_ELEMS;
     (void)THREADS;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -478,7 +483,7 @@ __device__ __forceinline__ void gemm_body(LA& la, LB& lb, const Shape& sh, int k
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
 
-    const int ktiles = k_end > k_begin ? (k_end - k_begin + BK - 1) / BK : 0;
+    const int ktiles = k_end > k_begin ? (k_end - k_begin + KD - 1) / KD : 0;
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {
         if (st < ktiles) {
@@ -503,7 +508,7 @@ __device__ __forceinline__ void gemm_body(LA& la, LB& lb, const Shape& sh, int k
         const T* sa = smem + (kt % STAGES) * STAGE;
         const T* sb = sa + A_ELEMS;
 #pragma unroll
-        for (int kk = 0; kk < BK; kk += 16) {
+        for (int kk = 0; kk < KD; kk += 16) {
             uint32_t af[MI][4];
             uint32_t bf[NI][2];
 #pragma unroll
@@ -512,7 +517,7 @@ __device__ __forceinline__ void gemm_body(LA& la, LB& lb, const Shape& sh, int k
                 if (A_KMAJOR) {
                     int row = base + (lane & 7) + ((lane >> 3) & 1) * 8;
                     int chunk = (kk >> 3) + (lane >> 4);
-                    ldsm_x4(af[mi], smem_u32(sa + off_kmajor(row, chunk)));
+                    ldsm_x4(af[mi], smem_u32(sa + off_kmajor<KD>(row, chunk)));
                 } else {
                     int krow = kk + (lane & 7) + (lane >> 4) * 8;
                     int chunk = (base >> 3) + ((lane >> 3) & 1);
@@ -526,7 +531,7 @@ __device__ __forceinline__ void gemm_body(LA& la, LB& lb, const Shape& sh, int k
                 if (B_KMAJOR) {
                     int row = base + (lane & 7) + (lane >> 4) * 8;
                     int chunk = (kk >> 3) + ((lane >> 3) & 1);
-                    ldsm_x4(t4, smem_u32(sb + off_kmajor(row, chunk)));
+                    ldsm_x4(t4, smem_u32(sb + off_kmajor<KD>(row, chunk)));
                 } else {
                     int krow = kk + (lane & 7) + ((lane >> 3) & 1) * 8;
                     int chunk = (base >> 3) + (lane >> 4);
@@ -548,48 +553,76 @@ __device__ __forceinline__ void gemm_body(LA& la, LB& lb, const Shape& sh, int k
     // Epilogue: fragment (mi, ni) holds rows g, g + 8 and columns 2t, 2t + 1 of a 16x8 tile.
     const int m_blk = blockIdx.x * BM, n_blk = blockIdx.y * BN;
     const int g = lane >> 2, t = lane & 3;
-    const bool pairs = (sh.ldc % 2) == 0;
+    if (OUT_SPLIT) {
+        // FP32 partial sums straight from the fragments (the split-K workspace is re-read once by the reduce).
 #pragma unroll
-    for (int mi = 0; mi < MI; ++mi) {
+        for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-        for (int ni = 0; ni < NI; ++ni) {
-            int col = n_blk + wn0 + ni * 8 + 2 * t;
-            float b0 = 0.f, b1 = 0.f;
-            if (!OUT_SPLIT && sh.has_bias) {
-                if (col < sh.N) b0 = to_f(bias[col]);
-                if (col + 1 < sh.N) b1 = to_f(bias[col + 1]);
+            for (int ni = 0; ni < NI; ++ni) {
+                int col = n_blk + wn0 + ni * 8 + 2 * t;
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    int row = m_blk + wm0 + mi * 16 + g + hf * 8;
+                    if (row >= sh.M) continue;
+                    float* o = ws + (int64_t)blockIdx.z * sh.M * sh.N + (int64_t)row * sh.N + col;
+                    if (col < sh.N) o[0] = acc[mi][ni][2 * hf];
+                    if (col + 1 < sh.N) o[1] = acc[mi][ni][2 * hf + 1];
+                }
             }
+        return;
+    }
+    // T output: the block's tile goes through shared memory (rows padded by 8 elements: the fragment stores of
+    // a warp hit 32 distinct banks), then leaves as 16-byte row chunks, so every warp store covers whole 32-byte
+    // sectors of consecutive columns. The pipeline buffers are free: all cp.async groups are drained.
+    constexpr int CS_LD = BN + 8;
+    static_assert(BM * CS_LD <= STAGES * STAGE, "epilogue tile must fit in the pipeline's shared memory");
+    __syncthreads();
+    T* cs = smem;
+#pragma unroll
+    for (int ni = 0; ni < NI; ++ni) {
+        int cl = wn0 + ni * 8 + 2 * t;
+        int col = n_blk + cl;
+        float b0 = 0.f, b1 = 0.f;
+        if (sh.has_bias) {
+            if (col < sh.N) b0 = to_f(bias[col]);
+            if (col + 1 < sh.N) b1 = to_f(bias[col + 1]);
+        }
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
-                int row = m_blk + wm0 + mi * 16 + g + hf * 8;
-                if (row >= sh.M) continue;
-                if (ROWMAP && sh.stride != 1) {
-                    int hw = sh.mh * sh.mw;
-                    int n = row / hw, rem = row - n * hw;
-                    int hh = rem / sh.mw, ww = rem - hh * sh.mw;
-                    row = (n * sh.h + hh * sh.stride + sh.ph) * sh.w + ww * sh.stride + sh.pw;
-                }
-                float v0 = acc[mi][ni][2 * hf] + b0, v1 = acc[mi][ni][2 * hf + 1] + b1;
-                if (OUT_SPLIT) {
-                    float* o = ws + (int64_t)blockIdx.z * sh.M * sh.N + (int64_t)row * sh.N + col;
-                    if (col < sh.N) o[0] = v0;
-                    if (col + 1 < sh.N) o[1] = v1;
-                } else {
-                    T* o = C + (int64_t)row * sh.ldc + col;
-                    if (pairs && col + 1 < sh.N) {
-                        *reinterpret_cast<uint32_t*>(o) = pack2(from_f<T>(v0), from_f<T>(v1));
-                    } else {
-                        if (col < sh.N) o[0] = from_f<T>(v0);
-                        if (col + 1 < sh.N) o[1] = from_f<T>(v1);
-                    }
-                }
+                int rl = wm0 + mi * 16 + g + hf * 8;
+                *reinterpret_cast<uint32_t*>(cs + rl * CS_LD + cl) =
+                    pack2(from_f<T>(acc[mi][ni][2 * hf] + b0), from_f<T>(acc[mi][ni][2 * hf + 1] + b1));
             }
+    }
+    __syncthreads();
+    const bool vec_out = (sh.ldc % 8) == 0;
+    constexpr int CPR = BN / 8;
+    for (int idx = threadIdx.x; idx < BM * CPR; idx += WM * WN * 32) {
+        int rl = idx / CPR, cl = (idx % CPR) * 8;
+        int row = m_blk + rl, col = n_blk + cl;
+        if (row >= sh.M || col >= sh.N) continue;
+        if (ROWMAP && sh.stride != 1) {
+            int hw = sh.mh * sh.mw;
+            int n = row / hw, rem = row - n * hw;
+            int hh = rem / sh.mw, ww = rem - hh * sh.mw;
+            row = (n * sh.h + hh * sh.stride + sh.ph) * sh.w + ww * sh.stride + sh.pw;
+        }
+        T* o = C + (int64_t)row * sh.ldc + col;
+        const T* src = cs + rl * CS_LD + cl;
+        if (vec_out && col + 8 <= sh.N) {
+            *reinterpret_cast<uint4*>(o) = *reinterpret_cast<const uint4*>(src);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+                if (col + e < sh.N) o[e] = src[e];
         }
     }
 }
 
-template <int BM, int BN, int STAGES>
-constexpr int smem_bytes() { return STAGES * (BM + BN) * BK * 2; }
+template <int BM, int BN, int STAGES, int KD = 32>
+constexpr int smem_bytes() { return STAGES * (BM + BN) * KD * 2; }
 
 }  // namespace ig
 

@@ -54,27 +54,38 @@ pub struct GemmShape {
 unsafe impl DeviceRepr for GemmShape {}
 
 /// A block-tile variant of the kernels (the `t128` / `t64` / ... part of a kernel name) and the numbered file
-/// (module) that instantiates it: 1 = `01_*.cu`, 2 = `02_large_tiles.cu`.
+/// (module) that instantiates it: 1 = `01_*.cu`, 2 = `02_large_tiles.cu`, 3 = `03_deep_k.cu`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Tile {
     pub name: &'static str,
     pub bm: usize,
     pub bn: usize,
+    /// k-tile depth (values of the reduction dimension per pipeline stage)
+    pub bk: usize,
     pub threads: u32,
     pub smem: u32,
     pub file: u8,
 }
 
 /// 128x128x32, 8 warps of 64x32, 4 stages (01).
-pub const T128: Tile = Tile { name: "t128", bm: 128, bn: 128, threads: 256, smem: 4 * (128 + 128) * 32 * 2, file: 1 };
+pub const T128: Tile =
+    Tile { name: "t128", bm: 128, bn: 128, bk: 32, threads: 256, smem: 4 * (128 + 128) * 32 * 2, file: 1 };
 /// 64x64x32, 4 warps of 32x32, 4 stages (01); the only tile with scalar loads and (matmul) split-K.
-pub const T64: Tile = Tile { name: "t64", bm: 64, bn: 64, threads: 128, smem: 4 * (64 + 64) * 32 * 2, file: 1 };
+pub const T64: Tile = Tile { name: "t64", bm: 64, bn: 64, bk: 32, threads: 128, smem: 4 * (64 + 64) * 32 * 2, file: 1 };
 /// 256x128x32, 8 warps of 64x64, 3 stages (02).
-pub const T256: Tile = Tile { name: "t256", bm: 256, bn: 128, threads: 256, smem: 3 * (256 + 128) * 32 * 2, file: 2 };
+pub const T256: Tile =
+    Tile { name: "t256", bm: 256, bn: 128, bk: 32, threads: 256, smem: 3 * (256 + 128) * 32 * 2, file: 2 };
 /// 128x256x32, 8 warps of 64x64, 3 stages (02).
-pub const T128W: Tile = Tile { name: "t128w", bm: 128, bn: 256, threads: 256, smem: 3 * (128 + 256) * 32 * 2, file: 2 };
+pub const T128W: Tile =
+    Tile { name: "t128w", bm: 128, bn: 256, bk: 32, threads: 256, smem: 3 * (128 + 256) * 32 * 2, file: 2 };
+/// 128x128x64, 8 warps of 64x32, 3 stages (03).
+pub const T128K64: Tile =
+    Tile { name: "t128k64", bm: 128, bn: 128, bk: 64, threads: 256, smem: 3 * (128 + 128) * 64 * 2, file: 3 };
+/// 256x128x64, 8 warps of 64x64, 3 stages (03).
+pub const T256K64: Tile =
+    Tile { name: "t256k64", bm: 256, bn: 128, bk: 64, threads: 256, smem: 3 * (256 + 128) * 64 * 2, file: 3 };
 /// Every tile variant, for the per-shape choice, benchmarks and tests.
-pub const TILES: [Tile; 4] = [T128, T64, T256, T128W];
+pub const TILES: [Tile; 6] = [T128, T64, T256, T128W, T128K64, T256K64];
 const BK: usize = 32;
 
 static FORCED_TILE: Mutex<Option<Tile>> = Mutex::new(None);
@@ -123,8 +134,8 @@ pub fn choose(m: usize, n: usize, sms: usize, split_ok: bool) -> Tile {
 pub fn split_k(tile: Tile, m: usize, n: usize, k: usize, sms: usize) -> (usize, usize) {
     let blocks = m.div_ceil(tile.bm) * n.div_ceil(tile.bn);
     let want = (2 * sms).div_ceil(blocks.max(1));
-    let splits = want.min(k / (8 * BK)).max(1);
-    let k_split = k.div_ceil(splits).div_ceil(BK).max(1) * BK;
+    let splits = want.min(k / (8 * tile.bk)).max(1);
+    let k_split = k.div_ceil(splits).div_ceil(tile.bk).max(1) * tile.bk;
     (k_split, k.div_ceil(k_split).max(1))
 }
 
@@ -231,18 +242,18 @@ pub fn sm_count(dev: &CudaDevice) -> Result<usize> {
 /// (module name, fatbin) of the conv / matmul kernels of `tile`'s file.
 fn conv_module(tile: Tile) -> (&'static str, &'static [u8]) {
     use crate::cuda::ptx;
-    if tile.file == 2 {
-        ("conv/02_large_tiles", ptx::CONV_02_LARGE_TILES)
-    } else {
-        ("conv/01_implicit_gemm", ptx::CONV_01_IMPLICIT_GEMM)
+    match tile.file {
+        2 => ("conv/02_large_tiles", ptx::CONV_02_LARGE_TILES),
+        3 => ("conv/03_deep_k", ptx::CONV_03_DEEP_K),
+        _ => ("conv/01_implicit_gemm", ptx::CONV_01_IMPLICIT_GEMM),
     }
 }
 fn gemm_module(tile: Tile) -> (&'static str, &'static [u8]) {
     use crate::cuda::ptx;
-    if tile.file == 2 {
-        ("gemm/02_large_tiles", ptx::GEMM_02_LARGE_TILES)
-    } else {
-        ("gemm/01_mma_cp_async", ptx::GEMM_01_MMA_CP_ASYNC)
+    match tile.file {
+        2 => ("gemm/02_large_tiles", ptx::GEMM_02_LARGE_TILES),
+        3 => ("gemm/03_deep_k", ptx::GEMM_03_DEEP_K),
+        _ => ("gemm/01_mma_cp_async", ptx::GEMM_01_MMA_CP_ASYNC),
     }
 }
 

@@ -117,6 +117,7 @@ fn run(a: &Args) -> Result<()> {
             };
             let g = time_ms(&dev, a.iters, || cuda_gemm::conv_nhwc_wgrad(&dy, &x, k, st, pd))?;
             let mut variants = Vec::new();
+            let mut vline = Vec::new();
             if a.variants {
                 for t in TILES {
                     cuda_gemm::set_forced_tile(Some(t));
@@ -129,6 +130,8 @@ fn run(a: &Args) -> Result<()> {
                     let vg = time_ms(&dev, a.iters, || cuda_gemm::conv_nhwc_wgrad(&dy, &x, k, st, pd))?;
                     cuda_gemm::set_forced_tile(None);
                     variants.push(serde_like(t.name, vf, vd, vg, flop));
+                    let tf = |ms: f64| if ms.is_nan() { "-".to_string() } else { format!("{:.0}", tflops(flop, ms)) };
+                    vline.push(format!("{} {}/{}/{}", t.name, tf(vf), tf(vd), tf(vg)));
                 }
             }
             let (cf, cd, cg) = if a.candle {
@@ -169,6 +172,9 @@ fn run(a: &Args) -> Result<()> {
                 cell(cd),
                 cell(cg)
             );
+            if !vline.is_empty() {
+                println!("{:<32} variants fwd/dgrad/wgrad TFLOP/s: {}", "", vline.join(" | "));
+            }
             for (i, v) in [f, d, g, cf, cd, cg].iter().enumerate() {
                 if !v.is_nan() {
                     tot[i] += v * count as f64;
