@@ -55,11 +55,7 @@ fn main() {
         let out = out_dir.join(format!("{}.{}", module.replace('/', "__"), if fatbin { "fatbin" } else { "ptx" }));
         let mut cmd = Command::new(&nvcc);
         if fatbin {
-            cmd.args([
-                "--fatbin",
-                "-gencode=arch=compute_90,code=sm_90",
-                "-gencode=arch=compute_80,code=compute_80",
-            ]);
+            cmd.args(["--fatbin", "-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_80,code=compute_80"]);
         } else {
             cmd.args(["--ptx", "-arch=compute_80"]);
         }

@@ -132,16 +132,16 @@ fn conv_awkward_shapes_match_reference() -> Result<()> {
     let dev = cuda()?;
     let sh = |c_in, c_out, k, stride, hw| ConvShape { c_in, c_out, k, stride, pad: k / 2, hw };
     let cases = [
-        (sh(3, 64, 7, 2, 37), 3),   // stem, odd size
-        (sh(5, 24, 3, 1, 9), 2),    // 5 channels: scalar loads
-        (sh(8, 8, 3, 1, 5), 1),     // 8 channels: several (r, s) per 32-wide k-tile
-        (sh(24, 40, 3, 2, 15), 2),  // 24 channels, stride 2, odd size
-        (sh(40, 72, 1, 2, 7), 1),   // strided 1x1, odd size
-        (sh(16, 200, 1, 1, 13), 3), // N not a tile multiple
-        (sh(264, 136, 3, 1, 6), 2), // K and N not tile multiples
-        (sh(64, 64, 3, 1, 56), 1),  // batch 1, full-size layer1 conv
+        (sh(3, 64, 7, 2, 37), 3),     // stem, odd size
+        (sh(5, 24, 3, 1, 9), 2),      // 5 channels: scalar loads
+        (sh(8, 8, 3, 1, 5), 1),       // 8 channels: several (r, s) per 32-wide k-tile
+        (sh(24, 40, 3, 2, 15), 2),    // 24 channels, stride 2, odd size
+        (sh(40, 72, 1, 2, 7), 1),     // strided 1x1, odd size
+        (sh(16, 200, 1, 1, 13), 3),   // N not a tile multiple
+        (sh(264, 136, 3, 1, 6), 2),   // K and N not tile multiples
+        (sh(64, 64, 3, 1, 56), 1),    // batch 1, full-size layer1 conv
         (sh(256, 256, 3, 1, 14), 32), // many tiles
-        (sh(3, 16, 3, 1, 8), 1),    // 3 channels, 3x3
+        (sh(3, 16, 3, 1, 8), 1),      // 3 channels, 3x3
     ];
     for (s, n) in cases {
         for dt in [DType::BF16, DType::F16] {
@@ -211,7 +211,8 @@ fn matmul_matches_reference() -> Result<()> {
                     let a = Tensor::randn(0f32, 1.0, ash, &dev)?.to_dtype(dt)?;
                     let b = Tensor::randn(0f32, 1.0, bsh, &dev)?.to_dtype(dt)?;
                     let what = format!("{layout:?} {m}x{n}x{k} {dt:?} {}", tile.map_or("auto", |t| t.name));
-                    let e = check(&what, &cuda_gemm::matmul(&a, &b, layout)?, &matmul_reference(&a, &b, layout)?, tol(dt))?;
+                    let e =
+                        check(&what, &cuda_gemm::matmul(&a, &b, layout)?, &matmul_reference(&a, &b, layout)?, tol(dt))?;
                     if layout == GemmLayout::Nt {
                         let bias = Tensor::randn(0f32, 1.0, n, &dev)?.to_dtype(dt)?;
                         let want = matmul_reference(&a, &b, layout)?.broadcast_add(&bias.to_dtype(DType::F32)?)?;

@@ -109,6 +109,69 @@ fn tuned_cache() -> &'static Mutex<HashMap<String, Tile>> {
     T.get_or_init(Default::default)
 }
 
+static TUNE_FILE: Mutex<Option<std::path::PathBuf>> = Mutex::new(None);
+
+/// Keeps the autotuner's choices on disk: `path` (a tab-separated file of `GPU name, op and shape, tile`) is read
+/// now (choices for other GPUs are kept but unused) and every new choice is appended, so a shape is timed once
+/// per GPU model, not once per process. A missing file is created on the first append; an unreadable or
+/// malformed one is an error naming it. `None`: choices live in memory only.
+pub fn set_autotune_cache(path: Option<std::path::PathBuf>) -> std::result::Result<(), String> {
+    if let Some(p) = &path {
+        match std::fs::read_to_string(p) {
+            Ok(text) => {
+                let mut cache = tuned_cache().lock().unwrap();
+                for (i, line) in text.lines().enumerate() {
+                    let f: Vec<&str> = line.split('\t').collect();
+                    let tile = match f.as_slice() {
+                        [_, _, t] => TILES.iter().find(|x| x.name == *t),
+                        _ => None,
+                    };
+                    match tile {
+                        Some(t) => {
+                            cache.insert(format!("{}\t{}", f[0], f[1]), *t);
+                        }
+                        None => {
+                            return Err(format!(
+                                "autotune cache {}: line {} is not `GPU<TAB>op and shape<TAB>tile` with a known tile",
+                                p.display(),
+                                i + 1
+                            ))
+                        }
+                    }
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(format!("autotune cache {}: {e}", p.display())),
+        }
+    }
+    *TUNE_FILE.lock().unwrap() = path;
+    Ok(())
+}
+
+fn gpu_name(dev: &CudaDevice) -> String {
+    dev.cuda_stream().context().name().unwrap_or_else(|_| "unknown GPU".into()).replace('\t', " ")
+}
+
+/// Appends one choice to the autotune file (best effort: a failure is reported once and tuning goes on in memory).
+fn persist_choice(key: &str, tile: Tile) {
+    static WARNED: AtomicBool = AtomicBool::new(false);
+    let path = TUNE_FILE.lock().unwrap().clone();
+    let Some(path) = path else { return };
+    let res = (|| -> std::io::Result<()> {
+        use std::io::Write;
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&path)?;
+        writeln!(f, "{key}\t{}", tile.name)
+    })();
+    if let Err(e) = res {
+        if !WARNED.swap(true, Ordering::Relaxed) {
+            eprintln!("warning: autotune cache {}: {e}; choices stay in memory", path.display());
+        }
+    }
+}
+
 /// The autotuner's choices so far: (op and shape, tile name), sorted.
 pub fn tuned_choices() -> Vec<(String, &'static str)> {
     let mut v: Vec<_> = tuned_cache().lock().unwrap().iter().map(|(k, t)| (k.clone(), t.name)).collect();
@@ -160,7 +223,7 @@ fn pick<F: FnMut(Tile) -> Result<()>>(
     if !AUTOTUNE.load(Ordering::Relaxed) || candidates.len() < 2 {
         return Ok(heuristic);
     }
-    let key = key();
+    let key = format!("{}\t{}", gpu_name(dev), key());
     if let Some(t) = tuned_cache().lock().unwrap().get(&key) {
         return Ok(*t);
     }
@@ -179,6 +242,7 @@ fn pick<F: FnMut(Tile) -> Result<()>>(
             best = (dt, t);
         }
     }
+    persist_choice(&key, best.1);
     tuned_cache().lock().unwrap().insert(key, best.1);
     Ok(best.1)
 }
@@ -201,7 +265,13 @@ fn dev_key(dev: &CudaDevice) -> usize {
 
 /// Loads (once per device) `name` from the fatbin `image` of `module`; opts in to `smem` bytes of dynamic
 /// shared memory when that is above the 48 KiB default.
-fn function(dev: &CudaDevice, module: &'static str, image: &'static [u8], name: &str, smem: u32) -> Result<CudaFunction> {
+fn function(
+    dev: &CudaDevice,
+    module: &'static str,
+    image: &'static [u8],
+    name: &str,
+    smem: u32,
+) -> Result<CudaFunction> {
     let key = (dev_key(dev), module, name.to_string());
     if let Some(f) = func_cache().lock().unwrap().get(&key) {
         return Ok(f.clone());

@@ -297,11 +297,31 @@ pub struct KernelsSection {
     /// "cublas" (candle's built-in matmul) | "custom" (our tensor-core GEMM for `fc` on CUDA in bf16/fp16, with
     /// the bias add fused; candle's matmul otherwise)
     pub matmul: String,
+    /// Time every tile variant of the custom kernels on the first launch of each shape and keep the fastest
+    /// (false: a fixed heuristic picks the tile)
+    pub autotune: bool,
+    /// Where autotuned choices persist across runs: "auto" (`$XDG_CACHE_HOME` or `~/.cache`,
+    /// `resnet-train/kernels-autotune.tsv`), "off" (memory only), or a file path
+    pub autotune_cache: String,
 }
 
 impl Default for KernelsSection {
     fn default() -> Self {
-        Self { conv: "fwdconv".into(), matmul: "cublas".into() }
+        Self { conv: "fwdconv".into(), matmul: "cublas".into(), autotune: true, autotune_cache: "auto".into() }
+    }
+}
+
+impl KernelsSection {
+    /// The autotune file `autotune_cache` names (None for "off", or for "auto" without a home directory).
+    pub fn autotune_cache_path(&self) -> Option<std::path::PathBuf> {
+        match self.autotune_cache.as_str() {
+            "off" => None,
+            "auto" => std::env::var_os("XDG_CACHE_HOME")
+                .map(std::path::PathBuf::from)
+                .or_else(|| std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".cache")))
+                .map(|d| d.join("resnet-train").join("kernels-autotune.tsv")),
+            p => Some(std::path::PathBuf::from(p)),
+        }
     }
 }
 
@@ -452,6 +472,9 @@ impl Config {
         one_of("amp.dtype", &self.amp.dtype, &["fp32", "bf16", "fp16"])?;
         one_of("amp.loss_scaling", &self.amp.loss_scaling, &["auto", "on", "off"])?;
         one_of("kernels.conv", &self.kernels.conv, &["fwdconv", "candle", "custom"])?;
+        if self.kernels.autotune_cache.is_empty() {
+            bail!("kernels.autotune_cache is empty (\"auto\", \"off\" or a file path)");
+        }
         one_of("kernels.matmul", &self.kernels.matmul, &["cublas", "custom"])?;
         if parse_device(&self.device).is_none() {
             bail!("device = \"{}\" is not one of cpu, cuda, cuda:N", self.device);

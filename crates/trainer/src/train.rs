@@ -59,6 +59,12 @@ pub fn build_model(cfg: &Config, device: &Device) -> Result<ResNet> {
         "custom" => kernels::MatmulImpl::Custom,
         _ => kernels::MatmulImpl::Cublas,
     });
+    #[cfg(feature = "cuda")]
+    {
+        kernels::cuda_gemm::set_autotune(cfg.kernels.autotune);
+        kernels::cuda_gemm::set_autotune_cache(cfg.kernels.autotune_cache_path())
+            .map_err(|e| anyhow::anyhow!("kernels.autotune_cache: {e}"))?;
+    }
     let mc = ResNetConfig {
         arch: Arch::parse(&cfg.model.arch)?,
         num_classes: cfg.model.num_classes,

@@ -107,7 +107,8 @@ fn run(a: &Args) -> Result<()> {
             let oh = shape.out_hw();
             let flop = shape.flops(n);
             let x = Tensor::randn(0f32, 1.0, (n, hw, hw, ci), &dev)?.to_dtype(dt)?;
-            let w = (Tensor::randn(0f32, 1.0, (co, k, k, ci), &dev)? * (1.0 / ((ci * k * k) as f64).sqrt()))?.to_dtype(dt)?;
+            let w = (Tensor::randn(0f32, 1.0, (co, k, k, ci), &dev)? * (1.0 / ((ci * k * k) as f64).sqrt()))?
+                .to_dtype(dt)?;
             let dy = Tensor::randn(0f32, 1.0, (n, oh, oh, co), &dev)?.to_dtype(dt)?;
             let f = time_ms(&dev, a.iters, || cuda_gemm::conv_nhwc_fwd(&x, &w, st, pd))?;
             let d = if ci % 8 == 0 {
