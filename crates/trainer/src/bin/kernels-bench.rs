@@ -4,7 +4,9 @@
 //! scripts/kernels-bench.sh joins with cuDNN's figures (scripts/torch_conv_shapes.py) from the same run.
 //!
 //! usage: kernels-bench [--batch 128] [--dtype bf16|f16] [--iters 10] [--no-candle] [--variants]
-//!                      [--only-matmul] [--json PATH]
+//!                      [--only-matmul | --no-matmul] [--filter SHAPE-SUBSTRING] [--json PATH]
+//! `--tile t128` forces one tile variant instead of the autotuned choice (for profiling; `--variants` resets it).
+//! `--filter "256-> 256 k3 s1 hw 14"` keeps the shapes whose printed name contains the text (for profiling one).
 
 use candle_core::{DType, Device, Result, Tensor};
 use kernels::cuda_gemm::{self, GemmLayout, TILES};
@@ -18,6 +20,8 @@ struct Args {
     candle: bool,
     variants: bool,
     only_matmul: bool,
+    no_matmul: bool,
+    filter: Option<String>,
     json: Option<String>,
 }
 
@@ -29,6 +33,8 @@ fn parse() -> std::result::Result<Args, String> {
         candle: true,
         variants: false,
         only_matmul: false,
+        no_matmul: false,
+        filter: None,
         json: None,
     };
     let mut it = std::env::args().skip(1);
@@ -47,6 +53,15 @@ fn parse() -> std::result::Result<Args, String> {
             "--no-candle" => a.candle = false,
             "--variants" => a.variants = true,
             "--only-matmul" => a.only_matmul = true,
+            "--no-matmul" => a.no_matmul = true,
+            "--filter" => a.filter = Some(val("--filter")?),
+            "--tile" => {
+                let name = val("--tile")?;
+                let t = TILES.iter().find(|t| t.name == name).ok_or_else(|| {
+                    format!("--tile {name}: not one of {:?}", TILES.iter().map(|t| t.name).collect::<Vec<_>>())
+                })?;
+                cuda_gemm::set_forced_tile(Some(*t));
+            }
             "--json" => a.json = Some(val("--json")?),
             other => return Err(format!("unknown argument {other} (see the header of kernels-bench.rs)")),
         }
@@ -102,6 +117,9 @@ fn run(a: &Args) -> Result<()> {
         let mut tot = [0f64; 6];
         let mut flop_total = 0f64;
         for (shape, count) in resnet152_convs() {
+            if a.filter.as_ref().is_some_and(|f| !shape.to_string().contains(f.as_str())) {
+                continue;
+            }
             let n = a.batch;
             let (ci, co, k, st, pd, hw) = (shape.c_in, shape.c_out, shape.k, shape.stride, shape.pad, shape.hw);
             let oh = shape.out_hw();
@@ -214,6 +232,9 @@ fn run(a: &Args) -> Result<()> {
         }
     }
 
+    if a.no_matmul {
+        return write_json(a, &json, &[]);
+    }
     println!("\nmatmul {:?}: TFLOP/s ours vs cuBLAS (candle's matmul)", dt);
     let mut mm = Vec::new();
     let cases: [(&str, usize, usize, usize, GemmLayout); 5] = [
@@ -259,12 +280,16 @@ fn run(a: &Args) -> Result<()> {
             "{{\"name\":\"{name}\",\"m\":{m},\"n\":{n},\"k\":{k},\"ours_ms\":{ours:.5},\"cublas_ms\":{cublas:.5}}}"
         ));
     }
+    write_json(a, &json, &mm)
+}
+
+fn write_json(a: &Args, convs: &[String], mm: &[String]) -> Result<()> {
     if let Some(path) = &a.json {
         let body = format!(
             "{{\"batch\":{},\"dtype\":\"{:?}\",\"convs\":[{}],\"matmul\":[{}]}}\n",
             a.batch,
-            dt,
-            json.join(","),
+            a.dtype,
+            convs.join(","),
             mm.join(",")
         );
         std::fs::write(path, body).map_err(|e| candle_core::Error::Msg(format!("--json {path}: {e}")))?;
