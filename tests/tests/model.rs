@@ -397,12 +397,14 @@ fn resnet152_forward_backward_224_on_cpu() {
 // ---------------------------------------------------------------------------------------------------------------
 
 /// ‖a − b‖₂ / ‖b‖₂ (f64), after casting both to f32 on the CPU.
+/// Relative L2 distance, computed in f64 (an f32 conversion first would turn 1e-16 differences of f64 results
+/// into occasional 1-ulp f32 flips, ~5e-9 relative).
 fn rel_l2(a: &Tensor, b: &Tensor) -> f64 {
     assert_eq!(a.dims(), b.dims());
-    let f = |t: &Tensor| -> Vec<f32> { t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap() };
+    let f = |t: &Tensor| -> Vec<f64> { t.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1().unwrap() };
     let (x, y) = (f(a), f(b));
-    let num: f64 = x.iter().zip(&y).map(|(p, q)| (*p as f64 - *q as f64).powi(2)).sum();
-    let den: f64 = y.iter().map(|q| (*q as f64).powi(2)).sum();
+    let num: f64 = x.iter().zip(&y).map(|(p, q)| (p - q).powi(2)).sum();
+    let den: f64 = y.iter().map(|q| q.powi(2)).sum();
     (num / den.max(1e-300)).sqrt()
 }
 
