@@ -236,8 +236,7 @@ fn tiny_resnet_gradients_match_finite_differences() {
                 let mut v = base.clone();
                 v[i] += delta;
                 var.set(&Tensor::from_vec(v, var.dims(), &dev).unwrap()).unwrap();
-                let l = loss_fn(&m).to_scalar::<f32>().unwrap() as f64;
-                l
+                loss_fn(&m).to_scalar::<f32>().unwrap() as f64
             };
             let fd = (eval(eps) - eval(-eps)) / (2.0 * eps as f64);
             var.set(&Tensor::from_vec(base.clone(), var.dims(), &dev).unwrap()).unwrap();
