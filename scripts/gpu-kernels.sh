@@ -44,6 +44,18 @@ if [ "${BASELINE:-1}" = 1 ]; then
         --warmup 2 --steps 5 > "$out/bench-default.log" 2>&1 || fails=$((fails + 1))
     grep -E "img/s|BENCH_JSON" "$out/bench-default.log" | tail -3
 fi
-rm -rf "$bin"
+echo "== trainer end to end with the custom kernels: ResNet-152 bf16, loader, 4 steps, validation, checkpoint"
+e2e="$(mktemp -d /tmp/e2e.XXXXXX)"
+if "$bin/trainer" --config "$here/../configs/resnet152.toml" --run-dir "$e2e/run" --set data.kind=synthetic \
+    --set data.num_samples=256 --set train.batch_size=64 --set train.epochs=1 --set log.every_steps=1 \
+    --set log.progress=false --set kernels.conv=custom --set kernels.matmul=custom \
+    --set kernels.autotune_cache="$out/autotune.tsv" > "$out/e2e-custom.log" 2>&1 \
+    && [ -f "$e2e/run/checkpoints/best.safetensors" ]; then
+    grep -E "^epoch|^done" "$out/e2e-custom.log"; echo "autotuned choices: $(wc -l < "$out/autotune.tsv")"
+    echo "trainer e2e (custom kernels): ok"
+else
+    tail -20 "$out/e2e-custom.log"; echo "trainer e2e (custom kernels): FAILED"; fails=$((fails + 1))
+fi
+rm -rf "$e2e" "$bin"
 echo "== gpu-kernels: $fails failure(s)"
 [ "$fails" -eq 0 ]

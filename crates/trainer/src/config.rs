@@ -567,3 +567,19 @@ fn one_line(s: &str) -> String {
         .collect::<Vec<_>>()
         .join(" ")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::KernelsSection;
+    use std::path::PathBuf;
+
+    #[test]
+    fn autotune_cache_paths() {
+        let k = |v: &str| KernelsSection { autotune_cache: v.into(), ..Default::default() };
+        assert_eq!(k("off").autotune_cache_path(), None);
+        assert_eq!(k("/tmp/x.tsv").autotune_cache_path(), Some(PathBuf::from("/tmp/x.tsv")));
+        if let Some(p) = k("auto").autotune_cache_path() {
+            assert!(p.ends_with("resnet-train/kernels-autotune.tsv"), "{}", p.display());
+        }
+    }
+}

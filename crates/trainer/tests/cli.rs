@@ -120,6 +120,8 @@ fn bad_configs_name_the_culprit() {
         (vec!["--set", "device=\"tpu\""], vec!["device", "tpu"]),
         (vec!["--set", "kernels.conv=\"winograd\""], vec!["kernels.conv", "winograd", "custom"]),
         (vec!["--set", "kernels.matmul=\"cutlass\""], vec!["kernels.matmul", "cutlass", "cublas, custom"]),
+        (vec!["--set", "kernels.autotune_cache=\"\""], vec!["kernels.autotune_cache", "empty"]),
+        (vec!["--set", "kernels.autotune=\"yes\""], vec!["kernels.autotune"]),
         (vec!["--resume"], vec!["no checkpoint"]),
     ];
     for (extra, needles) in cases {
