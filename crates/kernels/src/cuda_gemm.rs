@@ -148,8 +148,17 @@ pub fn set_autotune_cache(path: Option<std::path::PathBuf>) -> std::result::Resu
     Ok(())
 }
 
+/// The device's name (cached per device: the autotune key is built on every launch).
 fn gpu_name(dev: &CudaDevice) -> String {
-    dev.cuda_stream().context().name().unwrap_or_else(|_| "unknown GPU".into()).replace('\t', " ")
+    static C: OnceLock<Mutex<HashMap<usize, String>>> = OnceLock::new();
+    let key = dev_key(dev);
+    let cache = C.get_or_init(Default::default);
+    let mut map = cache.lock().unwrap();
+    map.entry(key)
+        .or_insert_with(|| {
+            dev.cuda_stream().context().name().unwrap_or_else(|_| "unknown GPU".into()).replace('\t', " ")
+        })
+        .clone()
 }
 
 /// Appends one choice to the autotune file (best effort: a failure is reported once and tuning goes on in memory).
