@@ -152,7 +152,9 @@ fn for_each_grad<T: WithDType>(x: &[T], dy: &[T], p: &Params, mut f: impl FnMut(
     for (xr, gr) in x.chunks_exact(c).zip(dy.chunks_exact(c)) {
         for ch in 0..c {
             let xv = f32_of(xr[ch]);
-            let g = if p.relu && !(pre(xv, mean[ch], scale[ch], p.b[ch]) >= 0.0) { 0.0 } else { f32_of(gr[ch]) };
+            // `>= 0` is false for NaN: a NaN pre-activation blocks the gradient, as candle's relu does.
+            let passes = !p.relu || pre(xv, mean[ch], scale[ch], p.b[ch]) >= 0.0;
+            let g = if passes { f32_of(gr[ch]) } else { 0.0 };
             f(ch, g, (xv - mean[ch]) * invstd[ch]);
         }
     }
