@@ -123,17 +123,18 @@ fn batchnorm_nhwc_f32_matches_composition() {
     }
 }
 
-/// bf16/f16 inputs: the fused op (FP32 statistics, output rounded once) stays close to the f32 composition on
-/// the rounded input.
+/// bf16/f16 inputs: the fused op (FP32 statistics, y and dx rounded once) stays close to the f32 composition on
+/// the same rounded input and output gradient.
 #[test]
 fn batchnorm_nhwc_low_precision_close_to_f32() {
     for case in &cases() {
         let (x, w, b, dy) = inputs(&case.dims);
         for dt in [DType::BF16, DType::F16] {
-            // The reference sees the same rounded input.
-            let xr = x.to_dtype(dt).unwrap().to_dtype(DType::F32).unwrap();
-            let got = run_fused(&xr, &w, &b, &dy, case.relu, dt);
-            let want = run_composed(&xr, &w, &b, &dy, case.relu);
+            // The reference sees the same rounded input and output gradient (the op's backward receives dy in dt).
+            let round = |t: &Tensor| t.to_dtype(dt).unwrap().to_dtype(DType::F32).unwrap();
+            let (xr, dyr) = (round(&x), round(&dy));
+            let got = run_fused(&xr, &w, &b, &dyr, case.relu, dt);
+            let want = run_composed(&xr, &w, &b, &dyr, case.relu);
             let tol = if dt == DType::BF16 { 2e-2 } else { 4e-3 };
             for (k, (g, r)) in got.iter().zip(&want).enumerate() {
                 let e = err(g, r);
