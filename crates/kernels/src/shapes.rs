@@ -79,8 +79,9 @@ mod tests {
         assert_eq!(v.iter().map(|(_, n)| n).sum::<usize>(), 155);
         let stem = ConvShape { c_in: 3, c_out: 64, k: 7, stride: 2, pad: 3, hw: 224 };
         assert!(v.contains(&(stem, 1)));
-        // The most frequent: layer3's 35 repeated blocks.
-        assert_eq!(v[0].1, 35);
+        // The most frequent: layer3's conv3 (256 -> 1024, 1x1 at 14x14), in all 36 of its blocks.
+        assert_eq!(v[0].1, 36);
+        assert_eq!(v[0].0, ConvShape { c_in: 256, c_out: 1024, k: 1, stride: 1, pad: 0, hw: 14 });
         // Forward FLOPs of all convs at batch 1: ~11.5 GFLOP (torchvision reports 11.5 GMACs incl. fc... in FLOPs
         // 2 x 11.5 = 23 GFLOP).
         let total: f64 = v.iter().map(|(s, n)| s.flops(1) * *n as f64).sum();
