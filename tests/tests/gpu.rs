@@ -1,5 +1,5 @@
-//! GPU tests (feature `cuda`): the CUDA max-pools (NCHW and NHWC) and the NHWC average pool against the CPU
-//! references, ResNets (NCHW and channels-last) on CUDA against the CPU.
+//! GPU tests (feature `cuda`): the CUDA max-pools (NCHW and NHWC), the NHWC average pool and the fused NHWC
+//! BatchNorm against the CPU references, ResNets (NCHW and channels-last) on CUDA against the CPU.
 //!
 //! Run on the GPU machine with `--test-threads=1 --nocapture` (scripts/gpu-test.sh): the tests print timings.
 #![cfg(feature = "cuda")]
@@ -375,6 +375,124 @@ fn avgpool_nhwc_cuda_matches_cpu() -> Result<()> {
         Ok(grads.get(x.as_tensor()).context("no gradient for x")?.clone())
     };
     assert_close("autograd avgpool dx f32", &grad_of(&gpu)?, &grad_of(&Device::Cpu)?, 0.0, 0.0)?;
+    Ok(())
+}
+
+/// max |a - b| / max(1, max |b|): relative to the tensor's scale, absolute below 1 (two-row batches have dx ~ 0).
+fn scaled_err(a: &Tensor, b: &Tensor) -> Result<f32> {
+    let (x, y) = (host_f32(a)?, host_f32(b)?);
+    ensure!(x.len() == y.len(), "scaled_err: {} vs {} elements", x.len(), y.len());
+    let scale = y.iter().fold(1f32, |m, v| m.max(v.abs()));
+    Ok(x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0f32, |m, d| if d.is_nan() { f32::NAN } else { m.max(d) })
+        / scale)
+}
+
+/// (y, mean, var, dx, dweight, dbias) of the fused BatchNorm on `dev` (loss = sum(y * dy) in FP32).
+fn bn_fwd_bwd(dev: &Device, x: &Tensor, w: &Tensor, b: &Tensor, dy: &Tensor, relu: bool) -> Result<Vec<Tensor>> {
+    let xv = Var::from_tensor(&x.to_device(dev)?)?;
+    let (wv, bv) = (Var::from_tensor(&w.to_device(dev)?)?, Var::from_tensor(&b.to_device(dev)?)?);
+    let (y, mean, var) = kernels::batch_norm_nhwc_train(xv.as_tensor(), wv.as_tensor(), bv.as_tensor(), 1e-5, relu)?;
+    let loss = y.to_dtype(DType::F32)?.mul(&dy.to_device(dev)?)?.sum_all()?;
+    let g = loss.backward()?;
+    let grad = |t: &Tensor| -> Result<Tensor> { Ok(g.get(t).context("no gradient")?.clone()) };
+    Ok(vec![y, mean, var, grad(xv.as_tensor())?, grad(wv.as_tensor())?, grad(bv.as_tensor())?])
+}
+
+/// The fused channels-last BatchNorm (+ReLU) on CUDA vs the CPU reference, forward (y, batch mean and variance)
+/// and backward (dx, dweight, dbias) through autograd, f32/bf16/f16, ResNet-like and awkward shapes.
+#[test]
+fn batchnorm_nhwc_cuda_matches_cpu() -> Result<()> {
+    let gpu = cuda()?;
+    let _poison = Poison::on();
+    let shapes: [&[usize]; 5] = [&[32, 28, 28, 256], &[2, 7, 7, 2048], &[3, 5, 5, 24], &[1, 1, 2, 3], &[4, 9, 9, 40]];
+    const NAMES: [&str; 6] = ["y", "mean", "var", "dx", "dweight", "dbias"];
+    for dims in shapes {
+        let c = *dims.last().context("empty shape")?;
+        let offs = Tensor::randn(0f32, 3.0, (1, c), &Device::Cpu)?;
+        let x =
+            (Tensor::randn(0f32, 2.0, dims, &Device::Cpu)?.reshape(((), c))?.broadcast_add(&offs)?).reshape(dims)?;
+        let w = Tensor::randn(0f32, 1.0, c, &Device::Cpu)?;
+        let b = Tensor::randn(0f32, 0.5, c, &Device::Cpu)?;
+        let dy = Tensor::randn(0f32, 1.0, dims, &Device::Cpu)?;
+        for &dt in &DTYPES {
+            let xd = x.to_dtype(dt)?;
+            for relu in [false, true] {
+                let want = bn_fwd_bwd(&Device::Cpu, &xd, &w, &b, &dy, relu)?;
+                let got = bn_fwd_bwd(&gpu, &xd, &w, &b, &dy, relu)?;
+                let mut line = format!("batchnorm nhwc {dims:?} {dt:?} relu={relu}:");
+                for (k, (g, r)) in got.iter().zip(&want).enumerate() {
+                    ensure!(g.dtype() == r.dtype() && g.dims() == r.dims(), "{line} {} dtype/shape", NAMES[k]);
+                    let (e, re) = (scaled_err(g, r)?, rel_err(g, r)?);
+                    line.push_str(&format!(" {} {re:.1e} ({e:.1e})", NAMES[k]));
+                    // Statistics and weight/bias gradients are FP32 from the same inputs; y and dx are rounded to dt.
+                    // The better of the two errors must pass: the relative L2 error tolerates the rare element whose
+                    // pre-activation is so close to 0 that the ReLU mask differs between the devices; the scaled
+                    // max error tolerates the ~0 dx of two-row batches.
+                    let tol = match (NAMES[k], dt) {
+                        ("mean" | "var", _) => 1e-5,
+                        ("dweight" | "dbias", _) => 1e-3,
+                        (_, DType::F32) => 1e-4,
+                        (_, DType::F16) => 4e-3,
+                        _ => 2e-2,
+                    };
+                    let best = re.min(e as f64);
+                    ensure!(best <= tol, "{line}: {} err {best:e} over {tol:e}", NAMES[k]);
+                }
+                println!("{line}  [rel L2 (max scaled)]");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Timing of the fused BatchNorm+ReLU on the first BatchNorm shape of ResNet-50/152 at batch 128 (128x56x56x64), bf16:
+/// forward (statistics + normalisation) and the two backward passes, host-timed medians of 20 after warm-up.
+#[test]
+fn batchnorm_nhwc_cuda_timing() -> Result<()> {
+    use kernels::batchnorm::{BnGrad, BnStats};
+    let gpu = cuda()?;
+    let dims = (128, 56, 56, 64);
+    let c = dims.3;
+    for dt in [DType::BF16, DType::F32] {
+        let x = Tensor::randn(0f32, 1.0, dims, &gpu)?.to_dtype(dt)?;
+        let dy = Tensor::randn(0f32, 1.0, dims, &gpu)?.to_dtype(dt)?;
+        let w = Tensor::ones(c, DType::F32, &gpu)?;
+        let b = Tensor::zeros(c, DType::F32, &gpu)?;
+        let stats = x.apply_op1_no_bwd(&BnStats { eps: 1e-5 })?;
+        let grad = BnGrad { relu: true, stats: stats.clone(), weight: w.clone(), bias: b.clone(), sums: None };
+        let sums = x.apply_op2_no_bwd(&dy, &grad)?;
+        let grad_dx = BnGrad { sums: Some(sums), ..grad.clone() };
+        let time = |f: &dyn Fn() -> candle_core::Result<Tensor>| -> Result<f64> {
+            for _ in 0..3 {
+                f()?;
+            }
+            gpu.synchronize()?;
+            let mut ms = Vec::new();
+            for _ in 0..20 {
+                let t0 = Instant::now();
+                f()?;
+                gpu.synchronize()?;
+                ms.push(t0.elapsed().as_secs_f64() * 1e3);
+            }
+            ms.sort_by(f64::total_cmp);
+            Ok(ms[ms.len() / 2])
+        };
+        let stats_ms = time(&|| x.apply_op1_no_bwd(&BnStats { eps: 1e-5 }))?;
+        let fwd_ms = time(&|| Ok(kernels::batch_norm_nhwc_train(&x, &w, &b, 1e-5, true)?.0))?;
+        let sums_ms = time(&|| x.apply_op2_no_bwd(&dy, &grad))?;
+        let dx_ms = time(&|| x.apply_op2_no_bwd(&dy, &grad_dx))?;
+        let mb = (dims.0 * dims.1 * dims.2 * dims.3 * dt.size_in_bytes()) as f64 / 1e6;
+        println!(
+            "batchnorm nhwc 128x56x56x64 relu {dt:?}: fwd {fwd_ms:.3} ms ({:.0} GB/s of 3 reads + 1 write; stats alone \
+             {stats_ms:.3} ms, {:.0} GB/s of 2 reads), bwd {:.3} ms (sums {sums_ms:.3} ms {:.0} GB/s of x+dy, dx \
+             {dx_ms:.3} ms {:.0} GB/s of x+dy+dx)",
+            4.0 * mb / fwd_ms,
+            2.0 * mb / stats_ms,
+            sums_ms + dx_ms,
+            2.0 * mb / sums_ms,
+            3.0 * mb / dx_ms,
+        );
+    }
     Ok(())
 }
 

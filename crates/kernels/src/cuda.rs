@@ -47,7 +47,7 @@ fn to_i32(v: usize, what: &str) -> Result<i32> {
 }
 
 /// Suffix of the exported kernel names for `dtype`.
-fn suffix(dtype: DType, op: &str) -> Result<&'static str> {
+pub(crate) fn suffix(dtype: DType, op: &str) -> Result<&'static str> {
     Ok(match dtype {
         DType::F32 => "f32",
         DType::BF16 => "bf16",

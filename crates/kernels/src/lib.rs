@@ -4,9 +4,12 @@
 //! default (CPU-only) build runs.
 
 pub mod avgpool;
+pub mod batchnorm;
 pub mod conv;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "cuda")]
+pub mod cuda_bn;
 #[cfg(feature = "cuda")]
 pub mod cuda_gemm;
 pub mod igemm;
@@ -15,6 +18,7 @@ pub mod maxpool;
 pub mod shapes;
 
 pub use avgpool::global_avg_pool_nhwc;
+pub use batchnorm::batch_norm_nhwc_train;
 pub use conv::{conv2d, conv_impl, set_conv_impl, ConvImpl};
 pub use igemm::{conv2d_nhwc, conv2d_nhwc_reference};
 pub use matmul::{linear, matmul_impl, set_matmul_impl, MatmulImpl};

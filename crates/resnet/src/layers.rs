@@ -107,9 +107,23 @@ impl Conv2d {
     }
 }
 
+static FUSED_BATCHNORM_ON_CPU: AtomicBool = AtomicBool::new(false);
+
+/// Testing aid: when on, channels-last training-mode BatchNorm runs the fused op on the CPU too (its reference
+/// implementation). Off by default: the CPU then composes candle ops exactly as the NCHW model does, so the
+/// channels-last CPU model stays bitwise equal to the NCHW one (with batch-2 inputs the 1x1 maps of layer4 have two
+/// values per channel, and such BatchNorms amplify any rounding difference far beyond f32 noise), and the ReLU
+/// gradient at exactly-zero pre-activations agrees even where a channel mean equals an element.
+pub fn set_fused_batchnorm_on_cpu(on: bool) {
+    FUSED_BATCHNORM_ON_CPU.store(on, Ordering::Relaxed);
+}
+
 /// BatchNorm2d: batch statistics and running-stat updates in training mode, running statistics in eval mode.
 /// Statistics and normalisation are computed in FP32 whatever the activation dtype; the result is returned in
 /// the activation dtype. Running variance is updated with the unbiased batch variance, as PyTorch does.
+/// Channels-last training with batch statistics on CUDA runs the fused [`kernels::batch_norm_nhwc_train`] op (ReLU
+/// fused too through [`BatchNorm2d::forward_relu`]); NCHW, eval mode, frozen statistics and the CPU compose candle
+/// ops (see [`set_fused_batchnorm_on_cpu`]).
 #[derive(Debug, Clone)]
 pub struct BatchNorm2d {
     pub weight: Param,
@@ -139,6 +153,48 @@ impl BatchNorm2d {
 
     // x: [n, c, h, w] in ctx.act -> same shape and dtype (channels-last: [n, h, w, c])
     pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
+        self.forward_act(x, ctx, false)
+    }
+
+    /// `relu(self.forward(x, ctx))`; channels-last training with batch statistics fuses the ReLU into the
+    /// BatchNorm kernel.
+    pub fn forward_relu(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
+        self.forward_act(x, ctx, true)
+    }
+
+    fn forward_act(&self, x: &Tensor, ctx: &Ctx, relu: bool) -> Result<Tensor> {
+        let use_batch = ctx.train && !self.stats_frozen.load(Ordering::Relaxed);
+        let fused_here = x.device().is_cuda() || FUSED_BATCHNORM_ON_CPU.load(Ordering::Relaxed);
+        if ctx.channels_last && use_batch && fused_here {
+            return self.forward_nhwc_train(x, relu);
+        }
+        let y = self.forward_composed(x, ctx)?;
+        if relu {
+            y.relu()
+        } else {
+            Ok(y)
+        }
+    }
+
+    /// Channels-last training mode: one fused op ([`kernels::batch_norm_nhwc_train`]: FP32 batch statistics,
+    /// normalisation and optional ReLU, no FP32 copy of the activation kept for backward).
+    fn forward_nhwc_train(&self, x: &Tensor, relu: bool) -> Result<Tensor> {
+        let (n, h, w, _) = x.dims4()?;
+        let count = n * h * w;
+        if count < 2 {
+            candle_core::bail!(
+                "BatchNorm2d in training mode needs more than one value per channel, got input {:?}",
+                x.dims()
+            );
+        }
+        let (y, mean, var) =
+            kernels::batch_norm_nhwc_train(x, &self.weight.tensor(), &self.bias.tensor(), self.eps, relu)?;
+        self.update_running(&mean, &var, count)?;
+        Ok(y)
+    }
+
+    /// The BatchNorm as a composition of candle ops in FP32 (NCHW, eval mode, frozen statistics, the CPU).
+    fn forward_composed(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
         let out_dtype = x.dtype();
         let x = x.to_dtype(DType::F32)?;
         let (n, d1, d2, d3) = x.dims4()?;

@@ -168,10 +168,9 @@ impl Block {
         let mut y = x.clone();
         let last = self.convs.len() - 1;
         for (i, (conv, bn)) in self.convs.iter().zip(&self.bns).enumerate() {
-            y = bn.forward(&conv.forward(&y, ctx)?, ctx)?;
-            if i != last {
-                y = y.relu()?;
-            }
+            let z = conv.forward(&y, ctx)?;
+            // Every BN but the last is followed by ReLU (fused in channels-last training); the last feeds the add.
+            y = if i != last { bn.forward_relu(&z, ctx)? } else { bn.forward(&z, ctx)? };
         }
         let identity = match &self.downsample {
             Some(d) => d.bn.forward(&d.conv.forward(x, ctx)?, ctx)?,
@@ -258,7 +257,7 @@ impl ResNet {
         if ctx.channels_last {
             x = x.permute((0, 2, 3, 1))?.contiguous()?; // [n, h, w, 3], the only layout conversion
         }
-        let mut x = self.bn1.forward(&self.conv1.forward(&x, &ctx)?, &ctx)?.relu()?; // [n, 64, h/2, w/2]
+        let mut x = self.bn1.forward_relu(&self.conv1.forward(&x, &ctx)?, &ctx)?; // [n, 64, h/2, w/2]
         if self.config.stem == Stem::ImageNet {
             x = max_pool2d(&x, &ctx, 3, 2, 1)?; // [n, 64, h/4, w/4]
         }

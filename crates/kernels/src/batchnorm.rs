@@ -1,0 +1,384 @@
+//! Training-mode BatchNorm (+ optional fused ReLU) over channels-last tensors, as candle custom ops.
+//!
+//! x (.., c) contiguous is viewed as (rows, c), rows = n * h * w for an (n, h, w, c) activation. Per channel:
+//! mean = sum(x) / rows, var = sum((x - mean)^2) / rows (biased, two passes), invstd = 1 / sqrt(var + eps), and
+//! y = (x - mean) * (invstd * weight) + bias, then max(y, 0) when `relu`. Statistics are FP32 (the CPU reference
+//! accumulates in FP64) whatever x's dtype; y is rounded once to x's dtype.
+//!
+//! Backward (xhat = (x - mean) * invstd; g = dy, with `relu` zeroed where the pre-activation is negative; M =
+//! rows): dbias = sum(g), dweight = sum(g * xhat), dx = weight * invstd * (g - dbias / M - xhat * dweight / M).
+//! The ReLU mask is recomputed from x with the forward's exact expression and passes the gradient at a
+//! pre-activation of exactly 0, as candle's `relu` (and so the NCHW path) does (PyTorch masks it: y > 0); exact
+//! zeros do occur (an element equal to its channel's mean with zero bias). The backward reads x and dy only and
+//! keeps x in its own dtype plus the (3, c) FP32 statistics: no FP32 copy of the activation.
+//!
+//! Ops: [`BnStats`] (x -> (3, c) = [mean, var, invstd]), [`BnApply`] (x, weight, bias -> y, differentiable),
+//! [`BnGrad`] (x, dy -> (2, c) = [dbias, dweight], then x, dy -> dx). The per-channel tensors an op needs besides
+//! its arguments are fields of the op. The CUDA kernels are in
+//! `kernels/batchnorm/01_nhwc.cu` (launchers in `cuda_bn.rs`).
+
+use crate::maxpool::round_f32;
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType};
+use half::{bf16, f16};
+
+/// Training-mode BatchNorm of a channels-last tensor with batch statistics, optionally followed by ReLU.
+///
+/// `x`: (.., c) (e.g. (n, h, w, c)) in f32/bf16/f16, `weight`, `bias`: (c) f32. Returns (y in x's shape and dtype,
+/// batch mean (c) f32, biased batch variance (c) f32); mean and variance are not differentiable. y is
+/// differentiable w.r.t. x, weight and bias (FP32 gradients for weight and bias).
+pub fn batch_norm_nhwc_train(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    eps: f64,
+    relu: bool,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (_, c) = rows_c(x.dims())?;
+    for (t, what) in [(weight, "weight"), (bias, "bias")] {
+        if t.dims() != [c] || t.dtype() != DType::F32 {
+            candle_core::bail!("batch_norm_nhwc_train: {what} must be ({c}) f32, got {:?} {:?}", t.dims(), t.dtype());
+        }
+    }
+    if !matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16) {
+        candle_core::bail!("batch_norm_nhwc_train: unsupported dtype {:?} (f32, bf16, f16 only)", x.dtype());
+    }
+    let x = x.contiguous()?;
+    let stats = x.apply_op1_no_bwd(&BnStats { eps })?;
+    let y = x.apply_op3(&weight.contiguous()?, &bias.contiguous()?, BnApply { relu, stats: stats.clone() })?;
+    Ok((y, stats.get(0)?, stats.get(1)?))
+}
+
+/// (rows, c) of a (.., c) shape with rows, c >= 1.
+fn rows_c(dims: &[usize]) -> Result<(usize, usize)> {
+    match dims.split_last() {
+        Some((&c, lead)) if c > 0 && !lead.is_empty() && lead.iter().product::<usize>() > 0 => {
+            Ok((lead.iter().product(), c))
+        }
+        _ => candle_core::bail!(
+            "batch_norm_nhwc: expects a (.., c) tensor with at least one row and channel, got {dims:?}"
+        ),
+    }
+}
+
+fn contiguous_slice<'a, T>(data: &'a [T], l: &Layout, op: &str, what: &str) -> Result<&'a [T]> {
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&data[a..b]),
+        None => candle_core::bail!("{op}: {what} must be contiguous"),
+    }
+}
+
+/// The values of a per-channel f32 tensor held by an op (CPU path).
+fn host_f32(t: &Tensor, op: &str) -> Result<Vec<f32>> {
+    if t.dtype() != DType::F32 {
+        candle_core::bail!("{op}: per-channel tensor must be f32, got {:?}", t.dtype());
+    }
+    t.flatten_all()?.to_vec1::<f32>()
+}
+
+fn f32_of<T: WithDType>(v: T) -> f32 {
+    v.to_f64() as f32
+}
+
+/// [mean, var, invstd] (3 * c) of x (rows, c), accumulated in f64.
+fn stats_t<T: WithDType>(x: &[T], c: usize, eps: f64) -> Vec<f32> {
+    let rows = x.len() / c;
+    let mut sum = vec![0f64; c];
+    for row in x.chunks_exact(c) {
+        for (s, &v) in sum.iter_mut().zip(row) {
+            *s += v.to_f64();
+        }
+    }
+    let mean: Vec<f32> = sum.iter().map(|s| (s / rows as f64) as f32).collect();
+    let mut sq = vec![0f64; c];
+    for row in x.chunks_exact(c) {
+        for ((s, &v), &m) in sq.iter_mut().zip(row).zip(&mean) {
+            let d = v.to_f64() - m as f64;
+            *s += d * d;
+        }
+    }
+    let var: Vec<f32> = sq.iter().map(|s| (s / rows as f64) as f32).collect();
+    let invstd = var.iter().map(|&v| (1.0 / (v as f64 + eps).sqrt()) as f32);
+    let mut out = mean.clone();
+    out.extend_from_slice(&var);
+    out.extend(invstd);
+    out
+}
+
+/// The pre-activation (x - mean) * scale + b in f32, scale = invstd * weight: the forward and both backward
+/// passes evaluate this same expression, so the backward's ReLU mask is exactly the forward's.
+#[inline]
+fn pre(x: f32, mean: f32, scale: f32, b: f32) -> f32 {
+    (x - mean) * scale + b
+}
+
+/// Per-channel constants of x (rows, c): (mean, invstd, scale = invstd * weight).
+fn channel_consts<'a>(stats: &'a [f32], w: &[f32]) -> (&'a [f32], &'a [f32], Vec<f32>) {
+    let c = w.len();
+    let (mean, invstd) = (&stats[..c], &stats[2 * c..]);
+    (mean, invstd, invstd.iter().zip(w).map(|(i, w)| i * w).collect())
+}
+
+/// y = (x - mean) * (invstd * w) + b [relu], in f32, rounded once.
+fn apply_t<T: WithDType>(x: &[T], stats: &[f32], w: &[f32], b: &[f32], relu: bool) -> Vec<T> {
+    let c = w.len();
+    let (mean, _, scale) = channel_consts(stats, w);
+    let mut out = Vec::with_capacity(x.len());
+    for row in x.chunks_exact(c) {
+        for ch in 0..c {
+            let mut v = pre(f32_of(row[ch]), mean[ch], scale[ch], b[ch]);
+            if relu {
+                v = if v > 0.0 { v } else { 0.0 };
+            }
+            out.push(round_f32::<T>(v));
+        }
+    }
+    out
+}
+
+/// Per-channel inputs of the backward passes: statistics (3 * c), weight and bias (c).
+struct Params<'a> {
+    stats: &'a [f32],
+    w: &'a [f32],
+    b: &'a [f32],
+    relu: bool,
+}
+
+/// Visits every element as `f(channel, g, xhat)`: g = dy, zeroed where the pre-activation is < 0 (or NaN) with
+/// ReLU (candle's and the NCHW path's ReLU gradient: it passes at exactly 0), xhat = (x - mean) * invstd.
+fn for_each_grad<T: WithDType>(x: &[T], dy: &[T], p: &Params, mut f: impl FnMut(usize, f32, f32)) {
+    let c = p.w.len();
+    let (mean, invstd, scale) = channel_consts(p.stats, p.w);
+    for (xr, gr) in x.chunks_exact(c).zip(dy.chunks_exact(c)) {
+        for ch in 0..c {
+            let xv = f32_of(xr[ch]);
+            // `>= 0` is false for NaN: a NaN pre-activation blocks the gradient, as candle's relu does.
+            let passes = !p.relu || pre(xv, mean[ch], scale[ch], p.b[ch]) >= 0.0;
+            let g = if passes { f32_of(gr[ch]) } else { 0.0 };
+            f(ch, g, (xv - mean[ch]) * invstd[ch]);
+        }
+    }
+}
+
+/// [sum g, sum g * xhat] (2 * c), accumulated in f64.
+fn grad_sums_t<T: WithDType>(x: &[T], dy: &[T], p: &Params) -> Vec<f32> {
+    let c = p.w.len();
+    let (mut sg, mut sgx) = (vec![0f64; c], vec![0f64; c]);
+    for_each_grad(x, dy, p, |ch, g, xhat| {
+        sg[ch] += g as f64;
+        sgx[ch] += g as f64 * xhat as f64;
+    });
+    sg.iter().chain(&sgx).map(|&s| s as f32).collect()
+}
+
+/// dx = w * invstd * (g - sum_g / M - xhat * sum_gxhat / M), in f32, rounded once.
+fn grad_input_t<T: WithDType>(x: &[T], dy: &[T], p: &Params, sums: &[f32]) -> Vec<T> {
+    let c = p.w.len();
+    let count = (x.len() / c) as f32;
+    let a: Vec<f32> = p.w.iter().zip(&p.stats[2 * c..]).map(|(w, i)| w * i).collect();
+    let k1: Vec<f32> = sums[..c].iter().map(|s| s / count).collect();
+    let k2: Vec<f32> = sums[c..].iter().map(|s| s / count).collect();
+    let mut out = Vec::with_capacity(x.len());
+    for_each_grad(x, dy, p, |ch, g, xhat| out.push(round_f32::<T>(a[ch] * (g - k1[ch] - xhat * k2[ch]))));
+    out
+}
+
+/// Per-channel batch statistics of x (.., c): (3, c) f32 = [mean, biased var, 1 / sqrt(var + eps)]. No backward.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BnStats {
+    pub eps: f64,
+}
+
+impl CustomOp1 for BnStats {
+    fn name(&self) -> &'static str {
+        "batch_norm_nhwc_stats"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (_, c) = rows_c(l.dims())?;
+        let op = self.name();
+        let out = match s {
+            CpuStorage::F32(v) => stats_t(contiguous_slice(v, l, op, "x")?, c, self.eps),
+            CpuStorage::BF16(v) => stats_t::<bf16>(contiguous_slice(v, l, op, "x")?, c, self.eps),
+            CpuStorage::F16(v) => stats_t::<f16>(contiguous_slice(v, l, op, "x")?, c, self.eps),
+            other => candle_core::bail!("{op}: unsupported dtype {:?}", other.dtype()),
+        };
+        Ok((CpuStorage::F32(out), Shape::from((3, c))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (rows, c) = rows_c(l.dims())?;
+        Ok((crate::cuda_bn::stats(s, l, rows, c, self.eps)?, Shape::from((3, c))))
+    }
+}
+
+/// y = BatchNorm(x) with the statistics `stats` ((3, c) from [`BnStats`]), then ReLU when `relu`; arguments
+/// (x, weight, bias). Its backward runs [`BnGrad`] twice (sums, then dx).
+#[derive(Debug, Clone)]
+pub struct BnApply {
+    pub relu: bool,
+    pub stats: Tensor,
+}
+
+impl CustomOp3 for BnApply {
+    fn name(&self) -> &'static str {
+        "batch_norm_nhwc"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        let (_, c) = rows_c(l1.dims())?;
+        let stats = host_f32(&self.stats, op)?;
+        let (CpuStorage::F32(w), CpuStorage::F32(b)) = (s2, s3) else {
+            candle_core::bail!("{op}: weight and bias must be f32");
+        };
+        let (w, b) = (contiguous_slice(w, l2, op, "weight")?, contiguous_slice(b, l3, op, "bias")?);
+        if w.len() != c || b.len() != c || stats.len() != 3 * c {
+            candle_core::bail!("{op}: per-channel tensors do not have {c} channels");
+        }
+        let out = match s1 {
+            CpuStorage::F32(v) => CpuStorage::F32(apply_t(contiguous_slice(v, l1, op, "x")?, &stats, w, b, self.relu)),
+            CpuStorage::BF16(v) => {
+                CpuStorage::BF16(apply_t::<bf16>(contiguous_slice(v, l1, op, "x")?, &stats, w, b, self.relu))
+            }
+            CpuStorage::F16(v) => {
+                CpuStorage::F16(apply_t::<f16>(contiguous_slice(v, l1, op, "x")?, &stats, w, b, self.relu))
+            }
+            other => candle_core::bail!("{op}: unsupported dtype {:?}", other.dtype()),
+        };
+        Ok((out, l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (rows, c) = rows_c(l1.dims())?;
+        let y = crate::cuda_bn::apply(s1, l1, s2, l2, s3, l3, &self.stats, rows, c, self.relu)?;
+        Ok((y, l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let dy = dy.to_dtype(x.dtype())?.contiguous()?;
+        let x = x.contiguous()?;
+        let grad = BnGrad {
+            relu: self.relu,
+            stats: self.stats.clone(),
+            weight: weight.detach(),
+            bias: bias.detach(),
+            sums: None,
+        };
+        let sums = x.apply_op2_no_bwd(&dy, &grad)?;
+        let dx = x.apply_op2_no_bwd(&dy, &BnGrad { sums: Some(sums.clone()), ..grad })?;
+        Ok((Some(dx), Some(sums.get(1)?), Some(sums.get(0)?)))
+    }
+}
+
+fn check_same(l1: &Layout, l2: &Layout, op: &str) -> Result<(usize, usize)> {
+    if l1.dims() != l2.dims() {
+        candle_core::bail!("{op}: x and dy shapes differ: {:?} {:?}", l1.dims(), l2.dims());
+    }
+    rows_c(l1.dims())
+}
+
+/// The backward passes of [`BnApply`] on (x, dy), from the forward's statistics, weight and bias (the ReLU mask
+/// is recomputed from x: y is not read). Without `sums`: the per-channel gradient sums (2, c) f32 = [dbias =
+/// sum g, dweight = sum g * xhat]; with `sums` (that output): dx in x's dtype.
+#[derive(Debug, Clone)]
+pub struct BnGrad {
+    pub relu: bool,
+    pub stats: Tensor,
+    pub weight: Tensor,
+    pub bias: Tensor,
+    pub sums: Option<Tensor>,
+}
+
+impl BnGrad {
+    fn run_cpu<T: WithDType>(&self, x: &[T], dy: &[T], c: usize) -> Result<(Vec<f32>, Option<Vec<T>>)> {
+        let op = self.name();
+        let (stats, w, b) = (host_f32(&self.stats, op)?, host_f32(&self.weight, op)?, host_f32(&self.bias, op)?);
+        if stats.len() != 3 * c || w.len() != c || b.len() != c {
+            candle_core::bail!("{op}: per-channel tensors do not have {c} channels");
+        }
+        let p = Params { stats: &stats, w: &w, b: &b, relu: self.relu };
+        Ok(match &self.sums {
+            None => (grad_sums_t(x, dy, &p), None),
+            Some(s) => {
+                let sums = host_f32(s, op)?;
+                if sums.len() != 2 * c {
+                    candle_core::bail!("{op}: sums do not have 2 x {c} values");
+                }
+                (Vec::new(), Some(grad_input_t(x, dy, &p, &sums)))
+            }
+        })
+    }
+}
+
+impl CustomOp2 for BnGrad {
+    fn name(&self) -> &'static str {
+        if self.sums.is_none() {
+            "batch_norm_nhwc_grad_sums"
+        } else {
+            "batch_norm_nhwc_grad_input"
+        }
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        let (_, c) = check_same(l1, l2, op)?;
+        let (sums, dx) = match (s1, s2) {
+            (CpuStorage::F32(x), CpuStorage::F32(g)) => {
+                let (s, dx) = self.run_cpu(contiguous_slice(x, l1, op, "x")?, contiguous_slice(g, l2, op, "dy")?, c)?;
+                (s, dx.map(CpuStorage::F32))
+            }
+            (CpuStorage::BF16(x), CpuStorage::BF16(g)) => {
+                let (s, dx) = self.run_cpu(contiguous_slice(x, l1, op, "x")?, contiguous_slice(g, l2, op, "dy")?, c)?;
+                (s, dx.map(CpuStorage::BF16))
+            }
+            (CpuStorage::F16(x), CpuStorage::F16(g)) => {
+                let (s, dx) = self.run_cpu(contiguous_slice(x, l1, op, "x")?, contiguous_slice(g, l2, op, "dy")?, c)?;
+                (s, dx.map(CpuStorage::F16))
+            }
+            (a, b) => candle_core::bail!("{op}: unsupported dtypes {:?}/{:?}", a.dtype(), b.dtype()),
+        };
+        Ok(match dx {
+            Some(dx) => (dx, l1.shape().clone()),
+            None => (CpuStorage::F32(sums), Shape::from((2, c))),
+        })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (rows, c) = check_same(l1, l2, self.name())?;
+        let out = crate::cuda_bn::grad((s1, l1), (s2, l2), self, rows, c)?;
+        Ok((out, if self.sums.is_some() { l1.shape().clone() } else { Shape::from((2, c)) }))
+    }
+}

@@ -1,0 +1,285 @@
+//! CUDA launchers of the channels-last BatchNorm ops (crates/kernels/src/batchnorm.rs) on the kernels of
+//! `kernels/batchnorm/01_nhwc.cu`, loaded through candle's device as the other PTX modules (cuda.rs).
+//!
+//! Launch shape of the row passes: block (32, 8), grid (ceil(c / 32), chunks), chunks chosen for about 2048 blocks
+//! with at least 64 rows each; the finalisers run one block (32, 8) per 32 channels. Workspaces are FP32
+//! (chunks x c partial sums), fully written by the partial-sum kernels before the finaliser reads them.
+
+use crate::batchnorm::BnGrad;
+use crate::cuda::{alloc_out, ptx, suffix};
+use candle_core::backend::{BackendDevice, BackendStorage};
+use candle_core::cuda_backend::cudarc::driver::{CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
+use candle_core::{CudaStorage, DType, Layout, Result, Storage, Tensor, WithDType};
+use half::{bf16, f16};
+
+/// Module name under which candle caches the BatchNorm PTX.
+const MODULE: &str = "batchnorm/01_nhwc";
+const TX: usize = 32;
+const TY: u32 = 8;
+/// Blocks the row passes aim for (H100/H200: 132 SMs x up to 8 resident blocks of 256 threads, about 2 waves).
+const TARGET_BLOCKS: usize = 2048;
+/// Fewest rows a chunk gets (8 per thread row).
+const MIN_ROWS_PER_CHUNK: usize = 64;
+
+/// A (storage, layout) argument of an op.
+pub type Arg<'a> = (&'a CudaStorage, &'a Layout);
+
+/// Row split of a (rows, c) problem.
+#[derive(Debug, Clone, Copy)]
+struct Split {
+    rows: i64,
+    c: i32,
+    ctiles: u32,
+    chunks: usize,
+    rows_per_chunk: i64,
+}
+
+impl Split {
+    fn new(rows: usize, c: usize, op: &str) -> Result<Self> {
+        let c32 = i32::try_from(c).map_err(|_| candle_core::Error::Msg(format!("{op} (cuda): c = {c} exceeds i32")))?;
+        let ctiles = c.div_ceil(TX);
+        let chunks = (TARGET_BLOCKS / ctiles).clamp(1, rows.div_ceil(MIN_ROWS_PER_CHUNK).max(1));
+        let rows_per_chunk = rows.div_ceil(chunks);
+        let chunks = rows.div_ceil(rows_per_chunk);
+        Ok(Self { rows: rows as i64, c: c32, ctiles: ctiles as u32, chunks, rows_per_chunk: rows_per_chunk as i64 })
+    }
+    fn rows_cfg(&self) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (self.ctiles, self.chunks as u32, 1),
+            block_dim: (TX as u32, TY, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+    fn final_cfg(&self) -> LaunchConfig {
+        LaunchConfig { grid_dim: (self.ctiles, 1, 1), block_dim: (TX as u32, TY, 1), shared_mem_bytes: 0 }
+    }
+    /// The row count as the kernels' FP32 divisor.
+    fn count(&self) -> f32 {
+        self.rows as f32
+    }
+}
+
+fn view<'a, T: CudaDType + DeviceRepr>(
+    a: Arg<'a>,
+    len: usize,
+    dev: &CudaDevice,
+    op: &str,
+    what: &str,
+) -> Result<CudaView<'a, T>> {
+    let (s, l) = a;
+    if !s.device.same_device(dev) {
+        candle_core::bail!("{op} (cuda): {what} is on another device");
+    }
+    let (lo, hi) = l
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg(format!("{op} (cuda): {what} must be contiguous, got {l:?}")))?;
+    if hi - lo != len {
+        candle_core::bail!("{op} (cuda): {what} has {} elements, expected {len}", hi - lo);
+    }
+    Ok(s.as_cuda_slice::<T>()?.slice(lo..hi))
+}
+
+/// The storage of a per-channel f32 tensor held by an op; read it with [`held_view`] while the guard lives.
+fn held(t: &Tensor) -> (candle_core::StorageRef<'_>, &Layout) {
+    t.storage_and_layout()
+}
+
+fn held_view<'a>(
+    s: &'a Storage,
+    l: &'a Layout,
+    len: usize,
+    dev: &CudaDevice,
+    op: &str,
+    what: &str,
+) -> Result<CudaView<'a, f32>> {
+    match s {
+        Storage::Cuda(cs) => view::<f32>((cs, l), len, dev, op, what),
+        _ => candle_core::bail!("{op} (cuda): {what} is not on a CUDA device"),
+    }
+}
+
+// ----- forward statistics ------------------------------------------------------------------------------------
+
+fn stats_t<T: CudaDType + DeviceRepr + WithDType + 'static>(x: Arg, sp: Split, eps: f64) -> Result<CudaStorage> {
+    const OP: &str = "batch_norm_nhwc_stats";
+    let dev = &x.0.device;
+    let c = sp.c as usize;
+    let xv = view::<T>(x, sp.rows as usize * c, dev, OP, "x")?;
+    // SAFETY: bn_nhwc_{sum,sqdev}_* write every (chunk, channel) element.
+    let part = unsafe { dev.alloc::<f32>(sp.chunks * c)? };
+    let stats = alloc_out::<f32>(dev, 3 * c)?;
+    let sfx = suffix(T::DTYPE, OP)?;
+    let (chunks, count, eps) = (sp.chunks as i32, sp.count(), eps as f32);
+
+    let f = dev.get_or_load_custom_func(&format!("bn_nhwc_sum_{sfx}"), MODULE, ptx::BATCHNORM_01_NHWC)?;
+    let mut b = f.builder();
+    b.arg(&xv).arg(&part).arg(&sp.rows).arg(&sp.c).arg(&sp.rows_per_chunk);
+    // SAFETY: matches bn_nhwc_sum_* (x, part, rows, c, rpc); x holds rows*c elements, part chunks*c.
+    unsafe { b.launch(sp.rows_cfg()) }.w()?;
+
+    let f = dev.get_or_load_custom_func("bn_nhwc_mean", MODULE, ptx::BATCHNORM_01_NHWC)?;
+    let mut b = f.builder();
+    b.arg(&part).arg(&stats).arg(&chunks).arg(&sp.c).arg(&count);
+    // SAFETY: matches bn_nhwc_mean (part, stats, chunks, c, count); stats holds 3*c elements.
+    unsafe { b.launch(sp.final_cfg()) }.w()?;
+
+    let f = dev.get_or_load_custom_func(&format!("bn_nhwc_sqdev_{sfx}"), MODULE, ptx::BATCHNORM_01_NHWC)?;
+    let mut b = f.builder();
+    b.arg(&xv).arg(&stats).arg(&part).arg(&sp.rows).arg(&sp.c).arg(&sp.rows_per_chunk);
+    // SAFETY: matches bn_nhwc_sqdev_* (x, stats, part, rows, c, rpc).
+    unsafe { b.launch(sp.rows_cfg()) }.w()?;
+
+    let f = dev.get_or_load_custom_func("bn_nhwc_var", MODULE, ptx::BATCHNORM_01_NHWC)?;
+    let mut b = f.builder();
+    b.arg(&part).arg(&stats).arg(&chunks).arg(&sp.c).arg(&count).arg(&eps);
+    // SAFETY: matches bn_nhwc_var (part, stats, chunks, c, count, eps).
+    unsafe { b.launch(sp.final_cfg()) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(stats, dev.clone()))
+}
+
+/// Batch statistics on CUDA: x (rows, c) contiguous -> (3, c) f32 = [mean, var, invstd].
+pub fn stats(s: &CudaStorage, l: &Layout, rows: usize, c: usize, eps: f64) -> Result<CudaStorage> {
+    const OP: &str = "batch_norm_nhwc_stats";
+    let sp = Split::new(rows, c, OP)?;
+    match s.dtype() {
+        DType::F32 => stats_t::<f32>((s, l), sp, eps),
+        DType::BF16 => stats_t::<bf16>((s, l), sp, eps),
+        DType::F16 => stats_t::<f16>((s, l), sp, eps),
+        other => candle_core::bail!("{OP} (cuda): unsupported dtype {other:?} (f32, bf16, f16 only)"),
+    }
+}
+
+// ----- forward normalisation -----------------------------------------------------------------------------------
+
+fn apply_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
+    x: Arg,
+    w: Arg,
+    b: Arg,
+    stats: &Tensor,
+    sp: Split,
+    relu: bool,
+) -> Result<CudaStorage> {
+    const OP: &str = "batch_norm_nhwc";
+    let dev = &x.0.device;
+    let c = sp.c as usize;
+    let len = sp.rows as usize * c;
+    let xv = view::<T>(x, len, dev, OP, "x")?;
+    let wv = view::<f32>(w, c, dev, OP, "weight")?;
+    let bv = view::<f32>(b, c, dev, OP, "bias")?;
+    let (st, sl) = held(stats);
+    let sv = held_view(&st, sl, 3 * c, dev, OP, "stats")?;
+    let y = alloc_out::<T>(dev, len)?;
+    let relu = relu as i32;
+    let f = dev.get_or_load_custom_func(
+        &format!("bn_nhwc_apply_{}", suffix(T::DTYPE, OP)?),
+        MODULE,
+        ptx::BATCHNORM_01_NHWC,
+    )?;
+    let mut bld = f.builder();
+    bld.arg(&xv).arg(&sv).arg(&wv).arg(&bv).arg(&y).arg(&sp.rows).arg(&sp.c).arg(&sp.rows_per_chunk).arg(&relu);
+    // SAFETY: matches bn_nhwc_apply_* (x, stats, weight, bias, y, rows, c, rpc, relu); x and y hold rows*c
+    // elements, stats 3*c, weight and bias c. The grid covers every (row, channel).
+    unsafe { bld.launch(sp.rows_cfg()) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
+}
+
+/// Normalisation (+ ReLU) on CUDA: x (rows, c), weight and bias (c) f32, `stats` (3, c) f32 -> y like x.
+#[allow(clippy::too_many_arguments)]
+pub fn apply(
+    xs: &CudaStorage,
+    xl: &Layout,
+    ws: &CudaStorage,
+    wl: &Layout,
+    bs: &CudaStorage,
+    bl: &Layout,
+    stats: &Tensor,
+    rows: usize,
+    c: usize,
+    relu: bool,
+) -> Result<CudaStorage> {
+    const OP: &str = "batch_norm_nhwc";
+    let sp = Split::new(rows, c, OP)?;
+    let (x, w, b) = ((xs, xl), (ws, wl), (bs, bl));
+    match xs.dtype() {
+        DType::F32 => apply_t::<f32>(x, w, b, stats, sp, relu),
+        DType::BF16 => apply_t::<bf16>(x, w, b, stats, sp, relu),
+        DType::F16 => apply_t::<f16>(x, w, b, stats, sp, relu),
+        other => candle_core::bail!("{OP} (cuda): unsupported dtype {other:?} (f32, bf16, f16 only)"),
+    }
+}
+
+// ----- backward ------------------------------------------------------------------------------------------------
+
+fn grad_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
+    x: Arg,
+    dy: Arg,
+    op: &BnGrad,
+    sp: Split,
+) -> Result<CudaStorage> {
+    let name = if op.sums.is_some() { "batch_norm_nhwc_grad_input" } else { "batch_norm_nhwc_grad_sums" };
+    let dev = &x.0.device;
+    let c = sp.c as usize;
+    let len = sp.rows as usize * c;
+    let (xv, gv) = (view::<T>(x, len, dev, name, "x")?, view::<T>(dy, len, dev, name, "dy")?);
+    let (st, sl) = held(&op.stats);
+    let sv = held_view(&st, sl, 3 * c, dev, name, "stats")?;
+    let (wt, wl) = held(&op.weight);
+    let wv = held_view(&wt, wl, c, dev, name, "weight")?;
+    let (bt, bl) = held(&op.bias);
+    let bv = held_view(&bt, bl, c, dev, name, "bias")?;
+    let (relu, sfx) = (op.relu as i32, suffix(T::DTYPE, name)?);
+    match &op.sums {
+        None => {
+            // SAFETY: bn_nhwc_bwd_sum_* writes every (2, chunk, channel) element.
+            let part = unsafe { dev.alloc::<f32>(2 * sp.chunks * c)? };
+            let sums = alloc_out::<f32>(dev, 2 * c)?;
+            let chunks = sp.chunks as i32;
+            let f = dev.get_or_load_custom_func(&format!("bn_nhwc_bwd_sum_{sfx}"), MODULE, ptx::BATCHNORM_01_NHWC)?;
+            let mut b = f.builder();
+            b.arg(&xv).arg(&gv).arg(&sv).arg(&wv).arg(&bv).arg(&part);
+            b.arg(&sp.rows).arg(&sp.c).arg(&sp.rows_per_chunk).arg(&relu);
+            // SAFETY: matches bn_nhwc_bwd_sum_* (x, dy, stats, weight, bias, part, rows, c, rpc, relu); x and dy
+            // hold rows*c elements, stats 3*c, weight and bias c, part 2*chunks*c (gridDim.y = chunks).
+            unsafe { b.launch(sp.rows_cfg()) }.w()?;
+
+            let f = dev.get_or_load_custom_func("bn_nhwc_bwd_final", MODULE, ptx::BATCHNORM_01_NHWC)?;
+            let mut b = f.builder();
+            b.arg(&part).arg(&sums).arg(&chunks).arg(&sp.c);
+            // SAFETY: matches bn_nhwc_bwd_final (part, sums, chunks, c); sums holds 2*c elements.
+            unsafe { b.launch(sp.final_cfg()) }.w()?;
+            Ok(CudaStorage::wrap_cuda_slice(sums, dev.clone()))
+        }
+        Some(sums) => {
+            let (ut, ul) = held(sums);
+            let uv = held_view(&ut, ul, 2 * c, dev, name, "sums")?;
+            let dx = alloc_out::<T>(dev, len)?;
+            let count = sp.count();
+            let f = dev.get_or_load_custom_func(&format!("bn_nhwc_bwd_dx_{sfx}"), MODULE, ptx::BATCHNORM_01_NHWC)?;
+            let mut b = f.builder();
+            b.arg(&xv).arg(&gv).arg(&sv).arg(&wv).arg(&bv).arg(&uv).arg(&dx);
+            b.arg(&sp.rows).arg(&sp.c).arg(&sp.rows_per_chunk).arg(&count).arg(&relu);
+            // SAFETY: matches bn_nhwc_bwd_dx_* (x, dy, stats, weight, bias, sums, dx, rows, c, rpc, count, relu);
+            // x, dy and dx hold rows*c elements, stats 3*c, weight and bias c, sums 2*c. The grid covers every
+            // (row, channel).
+            unsafe { b.launch(sp.rows_cfg()) }.w()?;
+            Ok(CudaStorage::wrap_cuda_slice(dx, dev.clone()))
+        }
+    }
+}
+
+/// The backward passes of the BatchNorm on CUDA: (x, dy) (rows, c) -> (2, c) f32 sums [sum g, sum g * xhat]
+/// (`op.sums` unset) or dx like x (`op.sums` set).
+pub fn grad(x: Arg, dy: Arg, op: &BnGrad, rows: usize, c: usize) -> Result<CudaStorage> {
+    const OP: &str = "batch_norm_nhwc_grad";
+    if x.0.dtype() != dy.0.dtype() {
+        candle_core::bail!("{OP} (cuda): x is {:?} but dy is {:?}", x.0.dtype(), dy.0.dtype());
+    }
+    let sp = Split::new(rows, c, OP)?;
+    match x.0.dtype() {
+        DType::F32 => grad_t::<f32>(x, dy, op, sp),
+        DType::BF16 => grad_t::<bf16>(x, dy, op, sp),
+        DType::F16 => grad_t::<f16>(x, dy, op, sp),
+        other => candle_core::bail!("{OP} (cuda): unsupported dtype {other:?} (f32, bf16, f16 only)"),
+    }
+}

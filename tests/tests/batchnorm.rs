@@ -1,0 +1,220 @@
+//! The fused channels-last BatchNorm op (kernels::batch_norm_nhwc_train, CPU reference) against BatchNorm2d's
+//! candle composition in FP32: forward (y, batch mean, biased batch variance) and backward (dx, dweight, dbias),
+//! with and without the fused ReLU, f32 exactly-enough and bf16/f16 loosely.
+
+use candle_core::{DType, Device, Tensor, Var};
+
+const EPS: f64 = 1e-5;
+
+fn flat(t: &Tensor) -> Vec<f32> {
+    t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+}
+
+/// max |a - b| / max(1, max |b|).
+fn err(a: &Tensor, b: &Tensor) -> f32 {
+    assert_eq!(a.dims(), b.dims());
+    let (x, y) = (flat(a), flat(b));
+    let scale = y.iter().fold(1f32, |m, v| m.max(v.abs()));
+    x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max) / scale
+}
+
+/// BatchNorm2d's training-mode math as candle ops in FP32 over (rows, c): y, mean, biased var.
+fn composed(x: &Tensor, w: &Tensor, b: &Tensor, relu: bool) -> (Tensor, Tensor, Tensor) {
+    let c = *x.dims().last().unwrap();
+    let x = x.to_dtype(DType::F32).unwrap().reshape(((), c)).unwrap();
+    let mean = x.mean_keepdim(0).unwrap();
+    let xc = x.broadcast_sub(&mean).unwrap();
+    let var = xc.sqr().unwrap().mean_keepdim(0).unwrap();
+    let inv = (var.clone() + EPS).unwrap().sqrt().unwrap().recip().unwrap();
+    let mut y = xc
+        .broadcast_mul(&inv)
+        .unwrap()
+        .broadcast_mul(&w.reshape((1, c)).unwrap())
+        .unwrap()
+        .broadcast_add(&b.reshape((1, c)).unwrap())
+        .unwrap();
+    if relu {
+        y = y.relu().unwrap();
+    }
+    (y, mean.flatten_all().unwrap(), var.flatten_all().unwrap())
+}
+
+struct Case {
+    dims: Vec<usize>,
+    relu: bool,
+}
+
+fn cases() -> Vec<Case> {
+    let shapes: [&[usize]; 6] = [&[2, 1], &[1, 1, 2, 3], &[3, 5, 5, 24], &[2, 3, 4, 13], &[4, 4, 4, 1], &[2, 7, 7, 40]];
+    let mut v = Vec::new();
+    for s in shapes {
+        for relu in [false, true] {
+            v.push(Case { dims: s.to_vec(), relu });
+        }
+    }
+    v
+}
+
+/// Random per-channel affine parameters (weight of both signs and one zero) and an input with a per-channel offset.
+fn inputs(dims: &[usize]) -> (Tensor, Tensor, Tensor, Tensor) {
+    let dev = Device::Cpu;
+    let c = *dims.last().unwrap();
+    let offs = (Tensor::randn(0f32, 3.0, c, &dev).unwrap()).reshape((1, c)).unwrap();
+    let x = Tensor::randn(0f32, 2.0, dims, &dev).unwrap();
+    let x = x.reshape(((), c)).unwrap().broadcast_add(&offs).unwrap().reshape(dims).unwrap();
+    let mut w = flat(&Tensor::randn(0f32, 1.0, c, &dev).unwrap());
+    if c > 2 {
+        w[1] = 0.0;
+    }
+    let w = Tensor::from_vec(w, c, &dev).unwrap();
+    let b = Tensor::randn(0f32, 0.5, c, &dev).unwrap();
+    let dy = Tensor::randn(0f32, 1.0, dims, &dev).unwrap();
+    (x, w, b, dy)
+}
+
+/// (y, mean, var, dx, dw, db) of the fused op on x in `dt` (weight/bias FP32).
+fn run_fused(x: &Tensor, w: &Tensor, b: &Tensor, dy: &Tensor, relu: bool, dt: DType) -> [Tensor; 6] {
+    let (xv, wv, bv) = (
+        Var::from_tensor(&x.to_dtype(dt).unwrap()).unwrap(),
+        Var::from_tensor(w).unwrap(),
+        Var::from_tensor(b).unwrap(),
+    );
+    let (y, mean, var) =
+        kernels::batch_norm_nhwc_train(xv.as_tensor(), wv.as_tensor(), bv.as_tensor(), EPS, relu).unwrap();
+    assert_eq!(y.dtype(), dt);
+    assert_eq!((mean.dtype(), var.dtype()), (DType::F32, DType::F32));
+    let loss = y.to_dtype(DType::F32).unwrap().mul(dy).unwrap().sum_all().unwrap();
+    let g = loss.backward().unwrap();
+    assert!(g.get(&mean).is_none() && g.get(&var).is_none());
+    let dx = g.get(xv.as_tensor()).unwrap().clone();
+    let (dw, db) = (g.get(wv.as_tensor()).unwrap().clone(), g.get(bv.as_tensor()).unwrap().clone());
+    assert_eq!(dx.dtype(), dt);
+    assert_eq!((dw.dtype(), db.dtype()), (DType::F32, DType::F32));
+    [y, mean, var, dx, dw, db]
+}
+
+/// The same quantities from the candle composition in FP32 (autograd through candle's ops).
+fn run_composed(x: &Tensor, w: &Tensor, b: &Tensor, dy: &Tensor, relu: bool) -> [Tensor; 6] {
+    let (xv, wv, bv) = (Var::from_tensor(x).unwrap(), Var::from_tensor(w).unwrap(), Var::from_tensor(b).unwrap());
+    let (y, mean, var) = composed(xv.as_tensor(), wv.as_tensor(), bv.as_tensor(), relu);
+    let y = y.reshape(x.dims()).unwrap();
+    let loss = y.mul(dy).unwrap().sum_all().unwrap();
+    let g = loss.backward().unwrap();
+    let dx = g.get(xv.as_tensor()).unwrap().clone();
+    let (dw, db) = (g.get(wv.as_tensor()).unwrap().clone(), g.get(bv.as_tensor()).unwrap().clone());
+    [y, mean.detach(), var.detach(), dx, dw, db]
+}
+
+/// max(1, max |weight| / sqrt(var + eps)): the largest per-channel gain of the normalisation.
+fn max_gain(w: &Tensor, var: &Tensor) -> f32 {
+    flat(w).iter().zip(flat(var)).fold(1f32, |m, (w, v)| m.max(w.abs() / (v + EPS as f32).sqrt()))
+}
+
+const NAMES: [&str; 6] = ["y", "mean", "var", "dx", "dweight", "dbias"];
+
+/// f32: the fused op equals the composition to FP32 rounding, forward and backward, on every shape.
+#[test]
+fn batchnorm_nhwc_f32_matches_composition() {
+    for case in &cases() {
+        let (x, w, b, dy) = inputs(&case.dims);
+        let got = run_fused(&x, &w, &b, &dy, case.relu, DType::F32);
+        let want = run_composed(&x, &w, &b, &dy, case.relu);
+        for (k, (g, r)) in got.iter().zip(&want).enumerate() {
+            // dx = a * (g - mean(g) - xhat * mean(g * xhat)) with a = weight * invstd: its rounding error scales with
+            // a (large where a channel's variance is small; two-row batches have dx ~ 0, all of it cancellation).
+            let e = if NAMES[k] == "dx" { err(g, r) / max_gain(&w, &want[2]) } else { err(g, r) };
+            assert!(e < 2e-5, "{:?} relu={} {}: max err {e:e}", case.dims, case.relu, NAMES[k]);
+        }
+    }
+}
+
+/// bf16/f16 inputs: the fused op (FP32 statistics, y and dx rounded once) stays close to the f32 composition on
+/// the same rounded input and output gradient.
+#[test]
+fn batchnorm_nhwc_low_precision_close_to_f32() {
+    for case in &cases() {
+        let (x, w, b, dy) = inputs(&case.dims);
+        for dt in [DType::BF16, DType::F16] {
+            // The reference sees the same rounded input and output gradient (the op's backward receives dy in dt).
+            let round = |t: &Tensor| t.to_dtype(dt).unwrap().to_dtype(DType::F32).unwrap();
+            let (xr, dyr) = (round(&x), round(&dy));
+            let got = run_fused(&xr, &w, &b, &dyr, case.relu, dt);
+            let want = run_composed(&xr, &w, &b, &dyr, case.relu);
+            let tol = if dt == DType::BF16 { 2e-2 } else { 4e-3 };
+            for (k, (g, r)) in got.iter().zip(&want).enumerate() {
+                let e = err(g, r);
+                assert!(e < tol, "{:?} relu={} {dt:?} {}: max err {e:e}", case.dims, case.relu, NAMES[k]);
+            }
+        }
+    }
+}
+
+/// The fused ReLU equals relu() after the op without it, and its gradient is masked where y == 0.
+#[test]
+fn batchnorm_nhwc_fused_relu_matches_separate() {
+    let (x, w, b, dy) = inputs(&[3, 4, 4, 8]);
+    let fused = run_fused(&x, &w, &b, &dy, true, DType::F32);
+    let xv = Var::from_tensor(&x).unwrap();
+    let (y, _, _) = kernels::batch_norm_nhwc_train(xv.as_tensor(), &w, &b, EPS, false).unwrap();
+    let y = y.relu().unwrap();
+    assert_eq!(flat(&y), flat(&fused[0]));
+    let g = y.mul(&dy).unwrap().sum_all().unwrap().backward().unwrap();
+    let e = err(&fused[3], g.get(xv.as_tensor()).unwrap());
+    assert!(e < 1e-6, "dx max err {e:e}");
+}
+
+/// Bad arguments are rejected.
+#[test]
+fn batchnorm_nhwc_rejects_bad_arguments() {
+    let dev = Device::Cpu;
+    let x = Tensor::zeros((2, 3, 3, 4), DType::F32, &dev).unwrap();
+    let w = Tensor::ones(4, DType::F32, &dev).unwrap();
+    assert!(kernels::batch_norm_nhwc_train(&x, &w.narrow(0, 0, 3).unwrap(), &w, EPS, false).is_err());
+    assert!(kernels::batch_norm_nhwc_train(&x, &w.to_dtype(DType::BF16).unwrap(), &w, EPS, false).is_err());
+    assert!(kernels::batch_norm_nhwc_train(&x.to_dtype(DType::F64).unwrap(), &w, &w, EPS, false).is_err());
+    assert!(kernels::batch_norm_nhwc_train(&Tensor::zeros(4, DType::F32, &dev).unwrap(), &w, &w, EPS, false).is_err());
+    // A strided input is made contiguous.
+    let xt = Tensor::randn(0f32, 1.0, (4, 3, 3, 2), &dev).unwrap().permute((3, 1, 2, 0)).unwrap();
+    let (y, _, _) = kernels::batch_norm_nhwc_train(&xt, &w, &w, EPS, false).unwrap();
+    let (yc, _, _) = kernels::batch_norm_nhwc_train(&xt.contiguous().unwrap(), &w, &w, EPS, false).unwrap();
+    assert_eq!(flat(&y), flat(&yc));
+}
+
+/// BatchNorm2d in channels-last training mode with the fused op (forced on the CPU) equals its candle composition:
+/// output, ReLU-fused output, gradients of the input, weight and bias, running statistics and the batch counter.
+#[test]
+fn batchnorm2d_fused_matches_composed() {
+    use resnet::layers::{set_fused_batchnorm_on_cpu, BatchNorm2d, Builder, Ctx};
+    let dev = Device::Cpu;
+    let (x, w, b, dy) = inputs(&[3, 4, 6, 5]);
+    let ctx = Ctx { train: true, act: DType::F32, channels_last: true };
+    // (y, dx, dweight, dbias, running_mean, running_var, num_batches_tracked) of two steps, the second with ReLU.
+    let run = |fused: bool| {
+        let store = resnet::ParamStore::new(&dev);
+        let bn = BatchNorm2d::new(&Builder::new(&store, 0).pp("bn"), 5, false).unwrap();
+        store.set("bn.weight", &w).unwrap();
+        store.set("bn.bias", &b).unwrap();
+        set_fused_batchnorm_on_cpu(fused);
+        let mut out = Vec::new();
+        for relu in [false, true] {
+            let xv = Var::from_tensor(&x).unwrap();
+            let y =
+                if relu { bn.forward_relu(xv.as_tensor(), &ctx) } else { bn.forward(xv.as_tensor(), &ctx) }.unwrap();
+            let g = y.mul(&dy).unwrap().sum_all().unwrap().backward().unwrap();
+            out.push(y.clone());
+            for t in [xv.as_tensor(), bn.weight.var().as_tensor(), bn.bias.var().as_tensor()] {
+                out.push(g.get(t).unwrap().clone());
+            }
+        }
+        set_fused_batchnorm_on_cpu(false);
+        out.push(bn.running_mean.tensor());
+        out.push(bn.running_var.tensor());
+        assert_eq!(bn.num_batches_tracked.tensor().to_scalar::<i64>().unwrap(), 2);
+        out
+    };
+    let (fused, composed) = (run(true), run(false));
+    for (i, (f, c)) in fused.iter().zip(&composed).enumerate() {
+        let e = err(f, c);
+        assert!(e < 1e-5, "output {i}: max err {e:e}");
+    }
+}
