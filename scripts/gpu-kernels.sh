@@ -6,7 +6,8 @@
 #   4. ResNet-152 training img/s with kernels.conv/matmul = custom vs the default path vs PyTorch eager AMP
 #      channels-last in the same invocation (scripts/bench-vs-torch.sh).
 #   usage: bash scripts/gpu-kernels.sh [DIST_DIR]
-# Knobs: DTYPES (bf16), SIZES (128,256), BASELINE=0 skips the default-path run, SKIP_TESTS=1, KB_ARGS.
+# Knobs: DTYPES (bf16), SIZES (128,256), BASELINE=0 skips the default-path run, SKIP_TESTS=1, SKIP_KB=1 skips
+# the kernels bench, KB_ARGS.
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 dist="$(cd "${1:-dist}" && pwd)" || exit 2
@@ -31,9 +32,12 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
         fi
     done
 fi
-echo "== kernels bench"
-KB_ARGS="${KB_ARGS:---variants}" bash "$here/kernels-bench.sh" "$dist" 128 bf16 > "$out/kernels-bench.log" 2>&1 || fails=$((fails + 1))
-sed -n '/ResNet-152 convs, batch/,$p' "$out/kernels-bench.log" | tail -35
+if [ "${SKIP_KB:-0}" != 1 ]; then
+    echo "== kernels bench"
+    KB_ARGS="${KB_ARGS:---variants}" bash "$here/kernels-bench.sh" "$dist" 128 bf16 > "$out/kernels-bench.log" 2>&1 \
+        || fails=$((fails + 1))
+    sed -n '/ResNet-152 convs, batch/,$p' "$out/kernels-bench.log" | tail -35
+fi
 echo "== ResNet-152 training: kernels.conv=custom kernels.matmul=custom vs PyTorch"
 OUT="$out" bash "$here/bench-vs-torch.sh" "$bin/trainer" resnet152 "${DTYPES:-bf16}" "${SIZES:-128,256}" \
     --set kernels.conv=custom --set kernels.matmul=custom > "$out/bench-custom.log" 2>&1 || fails=$((fails + 1))
