@@ -5,8 +5,7 @@
 //! Target of the PTX files: `-arch=compute_80`, i.e. PTX only, no cubin (the tensor-core kernels under gemm/ and
 //! conv/ are fatbins instead, see below). candle loads its own kernels as PTX too, and the driver
 //! JIT-compiles PTX for the GPU it runs on (once per process, cached on disk by the driver), so one build runs on
-//! A100 (sm_80) and H100/H200 (sm_90). Nothing in these kernels needs sm_90 instructions (wgmma, TMA); when a
-//! kernel does, compile it for `sm_90a` as GPU.md says. The PTX ISA version is nvcc's (13.0 here), which the
+//! A100 (sm_80) and H100/H200 (sm_90). The files named `*wgmma*` (warpgroup MMA) compile for `sm_90a` only. The PTX ISA version is nvcc's (13.0 here), which the
 //! CUDA 13.0 driver on the GPU machine loads; a newer nvcc's PTX would not load there (see GPU.md).
 
 use std::env;
@@ -54,7 +53,11 @@ fn main() {
         let fatbin = module.starts_with("gemm/") || module.starts_with("conv/");
         let out = out_dir.join(format!("{}.{}", module.replace('/', "__"), if fatbin { "fatbin" } else { "ptx" }));
         let mut cmd = Command::new(&nvcc);
-        if fatbin {
+        if fatbin && module.contains("wgmma") {
+            // wgmma (warpgroup MMA) exists only on sm_90a: SASS for compute capability 9.0 exactly, no PTX; the
+            // launchers offer these tiles only on such a device (cuda_gemm.rs, `candidates`).
+            cmd.args(["--fatbin", "-gencode=arch=compute_90a,code=sm_90a"]);
+        } else if fatbin {
             cmd.args(["--fatbin", "-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_80,code=compute_80"]);
         } else {
             cmd.args(["--ptx", "-arch=compute_80"]);

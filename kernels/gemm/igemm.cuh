@@ -108,6 +108,20 @@ __device__ __forceinline__ int off_mnmajor(int krow, int chunk) {
     static_assert(COLS >= 64, "MN-major swizzle needs at least 8 chunks per row");
     return krow * COLS + ((chunk ^ (krow & 7)) << 3);
 }
+// MN-major tile in wgmma's 128-byte-swizzle canonical layout (kernels/gemm/wgmma.cuh): the MN extent is cut into
+// 64-element panels of KD k-rows each (panel stride KD * 64 elements); inside a panel k-row r is 128 bytes with
+// chunk c at c ^ (r & 7).
+template <int COLS, int KD>
+__device__ __forceinline__ int off_mnpanel(int krow, int chunk) {
+    static_assert(COLS % 64 == 0, "panelled MN-major layout needs a multiple of 64 columns");
+    return (chunk >> 3) * (KD * 64) + krow * 64 + (((chunk & 7) ^ (krow & 7)) << 3);
+}
+// The MN-major layout of a loader: PANEL = false for the ldmatrix core (gemm_body), true for wgmma.
+template <int COLS, int KD, bool PANEL>
+__device__ __forceinline__ int off_mn(int krow, int chunk) {
+    if constexpr (PANEL) return off_mnpanel<COLS, KD>(krow, chunk);
+    else return off_mnmajor<COLS>(krow, chunk);
+}
 
 // ---------------------------------------------------------------------------------------------------------
 // Loaders (k-tile depth KD = 32 or 64). K-major: tile [ROWS][KD]; chunk j of a thread covers row idx / (KD / 8),
@@ -116,7 +130,8 @@ __device__ __forceinline__ int off_mnmajor(int krow, int chunk) {
 // issues the copies of the next k-tile and advances by KD.
 
 // X[mn][k] = base[mn * ld + k]: A of a row-major matmul, B given as (N, K) (e.g. Linear's weight).
-template <typename T, int ROWS, int THREADS, bool VEC, int KD = 32>
+// PANEL: unused (K-major tiles have one layout); there for a uniform loader signature.
+template <typename T, int ROWS, int THREADS, bool VEC, int KD = 32, bool PANEL = false>
 struct PlainK {
     static constexpr int CPT = ROWS * (KD / 8) / THREADS;
     const T* base;
@@ -155,7 +170,7 @@ struct PlainK {
 };
 
 // X[k][mn] = base[k * ld + mn]: B of a row-major matmul, A given transposed (e.g. dy^T in grad-weight).
-template <typename T, int ROWS, int THREADS, bool VEC, int KD = 32>
+template <typename T, int ROWS, int THREADS, bool VEC, int KD = 32, bool PANEL = false>
 struct PlainMN {
     static constexpr int CPR = ROWS / 8;  // chunks per k-row
     static constexpr int CPT = KD * CPR / THREADS;
@@ -173,7 +188,7 @@ struct PlainMN {
 #pragma unroll
         for (int j = 0; j < CPT; ++j) {
             int gk = k + krow[j];
-            T* dst = s + off_mnmajor<ROWS>(krow[j], mc >> 3);
+            T* dst = s + off_mn<ROWS, KD, PANEL>(krow[j], mc >> 3);
             if (VEC) {
                 bool ok = gk < K && mn < MN;
                 cp_async16(dst, ok ? base + (int64_t)gk * ld + mn : base, ok);
@@ -332,7 +347,7 @@ struct DgradA {
 };
 
 // Grad-input, B[k][n]: k = (i, j, ko) of the phase class, n = c; B = w[ko][r0 + st*i][s0 + st*j][c]. MN-major.
-template <typename T, int ROWS, int THREADS, bool VEC, int KD = 32>
+template <typename T, int ROWS, int THREADS, bool VEC, int KD = 32, bool PANEL = false>
 struct DgradB {
     static constexpr int CPR = ROWS / 8;
     static constexpr int CPT = KD * CPR / THREADS;
@@ -362,7 +377,7 @@ struct DgradB {
     __device__ void load(T* sm) {
 #pragma unroll
         for (int j = 0; j < CPT; ++j) {
-            T* dst = sm + off_mnmajor<ROWS>(krow[j], mc >> 3);
+            T* dst = sm + off_mn<ROWS, KD, PANEL>(krow[j], mc >> 3);
             if (VEC) {
                 bool ok = ti[j] < sh.tr && col < sh.c;
                 cp_async16(dst, ok ? wt + off(o[j], ti[j], tj[j], col) : wt, ok);
@@ -388,7 +403,7 @@ struct DgradB {
 
 // Grad-weight, B[k][n]: k = (n, p, q) output pixel, n = (r, s, c) with c fastest;
 // B = x[n][p*st-pad+r][q*st-pad+s][c]. MN-major.
-template <typename T, int ROWS, int THREADS, bool VEC, int KD = 32>
+template <typename T, int ROWS, int THREADS, bool VEC, int KD = 32, bool PANEL = false>
 struct WgradB {
     static constexpr int CPR = ROWS / 8;
     static constexpr int CPT = KD * CPR / THREADS;
@@ -426,7 +441,7 @@ struct WgradB {
     __device__ void load(T* sm) {
 #pragma unroll
         for (int j = 0; j < CPT; ++j) {
-            T* dst = sm + off_mnmajor<ROWS>(krow[j], mc >> 3);
+            T* dst = sm + off_mn<ROWS, KD, PANEL>(krow[j], mc >> 3);
             if (VEC) {
                 int64_t off;
                 bool ok = col < sh.N && at(nb[j], p[j], q[j], cr, cs, off);
@@ -456,6 +471,10 @@ struct WgradB {
     }
 };
 
+template <typename T, int BM, int BN, int MI, int NI, int THREADS, bool OUT_SPLIT, bool ROWMAP>
+__device__ __forceinline__ void epilogue(const float (&acc)[MI][NI][4], int wm0, int wn0, const Shape& sh, T* C,
+                                         float* ws, const T* bias, T* smem);
+
 // ---------------------------------------------------------------------------------------------------------
 // The kernel body. LA / LB are loader types; A_KMAJOR / B_KMAJOR say how their tiles sit in shared memory.
 // OUT_SPLIT: write FP32 partial sums to ws + blockIdx.z * M * N (row-major, ld N) instead of T to C.
@@ -470,7 +489,6 @@ __device__ __forceinline__ void gemm_body(LA& la, LB& lb, const Shape& sh, int k
     constexpr int MI = TM / 16, NI = TN / 8;
     static_assert(NI % 2 == 0, "warp tile N must be a multiple of 16");
     constexpr int A_ELEMS = BM * KD, B_ELEMS = BN * KD, STAGE = A_ELEMS + B_ELEMS;
-    (void)THREADS;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm0 = (warp / WN) * TM, wn0 = (warp % WN) * TN;
@@ -549,8 +567,18 @@ __device__ __forceinline__ void gemm_body(LA& la, LB& lb, const Shape& sh, int k
         }
     }
     cp_async_wait<0>();
+    constexpr int CS_LD = BN + 8;
+    static_assert(BM * CS_LD <= STAGES * STAGE, "epilogue tile must fit in the pipeline's shared memory");
+    epilogue<T, BM, BN, MI, NI, THREADS, OUT_SPLIT, ROWMAP>(acc, wm0, wn0, sh, C, ws, bias, smem);
+}
 
-    // Epilogue: fragment (mi, ni) holds rows g, g + 8 and columns 2t, 2t + 1 of a 16x8 tile.
+// Writes a block's accumulators: fragment (mi, ni) of the warp at (wm0, wn0) holds rows g, g + 8 and columns
+// 2t, 2t + 1 of a 16x8 tile (the mma.sync and the wgmma accumulator layouts agree on this). `smem` must hold
+// BM x (BN + 8) elements and every cp.async / wgmma reading it must have completed.
+template <typename T, int BM, int BN, int MI, int NI, int THREADS, bool OUT_SPLIT, bool ROWMAP>
+__device__ __forceinline__ void epilogue(const float (&acc)[MI][NI][4], int wm0, int wn0, const Shape& sh, T* C,
+                                         float* ws, const T* bias, T* smem) {
+    const int lane = threadIdx.x & 31;
     const int m_blk = blockIdx.x * BM, n_blk = blockIdx.y * BN;
     const int g = lane >> 2, t = lane & 3;
     if (OUT_SPLIT) {
@@ -575,7 +603,6 @@ __device__ __forceinline__ void gemm_body(LA& la, LB& lb, const Shape& sh, int k
     // a warp hit 32 distinct banks), then leaves as 16-byte row chunks, so every warp store covers whole 32-byte
     // sectors of consecutive columns. The pipeline buffers are free: all cp.async groups are drained.
     constexpr int CS_LD = BN + 8;
-    static_assert(BM * CS_LD <= STAGES * STAGE, "epilogue tile must fit in the pipeline's shared memory");
     __syncthreads();
     T* cs = smem;
 #pragma unroll
@@ -599,7 +626,7 @@ __device__ __forceinline__ void gemm_body(LA& la, LB& lb, const Shape& sh, int k
     __syncthreads();
     const bool vec_out = (sh.ldc % 8) == 0;
     constexpr int CPR = BN / 8;
-    for (int idx = threadIdx.x; idx < BM * CPR; idx += WM * WN * 32) {
+    for (int idx = threadIdx.x; idx < BM * CPR; idx += THREADS) {
         int rl = idx / CPR, cl = (idx % CPR) * 8;
         int row = m_blk + rl, col = n_blk + cl;
         if (row >= sh.M || col >= sh.N) continue;

@@ -1,18 +1,23 @@
 //! GPU tests of the tensor-core kernels (feature `cuda`): implicit-GEMM convolution forward / grad-input /
 //! grad-weight on all 23 distinct ResNet-152 convolutions and on awkward shapes, and the matmul in its three
 //! layouts, each against FP32 candle ops on the same (rounded) inputs, outputs poisoned with NaN before every
-//! launch, under every tile variant. Run by scripts/gpu-test.sh (`--test-threads=1 --nocapture`).
+//! launch, under every tile variant the GPU runs. Run by scripts/gpu-test.sh (`--test-threads=1 --nocapture`).
 #![cfg(feature = "cuda")]
 
 use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use kernels::conv::{conv2d_grad_input, conv2d_grad_weight, Conv2dParams};
-use kernels::cuda_gemm::{self, GemmLayout, TILES};
+use kernels::cuda_gemm::{self, GemmLayout};
 use kernels::shapes::{resnet152_convs, ConvShape};
 
-/// The per-shape choice (None) and every forced tile variant.
+/// The per-shape choice (None) and every tile variant the device runs (the wgmma ones on compute capability 9.0).
 fn tiles() -> Vec<Option<cuda_gemm::Tile>> {
-    std::iter::once(None).chain(TILES.iter().copied().map(Some)).collect()
+    let dev = cuda().and_then(|d| Ok(d.as_cuda_device()?.clone()));
+    let all = match &dev {
+        Ok(d) => cuda_gemm::tiles_for(d),
+        Err(_) => &cuda_gemm::PORTABLE_TILES[..],
+    };
+    std::iter::once(None).chain(all.iter().copied().map(Some)).collect()
 }
 
 fn cuda() -> Result<Device> {

@@ -54,7 +54,7 @@ pub struct GemmShape {
 unsafe impl DeviceRepr for GemmShape {}
 
 /// A block-tile variant of the kernels (the `t128` / `t64` / ... part of a kernel name) and the numbered file
-/// (module) that instantiates it: 1 = `01_*.cu`, 2 = `02_large_tiles.cu`, 3 = `03_deep_k.cu`.
+/// (module) that instantiates it: 1 = `01_*.cu`, 2 = `02_large_tiles.cu`, 3 = `03_deep_k.cu`, 4 = `04_wgmma.cu`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Tile {
     pub name: &'static str,
@@ -85,7 +85,42 @@ pub const T128K64: Tile =
 pub const T256K64: Tile =
     Tile { name: "t256k64", bm: 256, bn: 128, bk: 64, threads: 256, smem: 3 * (256 + 128) * 64 * 2, file: 3 };
 /// Every tile variant, for the per-shape choice, benchmarks and tests.
-pub const TILES: [Tile; 6] = [T128, T64, T256, T128W, T128K64, T256K64];
+/// 128x128x64 on warpgroup MMA (wgmma, sm_90a only), 2 warpgroups of 64x128, 5 stages (04_wgmma).
+pub const W128: Tile =
+    Tile { name: "w128", bm: 128, bn: 128, bk: 64, threads: 256, smem: 5 * (128 + 128) * 64 * 2 + 1024, file: 4 };
+/// The same with 3 stages: 97 KiB, two blocks per SM (04_wgmma).
+pub const W128S3: Tile =
+    Tile { name: "w128s3", bm: 128, bn: 128, bk: 64, threads: 256, smem: 3 * (128 + 128) * 64 * 2 + 1024, file: 4 };
+/// 128x256x64 on wgmma, 2 warpgroups of 64x256, 4 stages (04_wgmma).
+pub const W256: Tile =
+    Tile { name: "w256", bm: 128, bn: 256, bk: 64, threads: 256, smem: 4 * (128 + 256) * 64 * 2 + 1024, file: 4 };
+/// Every tile variant; the last three (`w*`, wgmma) run only on compute capability 9.0 (see [`tiles_for`]).
+pub const TILES: [Tile; 9] = [T128, T64, T256, T128W, T128K64, T256K64, W128, W128S3, W256];
+/// The tiles that run on any sm_80+ GPU (mma.sync).
+pub const PORTABLE_TILES: [Tile; 6] = [T128, T64, T256, T128W, T128K64, T256K64];
+
+/// Whether the device runs sm_90a code (wgmma): compute capability 9.0 exactly (cached per device).
+pub fn has_wgmma(dev: &CudaDevice) -> bool {
+    static C: OnceLock<Mutex<HashMap<usize, bool>>> = OnceLock::new();
+    let key = dev_key(dev);
+    let cache = C.get_or_init(Default::default);
+    *cache.lock().unwrap().entry(key).or_insert_with(|| {
+        let ctx = dev.cuda_stream().context().clone();
+        let major = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR);
+        let minor = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR);
+        matches!((major, minor), (Ok(9), Ok(0)))
+    })
+}
+
+/// The tile variants the autotuner may try on `dev`: all of [`TILES`] on compute capability 9.0, else the
+/// portable ones.
+pub fn tiles_for(dev: &CudaDevice) -> &'static [Tile] {
+    if has_wgmma(dev) {
+        &TILES
+    } else {
+        &PORTABLE_TILES
+    }
+}
 const BK: usize = 32;
 
 static FORCED_TILE: Mutex<Option<Tile>> = Mutex::new(None);
@@ -324,6 +359,7 @@ fn conv_module(tile: Tile) -> (&'static str, &'static [u8]) {
     match tile.file {
         2 => ("conv/02_large_tiles", ptx::CONV_02_LARGE_TILES),
         3 => ("conv/03_deep_k", ptx::CONV_03_DEEP_K),
+        4 => ("conv/04_wgmma", ptx::CONV_04_WGMMA),
         _ => ("conv/01_implicit_gemm", ptx::CONV_01_IMPLICIT_GEMM),
     }
 }
@@ -332,6 +368,7 @@ fn gemm_module(tile: Tile) -> (&'static str, &'static [u8]) {
     match tile.file {
         2 => ("gemm/02_large_tiles", ptx::GEMM_02_LARGE_TILES),
         3 => ("gemm/03_deep_k", ptx::GEMM_03_DEEP_K),
+        4 => ("gemm/04_wgmma", ptx::GEMM_04_WGMMA),
         _ => ("gemm/01_mma_cp_async", ptx::GEMM_01_MMA_CP_ASYNC),
     }
 }
@@ -500,7 +537,7 @@ impl ConvOp {
                     Ok(())
                 };
                 let mut run = run;
-                let tile = pick(dev, key, vec, &TILES, choose(m, n, sms, false), &mut run)?;
+                let tile = pick(dev, key, vec, tiles_for(dev), choose(m, n, sms, false), &mut run)?;
                 run(tile)?;
                 Ok((CudaStorage::wrap_cuda_slice(y, dev.clone()), Shape::from((g.n, p, q, g.ko))))
             }
@@ -552,7 +589,7 @@ impl ConvOp {
                 };
                 let mut run = run;
                 let m_class = classes.first().map_or(0, |c| c.0);
-                let tile = pick(dev, key, true, &TILES, choose(m_class, g.c, sms, false), &mut run)?;
+                let tile = pick(dev, key, true, tiles_for(dev), choose(m_class, g.c, sms, false), &mut run)?;
                 run(tile)?;
                 Ok((CudaStorage::wrap_cuda_slice(dx, dev.clone()), Shape::from((g.n, g.h, g.w, g.c))))
             }
@@ -589,7 +626,7 @@ impl ConvOp {
                     Ok(())
                 };
                 let mut run = run;
-                let tile = pick(dev, key, vec, &TILES, choose(m, n, sms, true), &mut run)?;
+                let tile = pick(dev, key, vec, tiles_for(dev), choose(m, n, sms, true), &mut run)?;
                 run(tile)?;
                 Ok((CudaStorage::wrap_cuda_slice(dw, dev.clone()), Shape::from((g.ko, g.r, g.r, g.c))))
             }
@@ -819,7 +856,7 @@ impl GemmOp {
         };
         let mut run = run;
         let key = || format!("matmul {tag} {m}x{n}x{k} {sfx}");
-        let tile = pick(dev, key, vec, &TILES, choose(m, n, sms, false), &mut run)?;
+        let tile = pick(dev, key, vec, tiles_for(dev), choose(m, n, sms, false), &mut run)?;
         run(tile)?;
         Ok((CudaStorage::wrap_cuda_slice(c, dev.clone()), Shape::from((m, n))))
     }

@@ -138,7 +138,7 @@ fn run(a: &Args) -> Result<()> {
             let mut variants = Vec::new();
             let mut vline = Vec::new();
             if a.variants {
-                for t in TILES {
+                for &t in cuda_gemm::tiles_for(dev.as_cuda_device()?) {
                     cuda_gemm::set_forced_tile(Some(t));
                     let vf = time_ms(&dev, a.iters, || cuda_gemm::conv_nhwc_fwd(&x, &w, st, pd))?;
                     let vd = if ci % 8 == 0 {
@@ -276,6 +276,16 @@ fn run(a: &Args) -> Result<()> {
             cublas,
             cublas / ours
         );
+        if a.variants && m * n >= 1 << 20 {
+            let mut line = Vec::new();
+            for &t in cuda_gemm::tiles_for(dev.as_cuda_device()?) {
+                cuda_gemm::set_forced_tile(Some(t));
+                let v = time_ms(&dev, a.iters, || cuda_gemm::matmul(&x, &y, layout));
+                cuda_gemm::set_forced_tile(None);
+                line.push(format!("{} {:.0}", t.name, tflops(flop, v?)));
+            }
+            println!("{:<30} variants TFLOP/s: {}", "", line.join(" | "));
+        }
         mm.push(format!(
             "{{\"name\":\"{name}\",\"m\":{m},\"n\":{n},\"k\":{k},\"ours_ms\":{ours:.5},\"cublas_ms\":{cublas:.5}}}"
         ));
