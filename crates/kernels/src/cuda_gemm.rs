@@ -8,7 +8,9 @@
 use crate::cuda::alloc_out;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
-use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaModule, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaFunction, CudaModule, CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
 use candle_core::{CpuStorage, CudaStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType};
@@ -94,8 +96,21 @@ pub const W128S3: Tile =
 /// 128x256x64 on wgmma, 2 warpgroups of 64x256, 4 stages (04_wgmma).
 pub const W256: Tile =
     Tile { name: "w256", bm: 128, bn: 256, bk: 64, threads: 256, smem: 4 * (128 + 256) * 64 * 2 + 1024, file: 4 };
-/// Every tile variant; the last three (`w*`, wgmma) run only on compute capability 9.0 (see [`tiles_for`]).
-pub const TILES: [Tile; 9] = [T128, T64, T256, T128W, T128K64, T256K64, W128, W128S3, W256];
+/// 128x256x64 on the warp-specialised persistent TMA + wgmma kernel (05_tma_wgmma, sm_90a only): 384 threads
+/// (a producer and two consumer warpgroups), 4 stages. Matmuls and the 1x1 stride-1 convolutions (plain GEMMs in
+/// channels-last); a forced `x256` on any other convolution runs `w256`.
+pub const X256: Tile = Tile {
+    name: "x256",
+    bm: 128,
+    bn: 256,
+    bk: 64,
+    threads: 384,
+    smem: 1024 + 4 * (128 + 256) * 64 * 2 + 2 * 4 * 8,
+    file: 5,
+};
+/// Every tile variant; the last four (`w*`, `x256`: wgmma) run only on compute capability 9.0 (see
+/// [`tiles_for`]).
+pub const TILES: [Tile; 10] = [T128, T64, T256, T128W, T128K64, T256K64, W128, W128S3, W256, X256];
 /// The tiles that run on any sm_80+ GPU (mma.sync).
 pub const PORTABLE_TILES: [Tile; 6] = [T128, T64, T256, T128W, T128K64, T256K64];
 
@@ -369,6 +384,7 @@ fn gemm_module(tile: Tile) -> (&'static str, &'static [u8]) {
         2 => ("gemm/02_large_tiles", ptx::GEMM_02_LARGE_TILES),
         3 => ("gemm/03_deep_k", ptx::GEMM_03_DEEP_K),
         4 => ("gemm/04_wgmma", ptx::GEMM_04_WGMMA),
+        5 => ("gemm/05_tma_wgmma", ptx::GEMM_05_TMA_WGMMA),
         _ => ("gemm/01_mma_cp_async", ptx::GEMM_01_MMA_CP_ASYNC),
     }
 }
@@ -417,6 +433,143 @@ fn blocks(tile: Tile, m: usize, n: usize, splits: usize, op: &str) -> Result<Lau
 fn reduce_cfg(len: usize) -> LaunchConfig {
     let b = len.div_ceil(256).clamp(1, 1 << 16) as u32;
     LaunchConfig { grid_dim: (b, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// The TMA GEMM (x256, kernels/gemm/05_tma_wgmma.cu).
+
+/// A CUtensorMap as the kernels take it: 128 opaque bytes by value (`ig::TmaDesc`, a `__grid_constant__`).
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct TmaDesc([u64; 16]);
+
+// SAFETY: plain bytes, laid out as the CUtensorMap the driver encoded.
+unsafe impl DeviceRepr for TmaDesc {}
+
+/// Tensor map of a row-major `outer` x `inner` matrix at device address `ptr` (row stride `inner` elements):
+/// boxes of 64 x `box_outer` elements into 128-byte-swizzled shared memory, zero fill out of bounds.
+fn tma_map(ptr: u64, dt: DType, inner: usize, outer: usize, box_outer: u32, op: &str) -> Result<TmaDesc> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let dtype = match dt {
+        DType::BF16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        DType::F16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+        other => candle_core::bail!("{op} (cuda): no TMA path for {other:?}"),
+    };
+    if (inner * 2) % 16 != 0 || ptr % 16 != 0 {
+        candle_core::bail!("{op} (cuda): TMA operand rows of {inner} elements are not 16-byte aligned");
+    }
+    let dims = [inner.max(1) as u64, outer.max(1) as u64];
+    let strides = [(inner.max(8) * 2) as u64];
+    let boxes = [64u32, box_outer];
+    let elem_strides = [1u32, 1];
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+    // SAFETY: every pointer argument points at an array of the rank (2) the call says, or rank - 1 for strides;
+    // the map is written by the driver before it is read.
+    let r = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            dtype,
+            2,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elem_strides.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        candle_core::bail!("{op} (cuda): cuTensorMapEncodeTiled failed ({r:?}) for a {outer}x{inner} operand");
+    }
+    // SAFETY: initialised by the successful call above.
+    Ok(TmaDesc(unsafe { map.assume_init() }.opaque))
+}
+
+/// Split-K of the TMA kernel: one k-split while the tiles alone give half a wave of blocks, else enough splits to
+/// fill the SMs, each at least 4 k-tiles deep. Returns (k_split, splits).
+fn tma_split(m: usize, n: usize, k: usize, sms: usize) -> (usize, usize) {
+    let tiles = m.div_ceil(X256.bm) * n.div_ceil(X256.bn);
+    let want = if 2 * tiles >= sms { 1 } else { sms.div_ceil(tiles).min(k / (4 * X256.bk)).max(1) };
+    let k_split = k.div_ceil(want).div_ceil(X256.bk).max(1) * X256.bk;
+    (k_split, k.div_ceil(k_split).max(1))
+}
+
+/// C (m x n) = A B in `layout` on the TMA kernel, plus `bias` (length n) when given. Split-K goes through an FP32
+/// workspace and gemm_splitk_reduce (which then adds the bias). The operands must be contiguous and 16-byte
+/// aligned with rows of a multiple of 8 elements (the `vec` condition of the other kernels).
+#[allow(clippy::too_many_arguments)]
+fn tma_gemm<T: CudaDType + DeviceRepr + WithDType>(
+    dev: &CudaDevice,
+    layout: GemmLayout,
+    (m, n, k): (usize, usize, usize),
+    a: &CudaView<T>,
+    b: &CudaView<T>,
+    c: &CudaSlice<T>,
+    bias: Option<&CudaView<T>>,
+    op: &str,
+) -> Result<()> {
+    let sms = sm_count(dev)?;
+    let sfx = suffix(T::DTYPE, op)?;
+    let stream = dev.cuda_stream();
+    let (pa, ga) = a.device_ptr(&stream);
+    let (pb, gb) = b.device_ptr(&stream);
+    let dt = T::DTYPE;
+    let (ma, mb, tag) = match layout {
+        GemmLayout::Nt => (tma_map(pa, dt, k, m, 128, op)?, tma_map(pb, dt, k, n, 256, op)?, "nt"),
+        GemmLayout::Nn => (tma_map(pa, dt, k, m, 128, op)?, tma_map(pb, dt, n, k, 64, op)?, "nn"),
+        GemmLayout::Tn => (tma_map(pa, dt, m, k, 64, op)?, tma_map(pb, dt, n, k, 64, op)?, "tn"),
+    };
+    let (k_split, splits) = tma_split(m, n, k, sms);
+    let split = splits > 1;
+    if split {
+        i32_of(splits * m * n, op, "split-K workspace")?;
+    }
+    let sh = GemmShape {
+        m: i32_of(m, op, "M")?,
+        n: i32_of(n, op, "N")?,
+        k: i32_of(k, op, "K")?,
+        ldc: i32_of(n, op, "N")?,
+        k_split: i32_of(k_split, op, "k_split")?,
+        has_bias: bias.is_some() as i32,
+        ..Default::default()
+    };
+    let units = m.div_ceil(X256.bm) * n.div_ceil(X256.bn) * splits;
+    let cfg = LaunchConfig {
+        grid_dim: (units.min(sms).max(1) as u32, 1, 1),
+        block_dim: (X256.threads, 1, 1),
+        shared_mem_bytes: X256.smem,
+    };
+    let f = gemm_function(dev, X256, &format!("gemm_{tag}_x256_vec_{sfx}"))?;
+    // SAFETY: written in full (every (z, row, col) by the block that owns the unit) before it is read.
+    let ws = unsafe { dev.alloc::<f32>(if split { splits * m * n } else { 1 })? };
+    let mut bld = stream.launch_builder(&f);
+    bld.arg(&ma).arg(&mb).arg(c).arg(&ws);
+    match bias {
+        Some(v) => bld.arg(v),
+        None => bld.arg(a), // never read: has_bias = 0
+    };
+    bld.arg(&sh);
+    // SAFETY: (map A, map B, c, ws, bias, shape) as gemm_*_x256_* takes them; the maps cover exactly the operand
+    // views (m, n, k as above), c holds m*n elements, ws splits*m*n when split.
+    unsafe { bld.launch(cfg) }.w()?;
+    if split {
+        let r = gemm_function(dev, T64, &format!("gemm_splitk_reduce_{sfx}"))?;
+        let mut bld = stream.launch_builder(&r);
+        let (hb, mn, nn, sp) = (sh.has_bias, i32_of(m * n, op, "M*N")?, sh.n, splits as i32);
+        bld.arg(&ws).arg(c);
+        match bias {
+            Some(v) => bld.arg(v),
+            None => bld.arg(a),
+        };
+        bld.arg(&hb).arg(&mn).arg(&nn).arg(&sp);
+        // SAFETY: (ws, c, bias, has_bias, mn, n, splits) as gemm_splitk_reduce_* takes them.
+        unsafe { bld.launch(reduce_cfg(m * n)) }.w()?;
+    }
+    drop((ga, gb));
+    Ok(())
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -469,6 +622,12 @@ impl ConvGeom {
     }
 }
 
+/// Whether tile variant `tile` has its own convolution kernels for `g`: all do, except `x256` (the TMA GEMM),
+/// which runs only the 1x1 stride-1 unpadded convolutions.
+pub fn conv_tile_applies(tile: Tile, g: &ConvGeom) -> bool {
+    tile != X256 || (g.r == 1 && g.stride == 1 && g.pad == 0)
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum ConvPass {
     Fwd,
@@ -513,6 +672,9 @@ impl ConvOp {
         let (p, q) = (g.p(), g.q());
         let stream = dev.cuda_stream();
         let key = || format!("{op} {:?} {sfx}", g);
+        // 1x1 stride-1 convolutions are plain GEMMs over channels-last rows: the TMA kernel (x256) takes them.
+        let plain = conv_tile_applies(X256, &g);
+        let cands: Vec<Tile> = tiles_for(dev).iter().copied().filter(|&t| conv_tile_applies(t, &g)).collect();
         match self.pass {
             ConvPass::Fwd => {
                 let (m, n, k) = (g.n * p * q, g.ko, g.r * g.r * g.c);
@@ -528,6 +690,11 @@ impl ConvOp {
                 };
                 let y = alloc_out::<T>(dev, m * n)?;
                 let run = |tile: Tile| -> Result<()> {
+                    if tile == X256 && plain {
+                        // 1x1, stride 1: y[npq][ko] = x[npq][c] w[ko][c]^T
+                        return tma_gemm(dev, GemmLayout::Nt, (m, n, k), &v1, &v2, &y, None, op);
+                    }
+                    let tile = if tile == X256 { W256 } else { tile };
                     let name = format!("conv_fwd_{}_{}_{sfx}", tile.name, if vec { "vec" } else { "scalar" });
                     let f = conv_function(dev, tile, &name)?;
                     let mut b = stream.launch_builder(&f);
@@ -537,7 +704,7 @@ impl ConvOp {
                     Ok(())
                 };
                 let mut run = run;
-                let tile = pick(dev, key, vec, tiles_for(dev), choose(m, n, sms, false), &mut run)?;
+                let tile = pick(dev, key, vec, &cands, choose(m, n, sms, false), &mut run)?;
                 run(tile)?;
                 Ok((CudaStorage::wrap_cuda_slice(y, dev.clone()), Shape::from((g.n, p, q, g.ko))))
             }
@@ -577,6 +744,11 @@ impl ConvOp {
                 }
                 let dx = alloc_out::<T>(dev, g.n * g.h * g.w * g.c)?;
                 let run = |tile: Tile| -> Result<()> {
+                    if tile == X256 && plain {
+                        // 1x1, stride 1: dx[nhw][c] = dy[nhw][ko] w[ko][c]
+                        return tma_gemm(dev, GemmLayout::Nn, (g.n * g.h * g.w, g.c, g.ko), &v1, &v2, &dx, None, op);
+                    }
+                    let tile = if tile == X256 { W256 } else { tile };
                     let name = format!("conv_dgrad_{}_vec_{sfx}", tile.name);
                     let f = conv_function(dev, tile, &name)?;
                     for (m, sh) in &classes {
@@ -589,7 +761,7 @@ impl ConvOp {
                 };
                 let mut run = run;
                 let m_class = classes.first().map_or(0, |c| c.0);
-                let tile = pick(dev, key, true, tiles_for(dev), choose(m_class, g.c, sms, false), &mut run)?;
+                let tile = pick(dev, key, true, &cands, choose(m_class, g.c, sms, false), &mut run)?;
                 run(tile)?;
                 Ok((CudaStorage::wrap_cuda_slice(dx, dev.clone()), Shape::from((g.n, g.h, g.w, g.c))))
             }
@@ -598,6 +770,11 @@ impl ConvOp {
                 let vec = g.c % 8 == 0 && g.ko % 8 == 0;
                 let dw = alloc_out::<T>(dev, m * n)?;
                 let run = |tile: Tile| -> Result<()> {
+                    if tile == X256 && plain {
+                        // 1x1, stride 1: dw[ko][c] = dy[npq][ko]^T x[npq][c]
+                        return tma_gemm(dev, GemmLayout::Tn, (m, n, k), &v1, &v2, &dw, None, op);
+                    }
+                    let tile = if tile == X256 { W256 } else { tile };
                     let (k_split, splits) = split_k(tile, m, n, k, sms);
                     i32_of(splits * m * n, op, "split-K workspace")?;
                     let sh = GemmShape {
@@ -626,7 +803,7 @@ impl ConvOp {
                     Ok(())
                 };
                 let mut run = run;
-                let tile = pick(dev, key, vec, tiles_for(dev), choose(m, n, sms, true), &mut run)?;
+                let tile = pick(dev, key, vec, &cands, choose(m, n, sms, true), &mut run)?;
                 run(tile)?;
                 Ok((CudaStorage::wrap_cuda_slice(dw, dev.clone()), Shape::from((g.ko, g.r, g.r, g.c))))
             }
@@ -810,6 +987,9 @@ impl GemmOp {
         };
         let stream = dev.cuda_stream();
         let run = |tile: Tile| -> Result<()> {
+            if tile == X256 {
+                return tma_gemm(dev, self.layout, (m, n, k), &va, &vb, &c, bias_view.as_ref(), op);
+            }
             // Split-K only on the 64x64 tile, when even its blocks cannot fill the GPU.
             let (k_split, splits) = if tile == T64 && m.div_ceil(64) * n.div_ceil(64) < sms {
                 split_k(tile, m, n, k, sms)

@@ -20,6 +20,9 @@ pub struct BenchResult {
     pub peak_gib: Option<f64>,
     pub oom: bool,
     pub error: Option<String>,
+    /// Per-phase milliseconds per step (forward, backward, grads, optimizer) when run with `--phases`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub phases_ms: Option<std::collections::BTreeMap<String, f64>>,
 }
 
 /// Samples the GPU's used memory through NVML every few milliseconds and keeps the maximum.
@@ -64,7 +67,9 @@ fn is_oom(e: &anyhow::Error) -> bool {
 }
 
 /// Builds the model, runs `warmup` then `steps` timed training steps at batch `bs` in `dtype`.
-pub fn bench_one(cfg: &Config, dtype: &str, bs: usize, warmup: usize, steps: usize) -> BenchResult {
+///
+/// With `phases`, the timed steps synchronize the device between phases and the result carries each phase's time.
+pub fn bench_one(cfg: &Config, dtype: &str, bs: usize, warmup: usize, steps: usize, phases: bool) -> BenchResult {
     let mut r = BenchResult {
         arch: cfg.model.arch.clone(),
         dtype: dtype.to_string(),
@@ -74,11 +79,13 @@ pub fn bench_one(cfg: &Config, dtype: &str, bs: usize, warmup: usize, steps: usi
         peak_gib: None,
         oom: false,
         error: None,
+        phases_ms: None,
     };
     let mut cfg = cfg.clone();
     cfg.amp.dtype = dtype.to_string();
     cfg.train.batch_size = bs;
-    let run = || -> Result<(f64, Option<f64>)> {
+    let mut phase_ms = None;
+    let mut run = || -> Result<(f64, Option<f64>)> {
         let device = select_device(&cfg.device)?;
         let mem = if device.is_cuda() { PeakMemory::start(cfg.cuda_ordinal()) } else { None };
         let model = build_model(&cfg, &device)?;
@@ -89,12 +96,18 @@ pub fn bench_one(cfg: &Config, dtype: &str, bs: usize, warmup: usize, steps: usi
             runner.step(std::slice::from_ref(&batch), lr)?;
         }
         device.synchronize()?;
+        if phases {
+            runner.phases = Some(Default::default());
+        }
         let t = Instant::now();
         for _ in 0..steps {
             runner.step(std::slice::from_ref(&batch), lr)?;
         }
         device.synchronize()?;
         let secs = t.elapsed().as_secs_f64();
+        phase_ms = runner.phases.map(|p| {
+            p.per_step_ms().iter().map(|(k, v)| (k.to_string(), *v)).collect::<std::collections::BTreeMap<_, _>>()
+        });
         drop(runner);
         drop(batch);
         device.synchronize()?;
@@ -105,6 +118,7 @@ pub fn bench_one(cfg: &Config, dtype: &str, bs: usize, warmup: usize, steps: usi
             r.step_ms = Some(1000.0 * secs / steps as f64);
             r.img_per_s = Some((bs * steps) as f64 / secs);
             r.peak_gib = peak;
+            r.phases_ms = phase_ms;
         }
         Err(e) => {
             r.oom = is_oom(&e);
@@ -134,6 +148,13 @@ pub fn print_row(r: &BenchResult) {
         f(r.step_ms, 1),
         f(r.peak_gib, 2)
     );
+    if let Some(p) = &r.phases_ms {
+        let parts: Vec<String> = ["forward", "backward", "grads", "optimizer"]
+            .iter()
+            .filter_map(|k| p.get(*k).map(|v| format!("{k} {v:.1}")))
+            .collect();
+        println!("  phases, ms per step (device synchronized between phases): {}", parts.join(", "));
+    }
 }
 
 /// Batch sizes to try with `--max`: doubling from `start` until one fails, then bisection to `granularity`.
@@ -151,7 +172,7 @@ pub fn sweep_max(
     let mut bad = None;
     let mut bs = start.max(1);
     let mut run = |bs: usize, out: &mut Vec<BenchResult>| -> bool {
-        let r = bench_one(cfg, dtype, bs, warmup, steps);
+        let r = bench_one(cfg, dtype, bs, warmup, steps, false);
         on_result(&r);
         let ok = r.img_per_s.is_some();
         out.push(r);

@@ -74,6 +74,10 @@ enum Command {
         warmup: usize,
         #[arg(long, default_value_t = 10)]
         steps: usize,
+        /// Also time the step's phases (forward, backward, gradient gathering, optimizer), synchronizing the
+        /// device between them.
+        #[arg(long)]
+        phases: bool,
     },
     /// img/s and peak memory per batch size; --max searches for the largest batch that fits.
     Sweep {
@@ -112,8 +116,8 @@ fn run() -> Result<()> {
         Some(Command::Train(a)) => train(a),
         Some(Command::Eval { cfg, checkpoint }) => eval(cfg, checkpoint),
         Some(Command::Info { cfg }) => info(cfg),
-        Some(Command::Bench { cfg, dtypes, batch_sizes, warmup, steps }) => {
-            bench(cfg, dtypes, batch_sizes, warmup, steps)
+        Some(Command::Bench { cfg, dtypes, batch_sizes, warmup, steps, phases }) => {
+            bench(cfg, dtypes, batch_sizes, warmup, steps, phases)
         }
         Some(Command::Sweep { cfg, batch_sizes, max, granularity, warmup, steps, out }) => {
             sweep(cfg, batch_sizes, max, granularity, warmup, steps, out)
@@ -196,7 +200,14 @@ fn info(c: ConfigArgs) -> Result<()> {
     Ok(())
 }
 
-fn bench(c: ConfigArgs, dtypes: Vec<String>, batch_sizes: Vec<usize>, warmup: usize, steps: usize) -> Result<()> {
+fn bench(
+    c: ConfigArgs,
+    dtypes: Vec<String>,
+    batch_sizes: Vec<usize>,
+    warmup: usize,
+    steps: usize,
+    phases: bool,
+) -> Result<()> {
     let (cfg, _) = c.load()?;
     let dtypes = if dtypes.is_empty() { vec![cfg.amp.dtype.clone()] } else { dtypes };
     for d in &dtypes {
@@ -216,7 +227,7 @@ fn bench(c: ConfigArgs, dtypes: Vec<String>, batch_sizes: Vec<usize>, warmup: us
     let mut failed = 0;
     for d in &dtypes {
         for &bs in &sizes {
-            let r = trainer::bench::bench_one(&cfg, d, bs, warmup, steps);
+            let r = trainer::bench::bench_one(&cfg, d, bs, warmup, steps, phases);
             trainer::bench::print_row(&r);
             println!("BENCH_JSON {}", serde_json::to_string(&r)?);
             failed += usize::from(r.error.is_some() && !r.oom);
@@ -256,7 +267,7 @@ fn sweep(
         batch_sizes
             .iter()
             .map(|&bs| {
-                let r = trainer::bench::bench_one(&cfg, &cfg.amp.dtype, bs, warmup, steps);
+                let r = trainer::bench::bench_one(&cfg, &cfg.amp.dtype, bs, warmup, steps, false);
                 show(&r);
                 r
             })

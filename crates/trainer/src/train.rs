@@ -154,6 +154,37 @@ pub struct StepRunner {
     pub precision: Precision,
     pub label_smoothing: f64,
     pub clip_grad_norm: f64,
+    /// When set, `step` synchronizes the device between phases and adds each phase's wall time here
+    /// (`trainer bench --phases`); the synchronizations themselves slow the step a little.
+    pub phases: Option<PhaseTimes>,
+}
+
+/// Seconds spent per training-step phase, summed over steps (see [`StepRunner::phases`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PhaseTimes {
+    /// Forward pass and loss.
+    pub forward: f64,
+    /// `backward()` over the autograd graph.
+    pub backward: f64,
+    /// Gradient gathering: FP32 casts, accumulation, the flat buffer, unscaling, norm and the host read-back.
+    pub grads: f64,
+    /// Optimizer update (and clipping) plus the scaler update.
+    pub optimizer: f64,
+    pub steps: usize,
+}
+
+impl PhaseTimes {
+    /// Milliseconds per step for each phase: (name, ms).
+    pub fn per_step_ms(&self) -> [(&'static str, f64); 4] {
+        let n = self.steps.max(1) as f64;
+        let ms = |s: f64| 1000.0 * s / n;
+        [
+            ("forward", ms(self.forward)),
+            ("backward", ms(self.backward)),
+            ("grads", ms(self.grads)),
+            ("optimizer", ms(self.optimizer)),
+        ]
+    }
 }
 
 impl StepRunner {
@@ -182,6 +213,7 @@ impl StepRunner {
             precision: precision(cfg),
             label_smoothing: cfg.train.label_smoothing,
             clip_grad_norm: cfg.train.clip_grad_norm,
+            phases: None,
             model,
         })
     }
@@ -189,6 +221,22 @@ impl StepRunner {
     /// Forward + backward over the micro-batches, then unscale, inf/NaN check, clip, update or skip, and update the
     /// scale (PyTorch GradScaler's order). One device-to-host transfer per step.
     pub fn step(&mut self, micro: &[Batch], lr: f64) -> Result<StepOutput> {
+        let timing = self.phases.is_some();
+        let device = self.model.device().clone();
+        let mut mark = Instant::now();
+        // Time since the last mark, after the device has finished the queued work (0 when not timing).
+        let mut lap = |timing: bool| -> Result<f64> {
+            if !timing {
+                return Ok(0.0);
+            }
+            device.synchronize()?;
+            let now = Instant::now();
+            let dt = now.duration_since(mark).as_secs_f64();
+            mark = now;
+            Ok(dt)
+        };
+        let mut times = PhaseTimes::default();
+        lap(timing)?;
         let scale = self.scaler.scale();
         let accum = micro.len() as f64;
         let vars: Vec<_> = self.opt.vars().map(|(_, v)| v.clone()).collect();
@@ -200,7 +248,9 @@ impl StepRunner {
             let logits = self.model.forward(&b.images, true, self.precision)?;
             let loss = cross_entropy(&logits, &b.labels, self.label_smoothing)?;
             let correct = topk_correct(&logits.detach(), &b.labels, 1)?;
+            times.forward += lap(timing)?;
             let grads = (&loss * (scale / accum))?.backward()?;
+            times.backward += lap(timing)?;
             for (slot, v) in acc.iter_mut().zip(&vars) {
                 if let Some(g) = grads.get(v.as_tensor()) {
                     let g = g.to_dtype(DType::F32)?;
@@ -243,6 +293,7 @@ impl StepRunner {
         let found_inf = !norm_sq.is_finite();
         let skipped = found_inf;
         let grad_norm = norm_sq.sqrt();
+        times.grads += lap(timing)?;
         if !found_inf {
             let coef = if self.clip_grad_norm > 0.0 && grad_norm > self.clip_grad_norm {
                 self.clip_grad_norm / (grad_norm + 1e-6)
@@ -260,6 +311,14 @@ impl StepRunner {
             self.opt.step(&grads, lr)?;
         }
         self.scaler.update(found_inf);
+        times.optimizer += lap(timing)?;
+        if let Some(p) = self.phases.as_mut() {
+            p.forward += times.forward;
+            p.backward += times.backward;
+            p.grads += times.grads;
+            p.optimizer += times.optimizer;
+            p.steps += 1;
+        }
         Ok(StepOutput { loss, correct: host[1] as u64, samples, skipped, loss_scale: scale, grad_norm })
     }
 }

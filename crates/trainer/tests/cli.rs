@@ -277,13 +277,22 @@ fn bench_and_sweep_on_the_cpu() {
         "--warmup",
         "1",
         "--steps",
-        "1",
+        "2",
+        "--phases",
     ]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stderr).contains("kernels.conv = \"custom\""));
     let json = text.lines().find_map(|l| l.strip_prefix("BENCH_JSON ")).expect("BENCH_JSON line");
     assert!(json.contains("\"img_per_s\":") && !json.contains("\"img_per_s\":null"), "{json}");
+    // --phases: four phase times per step, each positive, together no more than the measured step time.
+    let v: serde_json::Value = serde_json::from_str(json).unwrap();
+    let phases = v["phases_ms"].as_object().unwrap_or_else(|| panic!("no phases_ms in {json}"));
+    assert_eq!(phases.len(), 4, "{json}");
+    let sum: f64 = phases.values().map(|x| x.as_f64().unwrap()).sum();
+    assert!(phases.values().all(|x| x.as_f64().unwrap() > 0.0), "{json}");
+    assert!(sum <= v["step_ms"].as_f64().unwrap() * 1.001, "{json}");
+    assert!(text.contains("phases, ms per step"), "{text}");
 
     let sweep = dir.path().join("sweep");
     let out = trainer(&[

@@ -1,0 +1,227 @@
+// Hopper (sm_90a) warp-specialised, persistent GEMM: TMA loads, an mbarrier ring, wgmma m64n256k16.
+//
+// C[M][N] = A B (+ bias[n]) with FP32 accumulation; or, split-K, FP32 partial sums into ws[z][M][N] that
+// gemm_splitk_reduce adds up. A and B are read through TMA tensor maps made on the host
+// (crates/kernels/src/cuda_gemm.rs, `tma_map`): K-major operands as one box of {64 k, rows} per stage, MN-major
+// ones as 64 x 64 boxes, one per 64-row panel. TMA zero-fills whatever lies outside the matrix, so any M, N, K
+// works (the row strides must be multiples of 16 bytes: K, or N / M for MN-major operands, multiples of 8).
+//
+// - Block tile 128 x 256 x 64, 4 stages (48 KiB each), 384 threads: warpgroup 0 is the producer (one thread
+//   issues the TMA copies; setmaxnreg gives its registers away), warpgroups 1 and 2 the consumers, each owning
+//   64 rows x 256 columns of the tile (128 FP32 accumulators per thread).
+// - Ring: full[s] (1 arrival + the stage's transaction bytes) and empty[s] (one arrival per consumer warpgroup).
+//   A consumer issues the 4 wgmmas of stage s, commits, waits until at most this group is in flight and then
+//   frees the previous stage, so the tensor cores always have the next group queued.
+// - Persistent: gridDim.x <= SMs blocks walk the work units (tile, k-split) with stride gridDim.x; tiles go in
+//   groups of 8 row-tiles so that blocks running together share A and B in L2. The producer runs ahead into the
+//   next unit while the consumers store the previous one.
+// - Shared layouts are the TMA 128-byte swizzle, which is wgmma's 128B-swizzle canonical layout (as in
+//   wgmma.cuh: K-major 128-byte rows, MN-major 64-element panels of 64 k-rows).
+#pragma once
+#include "gemm/igemm.cuh"
+#include "gemm/wgmma.cuh"
+#include "gemm/wgmma_n256.cuh"
+
+namespace ig {
+
+// A CUtensorMap (opaque 128 bytes, 64-byte aligned) passed by value as a __grid_constant__ kernel parameter.
+struct alignas(64) TmaDesc {
+    unsigned long long v[16];
+};
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Waits until the phase of parity `parity` of the barrier has completed.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done = 0;
+    while (!done) {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    }
+}
+// 2-D TMA copy of the box at (c0 inner, c1 outer) into shared memory; completes `bytes` on the barrier.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const TmaDesc* map, int c0, int c1, uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::
+            "r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
+        : "memory");
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+constexpr int TMA_BM = 128, TMA_BN = 256, TMA_KD = 64, TMA_STAGES = 4, TMA_THREADS = 384, TMA_GROUP = 8;
+constexpr int TMA_A_BYTES = TMA_BM * TMA_KD * 2, TMA_B_BYTES = TMA_BN * TMA_KD * 2;
+constexpr int TMA_STAGE_BYTES = TMA_A_BYTES + TMA_B_BYTES;
+// Dynamic shared memory of the launch: alignment slack, the stages, 2 x STAGES barriers.
+constexpr int TMA_SMEM_BYTES = 1024 + TMA_STAGES * TMA_STAGE_BYTES + 2 * TMA_STAGES * 8;
+
+// Work unit u -> (row tile, column tile, k-split).
+__device__ __forceinline__ void tma_unit(int u, int mt, int nt, int splits, int& tm, int& tn, int& ks) {
+    ks = u % splits;
+    const int tile = u / splits;
+    const int per_group = TMA_GROUP * nt;
+    const int first = tile / per_group * TMA_GROUP;
+    const int gs = min(mt - first, TMA_GROUP);
+    const int r = tile % per_group;
+    tm = first + r % gs;
+    tn = r / gs;
+}
+
+template <typename T, bool A_KMAJOR, bool B_KMAJOR>
+__device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* tb, T* C, float* ws, const T* bias,
+                                              const Shape& sh, unsigned char* smem_raw) {
+    unsigned char* smem = align1k<unsigned char>(smem_raw);
+    const uint32_t s0 = smem_u32(smem);
+    const uint32_t bars = s0 + TMA_STAGES * TMA_STAGE_BYTES;  // full[s] at bars + 8 s, empty[s] at + 8 (S + s)
+    const int tid = threadIdx.x, wg = tid >> 7;
+    const int M = sh.M, N = sh.N, K = sh.K;
+    const int mt = (M + TMA_BM - 1) / TMA_BM, nt = (N + TMA_BN - 1) / TMA_BN;
+    const int splits = K > 0 ? (K + sh.k_split - 1) / sh.k_split : 1;
+    const int units = mt * nt * splits;
+    if (tid == 0) {
+        for (int s = 0; s < TMA_STAGES; ++s) {
+            mbar_init(bars + 8 * s, 1);
+            mbar_init(bars + 8 * (TMA_STAGES + s), 2);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        setmaxnreg_dec<40>();
+        if (tid == 0) {
+            int it = 0;
+            for (int u = blockIdx.x; u < units; u += gridDim.x) {
+                int tm, tn, ks;
+                tma_unit(u, mt, nt, splits, tm, tn, ks);
+                const int k0 = ks * sh.k_split, k1 = min(K, k0 + sh.k_split);
+                const int kts = (k1 - k0 + TMA_KD - 1) / TMA_KD;
+                for (int kt = 0; kt < kts; ++kt, ++it) {
+                    const int s = it % TMA_STAGES;
+                    const uint32_t par = (it / TMA_STAGES) & 1;
+                    const uint32_t full = bars + 8 * s, empty = bars + 8 * (TMA_STAGES + s);
+                    mbar_wait(empty, par ^ 1);
+                    mbar_expect_tx(full, TMA_STAGE_BYTES);
+                    const uint32_t sa = s0 + s * TMA_STAGE_BYTES, sb = sa + TMA_A_BYTES;
+                    const int kc = k0 + kt * TMA_KD;
+                    if (A_KMAJOR) {
+                        tma_load_2d(sa, ta, kc, tm * TMA_BM, full);
+                    } else {
+#pragma unroll
+                        for (int p = 0; p < TMA_BM / 64; ++p) tma_load_2d(sa + p * 8192, ta, tm * TMA_BM + 64 * p, kc, full);
+                    }
+                    if (B_KMAJOR) {
+                        tma_load_2d(sb, tb, kc, tn * TMA_BN, full);
+                    } else {
+#pragma unroll
+                        for (int p = 0; p < TMA_BN / 64; ++p) tma_load_2d(sb + p * 8192, tb, tn * TMA_BN + 64 * p, kc, full);
+                    }
+                }
+            }
+        }
+        return;
+    }
+
+    setmaxnreg_inc<232>();
+    const int cw = wg - 1;              // consumer warpgroup: rows [64 cw, 64 cw + 64) of the tile
+    const int warp = (tid >> 5) & 3, lane = tid & 31;
+    float acc[128];
+    int it = 0;
+    for (int u = blockIdx.x; u < units; u += gridDim.x) {
+        int tm, tn, ks;
+        tma_unit(u, mt, nt, splits, tm, tn, ks);
+        const int k0 = ks * sh.k_split, k1 = min(K, k0 + sh.k_split);
+        const int kts = (k1 - k0 + TMA_KD - 1) / TMA_KD;
+#pragma unroll
+        for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+        int prev = 0;
+        for (int kt = 0; kt < kts; ++kt, ++it) {
+            const int s = it % TMA_STAGES;
+            mbar_wait(bars + 8 * s, (it / TMA_STAGES) & 1);
+            const uint32_t sa = s0 + s * TMA_STAGE_BYTES, sb = sa + TMA_A_BYTES;
+            fence_regs(acc);
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < TMA_KD / 16; ++kk) {
+                const uint64_t da = A_KMAJOR ? wg_desc(sa + cw * 64 * 128 + kk * 32, 16, 1024)
+                                             : wg_desc(sa + cw * 8192 + kk * 2048, 8192, 1024);
+                const uint64_t db = B_KMAJOR ? wg_desc(sb + kk * 32, 16, 1024) : wg_desc(sb + kk * 2048, 8192, 1024);
+                wgmma_n256<A_KMAJOR ? 0 : 1, B_KMAJOR ? 0 : 1>(acc, da, db, T());
+            }
+            wg_commit();
+            wg_wait<1>();
+            fence_regs(acc);
+            if (kt > 0 && (tid & 127) == 0) mbar_arrive(bars + 8 * (TMA_STAGES + prev));
+            prev = s;
+        }
+        wg_wait<0>();
+        fence_regs(acc);
+        if (kts > 0 && (tid & 127) == 0) mbar_arrive(bars + 8 * (TMA_STAGES + prev));
+
+        // Epilogue straight from the accumulators: fragment j (8 columns), element e: row + 8 (e >= 2),
+        // column 2 (lane % 4) + (e & 1).
+        const int row0 = tm * TMA_BM + cw * 64 + warp * 16 + (lane >> 2);
+        const int col0 = tn * TMA_BN + 2 * (lane & 3);
+        if (splits > 1) {
+            float* out = ws + (size_t)ks * M * N;
+#pragma unroll
+            for (int j = 0; j < 32; ++j) {
+                const int col = col0 + 8 * j;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int row = row0 + 8 * h;
+                    if (row < M && col < N) {
+                        if (col + 1 < N) {
+                            *reinterpret_cast<float2*>(out + (size_t)row * N + col) =
+                                make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+                        } else {
+                            out[(size_t)row * N + col] = acc[4 * j + 2 * h];
+                        }
+                    }
+                }
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 32; ++j) {
+                const int col = col0 + 8 * j;
+                float b0 = 0.f, b1 = 0.f;
+                if (sh.has_bias && col < N) {
+                    b0 = to_f(bias[col]);
+                    if (col + 1 < N) b1 = to_f(bias[col + 1]);
+                }
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int row = row0 + 8 * h;
+                    if (row < M && col < N) {
+                        const T v0 = from_f<T>(acc[4 * j + 2 * h] + b0), v1 = from_f<T>(acc[4 * j + 2 * h + 1] + b1);
+                        if (col + 1 < N && (sh.ldc & 1) == 0) {
+                            *reinterpret_cast<uint32_t*>(C + (size_t)row * sh.ldc + col) = pack2(v0, v1);
+                        } else {
+                            C[(size_t)row * sh.ldc + col] = v0;
+                            if (col + 1 < N) C[(size_t)row * sh.ldc + col + 1] = v1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+}  // namespace ig
