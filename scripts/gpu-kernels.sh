@@ -4,7 +4,7 @@
 #   2. the rest of the GPU suite (gpu-tests: pools incl. NHWC, ResNets on CUDA vs CPU),
 #   3. scripts/kernels-bench.sh: per-shape TFLOP/s ours / candle / cuDNN and matmul vs cuBLAS,
 #   4. ResNet-152 training img/s with kernels.conv/matmul = custom vs the default path vs PyTorch eager AMP
-#      channels-last in the same invocation (scripts/bench-vs-torch.sh).
+#      channels-last in the same invocation (scripts/bench-vs-torch.sh), and the step's phases (bench --phases).
 #   usage: bash scripts/gpu-kernels.sh [DIST_DIR]
 # Knobs: DTYPES (bf16), SIZES (128,256), BASELINE=0 skips the default-path run, SKIP_TESTS=1, SKIP_KB=1 skips
 # the kernels bench, KB_ARGS.
@@ -42,6 +42,10 @@ echo "== ResNet-152 training: kernels.conv=custom kernels.matmul=custom vs PyTor
 OUT="$out" bash "$here/bench-vs-torch.sh" "$bin/trainer" resnet152 "${DTYPES:-bf16}" "${SIZES:-128,256}" \
     --set kernels.conv=custom --set kernels.matmul=custom > "$out/bench-custom.log" 2>&1 || fails=$((fails + 1))
 tail -6 "$out/bench-custom.log"
+echo "== ResNet-152 step phases (custom kernels, bf16, batch 128; device synchronized between phases)"
+"$bin/trainer" bench --config "$here/../configs/resnet152.toml" --dtypes bf16 --batch-sizes 128 --warmup 2 --steps 5 \
+    --phases --set kernels.conv=custom --set kernels.matmul=custom > "$out/bench-phases.log" 2>&1 || fails=$((fails + 1))
+grep -E "^resnet|phases" "$out/bench-phases.log" | tail -2
 if [ "${BASELINE:-1}" = 1 ]; then
     echo "== same, default kernels (kernels.conv=fwdconv, cuBLAS), batch 128"
     "$bin/trainer" bench --config "$here/../configs/resnet152.toml" --dtypes "${DTYPES:-bf16}" --batch-sizes 128 \
