@@ -891,18 +891,36 @@ pub fn conv_supported(x: &Tensor) -> bool {
     x.device().is_cuda() && matches!(x.dtype(), DType::BF16 | DType::F16)
 }
 
+/// Channel counts below this that are not multiples of 8 (the 3-channel stem) are zero-padded up to the next
+/// multiple of 8 so that the vectorised kernels run them: the extra FLOPs cost far less than element-wise loads.
+const PAD_CHANNELS_BELOW: usize = 64;
+
+/// `x` (n, h, w, c) and `w` (ko, r, s, c) with c zero-padded to a multiple of 8 when c is small and not one
+/// already (same result: the added channels are zero in both); otherwise unchanged.
+fn pad_channels(x: &Tensor, w: &Tensor) -> Result<(Tensor, Tensor)> {
+    let c = x.dim(3)?;
+    if c % 8 == 0 || c >= PAD_CHANNELS_BELOW {
+        return Ok((x.clone(), w.clone()));
+    }
+    let extra = c.next_multiple_of(8) - c;
+    Ok((x.pad_with_zeros(3, 0, extra)?, w.pad_with_zeros(3, 0, extra)?))
+}
+
 /// Differentiable channels-last convolution on our kernels. x: (n, h, w, c), w: (ko, r, r, c) -> (n, p, q, ko).
+/// A small channel count that is not a multiple of 8 is zero-padded (autograd narrows the weight gradient back).
 pub fn conv2d_nhwc(x: &Tensor, w: &Tensor, stride: usize, pad: usize) -> Result<Tensor> {
-    let geom = geom_of(x, w, stride, pad)?;
-    let x = aligned(x)?;
-    let w = aligned(w)?;
+    let (x, w) = pad_channels(x, w)?;
+    let geom = geom_of(&x, &w, stride, pad)?;
+    let x = aligned(&x)?;
+    let w = aligned(&w)?;
     x.apply_op2(&w, ConvNhwc { geom })
 }
 
-/// Forward pass only (benchmarks, tests).
+/// Forward pass only (benchmarks, tests); pads small channel counts as [`conv2d_nhwc`] does.
 pub fn conv_nhwc_fwd(x: &Tensor, w: &Tensor, stride: usize, pad: usize) -> Result<Tensor> {
-    let geom = geom_of(x, w, stride, pad)?;
-    aligned(x)?.apply_op2_no_bwd(&aligned(w)?, &ConvOp { geom, pass: ConvPass::Fwd })
+    let (x, w) = pad_channels(x, w)?;
+    let geom = geom_of(&x, &w, stride, pad)?;
+    aligned(&x)?.apply_op2_no_bwd(&aligned(&w)?, &ConvOp { geom, pass: ConvPass::Fwd })
 }
 
 /// Grad-input: dy (n, p, q, ko), w (ko, r, r, c) -> dx (n, h, w, c) for an input of `in_hw`.
@@ -913,12 +931,24 @@ pub fn conv_nhwc_dgrad(dy: &Tensor, w: &Tensor, stride: usize, pad: usize, in_hw
     dgrad_geom(&aligned(dy)?, w, geom)
 }
 
-/// Grad-weight: dy (n, p, q, ko), x (n, h, w, c) -> dw (ko, r, r, c).
+/// Grad-weight: dy (n, p, q, ko), x (n, h, w, c) -> dw (ko, r, r, c); small channel counts are padded for the
+/// kernel (as in [`conv2d_nhwc`]) and the result narrowed back.
 pub fn conv_nhwc_wgrad(dy: &Tensor, x: &Tensor, r: usize, stride: usize, pad: usize) -> Result<Tensor> {
+    let c0 = x.dim(3)?;
+    let x = if c0 % 8 != 0 && c0 < PAD_CHANNELS_BELOW {
+        x.pad_with_zeros(3, 0, c0.next_multiple_of(8) - c0)?
+    } else {
+        x.clone()
+    };
     let (n, h, w, c) = x.dims4()?;
     let ko = dy.dim(3)?;
     let geom = ConvGeom { n, h, w, c, ko, r, stride, pad };
-    wgrad_geom(&aligned(dy)?, x, geom)
+    let dw = wgrad_geom(&aligned(dy)?, &x, geom)?;
+    if c == c0 {
+        Ok(dw)
+    } else {
+        dw.narrow(3, 0, c0)?.contiguous()
+    }
 }
 
 // ------------------------------------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ pub mod cuda_gemm;
 pub mod igemm;
 pub mod matmul;
 pub mod maxpool;
+#[cfg(feature = "cuda")]
+pub mod multi_tensor;
 pub mod shapes;
 
 pub use avgpool::global_avg_pool_nhwc;

@@ -25,6 +25,9 @@ pub struct Optimizer {
     slots: Vec<Slot>,
     /// Optimizer steps taken (skipped steps excluded), AdamW's bias-correction count.
     pub steps: u64,
+    /// SGD with momentum on CUDA (the multi-tensor path of [`Optimizer::step_flat`]): every momentum buffer as one
+    /// flat FP32 tensor; the slots' states are views of it.
+    flat_momentum: Option<Tensor>,
 }
 
 /// Per-parameter options, decided by the trainer from the config.
@@ -39,7 +42,7 @@ impl Optimizer {
             .into_iter()
             .map(|(name, var, o)| Slot { name, var, weight_decay: o.weight_decay, lr_mult: o.lr_mult, state: vec![] })
             .collect();
-        Self { kind, slots, steps: 0 }
+        Self { kind, slots, steps: 0, flat_momentum: None }
     }
 
     pub fn vars(&self) -> impl Iterator<Item = (&str, &Var)> {
@@ -52,6 +55,71 @@ impl Optimizer {
 
     pub fn is_empty(&self) -> bool {
         self.slots.is_empty()
+    }
+
+    /// Applies one update from `flat`: every parameter's unscaled FP32 gradient concatenated in order, to be
+    /// multiplied by `coef` (gradient clipping). SGD on a CUDA device runs as one multi-tensor kernel over all
+    /// parameters (kernels/optim/01_multi_tensor.cu); otherwise the per-parameter [`Optimizer::step`].
+    pub fn step_flat(&mut self, flat: &Tensor, coef: f64, lr: f64) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let OptimKind::Sgd { momentum, nesterov } = self.kind {
+            if flat.device().is_cuda() {
+                return self.sgd_multi_tensor(flat, coef, lr, momentum, nesterov);
+            }
+        }
+        let flat = if coef != 1.0 { (flat * coef)? } else { flat.clone() };
+        let mut offset = 0;
+        let mut grads = Vec::with_capacity(self.slots.len());
+        for s in &self.slots {
+            let n = s.var.elem_count();
+            grads.push(flat.narrow(0, offset, n)?.reshape(s.var.dims())?);
+            offset += n;
+        }
+        self.step(&grads, lr)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn sgd_multi_tensor(&mut self, flat: &Tensor, coef: f64, lr: f64, momentum: f64, nesterov: bool) -> Result<()> {
+        let total: usize = self.slots.iter().map(|s| s.var.elem_count()).sum();
+        let mut first = false;
+        if momentum > 0.0 && self.flat_momentum.is_none() {
+            // Fresh, or resumed from a checkpoint (per-slot states): one flat buffer, the slots' states views of it.
+            let buf = if self.slots.iter().all(|s| s.state.is_empty()) {
+                first = true;
+                Tensor::zeros(total, DType::F32, flat.device())?
+            } else {
+                let parts = self
+                    .slots
+                    .iter()
+                    .map(|s| match s.state.first() {
+                        Some(b) => Ok(b.flatten_all()?),
+                        // PyTorch would start this buffer at the gradient; a zero buffer differs only in this step.
+                        None => Ok(s.var.as_tensor().zeros_like()?.flatten_all()?),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                Tensor::cat(&parts, 0)?.contiguous()?
+            };
+            let mut off = 0;
+            for s in &mut self.slots {
+                let n = s.var.elem_count();
+                s.state = vec![buf.narrow(0, off, n)?.reshape(s.var.dims())?];
+                off += n;
+            }
+            self.flat_momentum = Some(buf);
+        }
+        let params: Vec<_> = self
+            .slots
+            .iter()
+            .map(|s| kernels::multi_tensor::SgdParam {
+                tensor: s.var.as_tensor(),
+                weight_decay: s.weight_decay as f32,
+                lr_mult: s.lr_mult as f32,
+            })
+            .collect();
+        let mom = self.flat_momentum.as_ref().unwrap_or(flat);
+        kernels::multi_tensor::sgd_step(&params, flat, mom, coef as f32, lr as f32, momentum as f32, nesterov, first)?;
+        self.steps += 1;
+        Ok(())
     }
 
     /// Applies one update. `grads[i]` is the (unscaled, clipped) FP32 gradient of the i-th parameter.
@@ -128,6 +196,7 @@ impl Optimizer {
     /// Restores state saved by [`state_tensors`]; a parameter without saved state starts fresh.
     pub fn load_state(&mut self, tensors: &BTreeMap<String, Tensor>, steps: u64) -> Result<()> {
         let names = self.state_names();
+        self.flat_momentum = None;
         for s in &mut self.slots {
             let found: Vec<Option<&Tensor>> = names.iter().map(|n| tensors.get(&format!("{}.{n}", s.name))).collect();
             s.state.clear();

@@ -281,10 +281,10 @@ impl StepRunner {
                 None => Ok(v.as_tensor().zeros_like()?.flatten_all()?),
             })
             .collect::<Result<_>>()?;
-        let all = (Tensor::cat(&flat, 0)? * (1.0 / scale))?;
+        // Sum of squares of all unscaled gradients: non-finite iff some gradient is inf/NaN (or overflows). On CUDA
+        // one multi-tensor kernel gathers, unscales and squares (kernels/optim/01_multi_tensor.cu).
+        let (all, total_sq) = gather_unscaled(&flat, 1.0 / scale)?;
         drop(flat);
-        // Sum of squares of all unscaled gradients: non-finite iff some gradient is inf/NaN (or overflows).
-        let total_sq = all.sqr()?.sum_all()?;
         let (loss_sum, correct_sum) =
             (loss_sum.ok_or_else(|| anyhow!("empty step"))?, correct_sum.ok_or_else(|| anyhow!("empty step"))?);
         let host: Vec<f32> = Tensor::stack(&[loss_sum.to_dtype(DType::F32)?, correct_sum, total_sq], 0)?.to_vec1()?;
@@ -300,15 +300,7 @@ impl StepRunner {
             } else {
                 1.0
             };
-            let all = if coef < 1.0 { (all * coef)? } else { all };
-            let mut offset = 0;
-            let mut grads = Vec::with_capacity(vars.len());
-            for v in &vars {
-                let n = v.elem_count();
-                grads.push(all.narrow(0, offset, n)?.reshape(v.dims())?);
-                offset += n;
-            }
-            self.opt.step(&grads, lr)?;
+            self.opt.step_flat(&all, coef, lr)?;
         }
         self.scaler.update(found_inf);
         times.optimizer += lap(timing)?;
@@ -321,6 +313,18 @@ impl StepRunner {
         }
         Ok(StepOutput { loss, correct: host[1] as u64, samples, skipped, loss_scale: scale, grad_norm })
     }
+}
+
+/// The tensors (FP32, flattened) concatenated and multiplied by `scale`, and the sum of squares of the result.
+fn gather_unscaled(flat: &[Tensor], scale: f64) -> Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if flat.first().is_some_and(|t| t.device().is_cuda()) {
+        let ts = flat.iter().map(|t| t.contiguous()).collect::<candle_core::Result<Vec<_>>>()?;
+        return Ok(kernels::multi_tensor::gather_scaled(&ts, scale as f32)?);
+    }
+    let all = (Tensor::cat(flat, 0)? * scale)?;
+    let sq = all.sqr()?.sum_all()?;
+    Ok((all, sq))
 }
 
 /// Validation result.

@@ -1,0 +1,149 @@
+//! Multi-tensor FP32 kernels for the end of a training step (`kernels/optim/01_multi_tensor.cu`): gathering every
+//! parameter's gradient into one flat, unscaled buffer with its sum of squares, and PyTorch's SGD over all
+//! parameters in place, each in one launch instead of several candle ops (launch + allocation) per tensor.
+//!
+//! The parameters are read and written through their device addresses: callers pass the FP32 master weights (the
+//! tensors of their `Var`s), contiguous, on one CUDA device, and nothing else may hold views of them that expect
+//! the old values.
+
+use crate::cuda::ptx;
+use candle_core::cuda_backend::cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaDevice, WrapErr};
+use candle_core::{DType, Result, Storage, Tensor};
+
+const MODULE: &str = "optim/01_multi_tensor";
+/// Elements per block (CHUNK in the .cu file).
+const CHUNK: usize = 16384;
+
+/// Device address of the first element of a contiguous FP32 CUDA tensor.
+fn f32_addr(t: &Tensor, what: &str) -> Result<(u64, CudaDevice)> {
+    if t.dtype() != DType::F32 {
+        candle_core::bail!("multi-tensor: {what} is {:?}, not f32", t.dtype());
+    }
+    let (st, l) = t.storage_and_layout();
+    let Some((o0, _)) = l.contiguous_offsets() else {
+        candle_core::bail!("multi-tensor: {what} is not contiguous");
+    };
+    match &*st {
+        Storage::Cuda(cs) => {
+            let dev = cs.device.clone();
+            let stream = dev.cuda_stream();
+            let (p, _sync) = cs.as_cuda_slice::<f32>()?.device_ptr(&stream);
+            Ok((p + (o0 * 4) as u64, dev))
+        }
+        _ => candle_core::bail!("multi-tensor: {what} is not on a CUDA device"),
+    }
+}
+
+/// Tensor table and block -> (tensor, first element) chunk list on the device; the number of blocks.
+struct Tables {
+    tab: candle_core::cuda_backend::cudarc::driver::CudaSlice<u64>,
+    chunks: candle_core::cuda_backend::cudarc::driver::CudaSlice<i32>,
+    blocks: usize,
+}
+
+/// `entries`: (address, offset in the flat buffer, length, weight decay, lr multiplier) per tensor.
+fn tables(dev: &CudaDevice, entries: &[(u64, usize, usize, f32, f32)]) -> Result<Tables> {
+    let mut tab = Vec::with_capacity(4 * entries.len());
+    let mut chunks = Vec::new();
+    for (i, &(addr, off, len, wd, lrm)) in entries.iter().enumerate() {
+        if len >= i32::MAX as usize {
+            candle_core::bail!("multi-tensor: a tensor of {len} elements is too large");
+        }
+        tab.extend([addr, off as u64, len as u64, u64::from(wd.to_bits()) | (u64::from(lrm.to_bits()) << 32)]);
+        for start in (0..len).step_by(CHUNK) {
+            chunks.extend([i as i32, start as i32]);
+        }
+    }
+    let blocks = chunks.len() / 2;
+    if blocks == 0 {
+        candle_core::bail!("multi-tensor: no elements");
+    }
+    // SAFETY: both buffers are written in full by the copies below before any kernel reads them.
+    let mut t = unsafe { dev.alloc::<u64>(tab.len())? };
+    let mut c = unsafe { dev.alloc::<i32>(chunks.len())? };
+    dev.memcpy_htod(&tab, &mut t)?;
+    dev.memcpy_htod(&chunks, &mut c)?;
+    Ok(Tables { tab: t, chunks: c, blocks })
+}
+
+fn cfg(blocks: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// All of `tensors` (FP32, contiguous, one CUDA device) times `scale`, concatenated flat in order, and the sum of
+/// the squares of that flat vector (a scalar tensor; summed per block, then in block order: deterministic).
+pub fn gather_scaled(tensors: &[Tensor], scale: f32) -> Result<(Tensor, Tensor)> {
+    let Some(first) = tensors.first() else { candle_core::bail!("multi-tensor: no tensors") };
+    let (_, dev) = f32_addr(first, "gradient 0")?;
+    let mut entries = Vec::with_capacity(tensors.len());
+    let mut off = 0;
+    for (i, t) in tensors.iter().enumerate() {
+        let (a, _) = f32_addr(t, &format!("gradient {i}"))?;
+        entries.push((a, off, t.elem_count(), 0.0, 0.0));
+        off += t.elem_count();
+    }
+    let tb = tables(&dev, &entries)?;
+    let flat = Tensor::zeros(off, DType::F32, first.device())?;
+    let partial = Tensor::zeros(tb.blocks, DType::F32, first.device())?;
+    let (pf, _) = f32_addr(&flat, "flat buffer")?;
+    let (pp, _) = f32_addr(&partial, "partial sums")?;
+    let f = dev.get_or_load_custom_func("mt_gather_f32", MODULE, ptx::OPTIM_01_MULTI_TENSOR)?;
+    let mut b = f.builder();
+    b.arg(&tb.tab).arg(&tb.chunks).arg(&pf).arg(&scale).arg(&pp);
+    // SAFETY: (tab, chunks, flat, scale, partial) as mt_gather_f32 takes them; every chunk lies inside its tensor
+    // and the flat buffer (off elements), partial holds one float per block.
+    unsafe { b.launch(cfg(tb.blocks)) }.w()?;
+    let sq = partial.sum_all()?;
+    Ok((flat, sq))
+}
+
+/// One parameter for [`sgd_step`]: its FP32 master tensor, weight decay and learning-rate multiplier.
+pub struct SgdParam<'a> {
+    pub tensor: &'a Tensor,
+    pub weight_decay: f32,
+    pub lr_mult: f32,
+}
+
+/// PyTorch's SGD over all `params` in place, their gradients `grad` (flat, in order) times `coef`, momentum
+/// buffers in the flat `momentum_buf` (same length; unused when `momentum` is 0; on the `first` step it is
+/// overwritten with the gradient, as PyTorch starts it).
+#[allow(clippy::too_many_arguments)]
+pub fn sgd_step(
+    params: &[SgdParam<'_>],
+    grad: &Tensor,
+    momentum_buf: &Tensor,
+    coef: f32,
+    lr: f32,
+    momentum: f32,
+    nesterov: bool,
+    first: bool,
+) -> Result<()> {
+    let Some(p0) = params.first() else { candle_core::bail!("multi-tensor: no parameters") };
+    let (_, dev) = f32_addr(p0.tensor, "parameter 0")?;
+    let mut entries = Vec::with_capacity(params.len());
+    let mut off = 0;
+    for (i, p) in params.iter().enumerate() {
+        let (a, _) = f32_addr(p.tensor, &format!("parameter {i}"))?;
+        entries.push((a, off, p.tensor.elem_count(), p.weight_decay, p.lr_mult));
+        off += p.tensor.elem_count();
+    }
+    if grad.elem_count() != off || momentum_buf.elem_count() != off {
+        candle_core::bail!(
+            "multi-tensor sgd: {off} parameter elements, {} gradient, {} momentum",
+            grad.elem_count(),
+            momentum_buf.elem_count()
+        );
+    }
+    let tb = tables(&dev, &entries)?;
+    let (pg, _) = f32_addr(grad, "gradient buffer")?;
+    let (pm, _) = f32_addr(momentum_buf, "momentum buffer")?;
+    let (nest, fst) = (i32::from(nesterov), i32::from(first));
+    let f = dev.get_or_load_custom_func("mt_sgd_f32", MODULE, ptx::OPTIM_01_MULTI_TENSOR)?;
+    let mut b = f.builder();
+    b.arg(&tb.tab).arg(&tb.chunks).arg(&pg).arg(&pm).arg(&coef).arg(&lr).arg(&momentum).arg(&nest).arg(&fst);
+    // SAFETY: (tab, chunks, grad, momentum, coef, lr, momentum, nesterov, first) as mt_sgd_f32 takes them; every
+    // chunk lies inside its parameter and the flat buffers (off elements each).
+    unsafe { b.launch(cfg(tb.blocks)) }.w()?;
+    Ok(())
+}

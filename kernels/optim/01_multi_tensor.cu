@@ -1,0 +1,69 @@
+// Multi-tensor FP32 kernels for the end of a training step: one launch over all ~465 parameter tensors instead of
+// several candle ops per tensor (each its own launch and allocation).
+//
+// Tables (built on the host each step, crates/kernels/src/multi_tensor.rs): per tensor i, tab[4 i + 0] = device
+// address of the tensor's FP32 data, tab[4 i + 1] = its offset in the flat buffer, tab[4 i + 2] = its length,
+// tab[4 i + 3] = two f32 (low: weight decay, high: lr multiplier). Per block b, chunks[b] = (tensor, first element):
+// every block handles up to CHUNK consecutive elements of one tensor.
+//
+// mt_gather_f32: flat[off + j] = src[j] * scale, and partial[b] = sum of the squares this block wrote (summed in a
+//   fixed order by the caller: deterministic). The flat buffer is the unscaled gradient of the whole model.
+// mt_sgd_f32: PyTorch's SGD on each tensor, in place: g = flat_grad * coef (+ wd * p); momentum buffer (flat)
+//   buf = first ? g : momentum * buf + g; d = nesterov ? g + momentum * buf : buf (or g without momentum);
+//   p -= lr * lr_mult * d.
+#include <stdint.h>
+
+#define CHUNK 16384
+
+__device__ __forceinline__ float lo_f(unsigned long long v) { return __uint_as_float((unsigned)(v & 0xffffffffu)); }
+__device__ __forceinline__ float hi_f(unsigned long long v) { return __uint_as_float((unsigned)(v >> 32)); }
+
+extern "C" __global__ void __launch_bounds__(256) mt_gather_f32(const unsigned long long* __restrict__ tab,
+                                                                 const int2* __restrict__ chunks,
+                                                                 float* __restrict__ flat, float scale,
+                                                                 float* __restrict__ partial) {
+    const int2 ch = chunks[blockIdx.x];
+    const float* src = reinterpret_cast<const float*>(tab[4 * ch.x]);
+    const long long off = (long long)tab[4 * ch.x + 1], len = (long long)tab[4 * ch.x + 2];
+    const long long end = min(len, (long long)ch.y + CHUNK);
+    float sq = 0.f;
+    for (long long j = ch.y + threadIdx.x; j < end; j += blockDim.x) {
+        const float v = src[j] * scale;
+        flat[off + j] = v;
+        sq += v * v;
+    }
+    __shared__ float red[8];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = sq;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float t = 0.f;
+        for (int w = 0; w < (int)(blockDim.x >> 5); ++w) t += red[w];
+        partial[blockIdx.x] = t;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) mt_sgd_f32(const unsigned long long* __restrict__ tab,
+                                                              const int2* __restrict__ chunks,
+                                                              const float* __restrict__ grad,
+                                                              float* __restrict__ mom, float coef, float lr,
+                                                              float momentum, int nesterov, int first) {
+    const int2 ch = chunks[blockIdx.x];
+    float* p = reinterpret_cast<float*>(tab[4 * ch.x]);
+    const long long off = (long long)tab[4 * ch.x + 1], len = (long long)tab[4 * ch.x + 2];
+    const float wd = lo_f(tab[4 * ch.x + 3]), lrm = hi_f(tab[4 * ch.x + 3]) * lr;
+    const long long end = min(len, (long long)ch.y + CHUNK);
+    for (long long j = ch.y + threadIdx.x; j < end; j += blockDim.x) {
+        const float pj = p[j];
+        float g = grad[off + j] * coef;
+        if (wd != 0.f) g += wd * pj;
+        float d = g;
+        if (momentum != 0.f) {
+            const float buf = first ? g : momentum * mom[off + j] + g;
+            mom[off + j] = buf;
+            d = nesterov ? g + momentum * buf : buf;
+        }
+        p[j] = pj - lrm * d;
+    }
+}
