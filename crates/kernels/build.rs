@@ -55,7 +55,7 @@ fn main() {
         let mut cmd = Command::new(&nvcc);
         if fatbin && module.contains("wgmma") {
             // wgmma (warpgroup MMA) exists only on sm_90a: SASS for compute capability 9.0 exactly, no PTX; the
-            // launchers offer these tiles only on such a device (cuda_gemm.rs, `candidates`).
+            // launchers offer these tiles only on such a device (cuda_gemm.rs, `tiles_for`).
             cmd.args(["--fatbin", "-gencode=arch=compute_90a,code=sm_90a"]);
         } else if fatbin {
             cmd.args(["--fatbin", "-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_80,code=compute_80"]);

@@ -84,6 +84,16 @@ __device__ __forceinline__ void tma_unit(int u, int mt, int nt, int splits, int&
     tn = r / gs;
 }
 
+// Work unit u -> (row tile, column tile, k-split, first k); returns its number of 64-deep k-tiles. The producer
+// and the consumers walk the same units.
+__device__ __forceinline__ int tma_unit_ktiles(int u, int mt, int nt, int splits, const Shape& sh, int& tm, int& tn,
+                                               int& ks, int& k0) {
+    tma_unit(u, mt, nt, splits, tm, tn, ks);
+    k0 = ks * sh.k_split;
+    const int k1 = min(sh.K, k0 + sh.k_split);
+    return (k1 - k0 + TMA_KD - 1) / TMA_KD;
+}
+
 template <typename T, bool A_KMAJOR, bool B_KMAJOR>
 __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* tb, T* C, float* ws, const T* bias,
                                               const Shape& sh, unsigned char* smem_raw) {
@@ -109,10 +119,8 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
         if (tid == 0) {
             int it = 0;
             for (int u = blockIdx.x; u < units; u += gridDim.x) {
-                int tm, tn, ks;
-                tma_unit(u, mt, nt, splits, tm, tn, ks);
-                const int k0 = ks * sh.k_split, k1 = min(K, k0 + sh.k_split);
-                const int kts = (k1 - k0 + TMA_KD - 1) / TMA_KD;
+                int tm, tn, ks, k0;
+                const int kts = tma_unit_ktiles(u, mt, nt, splits, sh, tm, tn, ks, k0);
                 for (int kt = 0; kt < kts; ++kt, ++it) {
                     const int s = it % TMA_STAGES;
                     const uint32_t par = (it / TMA_STAGES) & 1;
@@ -145,10 +153,8 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
     float acc[128];
     int it = 0;
     for (int u = blockIdx.x; u < units; u += gridDim.x) {
-        int tm, tn, ks;
-        tma_unit(u, mt, nt, splits, tm, tn, ks);
-        const int k0 = ks * sh.k_split, k1 = min(K, k0 + sh.k_split);
-        const int kts = (k1 - k0 + TMA_KD - 1) / TMA_KD;
+        int tm, tn, ks, k0;
+        const int kts = tma_unit_ktiles(u, mt, nt, splits, sh, tm, tn, ks, k0);
 #pragma unroll
         for (int i = 0; i < 128; ++i) acc[i] = 0.f;
         int prev = 0;
