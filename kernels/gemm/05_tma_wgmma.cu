@@ -4,23 +4,26 @@
 // arithmetic, zero-fill out of bounds by the hardware) into a 4-stage mbarrier ring; a producer warpgroup and two
 // consumer warpgroups (setmaxnreg 40 / 232) instead of every thread loading and computing; one m64n256k16 per
 // consumer and k-step; a persistent grid of at most one block per SM that walks the tiles (and k-splits) so
-// that the loads of the next tile overlap the stores of the last. Tile x256: 128x256x64.
+// that the loads of the next tile overlap the stores of the last. Tile x256: 128x256x64, 4 stages; tile x128:
+// 128x128x64, 6 stages (more tiles for the shapes where 128x256 leaves SMs idle in the last wave).
 // Kernel arguments: (tensor map of A, tensor map of B, C, split-K workspace, bias, shape); the same names and
 // layouts as 01-04 (nt: A[M][K] B[N][K]; nn: A[M][K] B[K][N]; tn: A[K][M] B[K][N]).
 #include "gemm/tma.cuh"
 
-#define GEMM_TMA(NAME, T, AK, BKM)                                                                             \
+#define GEMM_TMA(NAME, T, AK, BKM, BN)                                                                         \
     extern "C" __global__ void __launch_bounds__(ig::TMA_THREADS, 1)                                         \
         NAME(const __grid_constant__ ig::TmaDesc ta, const __grid_constant__ ig::TmaDesc tb, T* __restrict__ c, \
              float* __restrict__ ws, const T* __restrict__ bias, ig::Shape sh) {                             \
         extern __shared__ __align__(1024) unsigned char ig_smem[];                                            \
-        ig::tma_gemm_body<T, AK, BKM>(&ta, &tb, c, ws, bias, sh, ig_smem);                                    \
+        ig::tma_gemm_body<T, ig::TMA_GEMM, AK, BKM, BN>(&ta, &tb, c, ws, bias, sh, ig_smem);                  \
     }
 
-#define GEMM_TMA_ALL(T, SUF)                             \
-    GEMM_TMA(gemm_nt_x256_vec_##SUF, T, true, true)      \
-    GEMM_TMA(gemm_nn_x256_vec_##SUF, T, true, false)     \
-    GEMM_TMA(gemm_tn_x256_vec_##SUF, T, false, false)
+#define GEMM_TMA_ALL(T, SUF, BN)                                  \
+    GEMM_TMA(gemm_nt_x##BN##_vec_##SUF, T, true, true, BN)        \
+    GEMM_TMA(gemm_nn_x##BN##_vec_##SUF, T, true, false, BN)       \
+    GEMM_TMA(gemm_tn_x##BN##_vec_##SUF, T, false, false, BN)
 
-GEMM_TMA_ALL(__nv_bfloat16, bf16)
-GEMM_TMA_ALL(__half, f16)
+GEMM_TMA_ALL(__nv_bfloat16, bf16, 256)
+GEMM_TMA_ALL(__half, f16, 256)
+GEMM_TMA_ALL(__nv_bfloat16, bf16, 128)
+GEMM_TMA_ALL(__half, f16, 128)

@@ -66,11 +66,39 @@ __device__ __forceinline__ void setmaxnreg_inc() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
-constexpr int TMA_BM = 128, TMA_BN = 256, TMA_KD = 64, TMA_STAGES = 4, TMA_THREADS = 384, TMA_GROUP = 8;
-constexpr int TMA_A_BYTES = TMA_BM * TMA_KD * 2, TMA_B_BYTES = TMA_BN * TMA_KD * 2;
-constexpr int TMA_STAGE_BYTES = TMA_A_BYTES + TMA_B_BYTES;
-// Dynamic shared memory of the launch: alignment slack, the stages, 2 x STAGES barriers.
-constexpr int TMA_SMEM_BYTES = 1024 + TMA_STAGES * TMA_STAGE_BYTES + 2 * TMA_STAGES * 8;
+// 4-D im2col TMA copy (tensor {c, w, h, n}): pixelsPerColumn pixels of the map, starting at the window corner
+// (w, h) of image n and walking the output pixels in NHW order, each channelsPerPixel channels from c; the tap
+// offsets (ow, oh) shift every window. Outside the image the hardware writes zeros (the padding).
+__device__ __forceinline__ void tma_load_im2col(uint32_t dst, const TmaDesc* map, int c, int w, int h, int n,
+                                                unsigned short ow, unsigned short oh, uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.im2col.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, "
+        "%6}], [%2], {%7, %8};\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c), "r"(w), "r"(h), "r"(n), "h"(ow), "h"(oh)
+        : "memory");
+}
+
+// What the producer loads: plain matrices (GEMM) or one pass of a channels-last convolution.
+//  - TMA_CONV_FWD:   A = im2col(x) (M = N*P*Q pixels, 128 per box), B = w [Ko][R*S*C] K-major.
+//  - TMA_CONV_DGRAD: stride 1 only. A = im2col(dy) with the flipped-kernel padding R-1-pad (M = N*H*W), B = w
+//                    read MN-major at the flipped tap: B[(tap', k)][c] = w[k][R*S-1-tap'][c].
+//  - TMA_CONV_WGRAD: A = dy^T (MN-major panels of dy [N*P*Q][Ko]), B = im2col(x) as MN-major panels of 64
+//                    pixels x 64 channels, one tap per panel (M = Ko, N = R*S*C, K = N*P*Q).
+// A 64-deep k-tile never straddles two taps: the convolution modes need the im2col channel count (C, or Ko for
+// grad-input) to be a multiple of 64 (checked by the launcher).
+constexpr int TMA_GEMM = 0, TMA_CONV_FWD = 1, TMA_CONV_DGRAD = 2, TMA_CONV_WGRAD = 3;
+
+constexpr int TMA_BM = 128, TMA_KD = 64, TMA_THREADS = 384, TMA_GROUP = 8;
+constexpr int TMA_A_BYTES = TMA_BM * TMA_KD * 2;
+// Per block-tile width BN (256: tile x256, 128: tile x128): stages and dynamic shared memory (alignment slack,
+// the stages, 2 x STAGES barriers). The launcher's Tile constants (cuda_gemm.rs) repeat these sizes.
+template <int BN>
+struct TmaCfg {
+    static constexpr int STAGES = BN == 256 ? 4 : 6;
+    static constexpr int B_BYTES = BN * TMA_KD * 2;
+    static constexpr int STAGE_BYTES = TMA_A_BYTES + B_BYTES;
+    static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + 2 * STAGES * 8;
+};
 
 // Work unit u -> (row tile, column tile, k-split).
 __device__ __forceinline__ void tma_unit(int u, int mt, int nt, int splits, int& tm, int& tn, int& ks) {
@@ -94,21 +122,93 @@ __device__ __forceinline__ int tma_unit_ktiles(int u, int mt, int nt, int splits
     return (k1 - k0 + TMA_KD - 1) / TMA_KD;
 }
 
-template <typename T, bool A_KMAJOR, bool B_KMAJOR>
+// Output pixel m of an im2col walk -> (image, top-left corner of its window in the source tensor).
+template <int CONV>
+__device__ __forceinline__ void tma_window(const Shape& sh, int m, int& n, int& hs, int& ws) {
+    const bool dg = CONV == TMA_CONV_DGRAD;
+    const int oh_n = dg ? sh.h : sh.p, ow_n = dg ? sh.w : sh.q;
+    const int st = dg ? 1 : sh.stride, pd = dg ? sh.r - 1 - sh.pad : sh.pad;
+    n = m / (oh_n * ow_n);
+    const int rem = m - n * oh_n * ow_n;
+    const int oh = rem / ow_n;
+    hs = oh * st - pd;
+    ws = (rem - oh * ow_n) * st - pd;
+}
+
+// One k-tile (depth TMA_KD at reduction index kc) of work unit (tm, tn) into stage buffers sa / sb.
+template <int CONV, bool A_KMAJOR, bool B_KMAJOR, int BN>
+__device__ __forceinline__ void tma_produce(const TmaDesc* ta, const TmaDesc* tb, const Shape& sh, int tm, int tn,
+                                            int kc, uint32_t sa, uint32_t sb, uint32_t full) {
+    if (CONV == TMA_GEMM) {
+        if (A_KMAJOR) {
+            tma_load_2d(sa, ta, kc, tm * TMA_BM, full);
+        } else {
+#pragma unroll
+            for (int p = 0; p < TMA_BM / 64; ++p) tma_load_2d(sa + p * 8192, ta, tm * TMA_BM + 64 * p, kc, full);
+        }
+        if (B_KMAJOR) {
+            tma_load_2d(sb, tb, kc, tn * BN, full);
+        } else {
+#pragma unroll
+            for (int p = 0; p < BN / 64; ++p) tma_load_2d(sb + p * 8192, tb, tn * BN + 64 * p, kc, full);
+        }
+    } else if (CONV == TMA_CONV_FWD || CONV == TMA_CONV_DGRAD) {
+        int n, hs, ws;
+        tma_window<CONV>(sh, tm * TMA_BM, n, hs, ws);
+        const int ch = CONV == TMA_CONV_FWD ? sh.c : sh.ko;  // channels of the im2col source
+        const int tap = kc / ch, c0 = kc - tap * ch;
+        const int r = tap / sh.s, s = tap - r * sh.s;
+        tma_load_im2col(sa, ta, c0, ws, hs, n, (unsigned short)s, (unsigned short)r, full);
+        if (CONV == TMA_CONV_FWD) {
+            tma_load_2d(sb, tb, kc, tn * BN, full);
+        } else {
+            const int col = (sh.r * sh.s - 1 - tap) * sh.c + tn * BN;  // flipped tap; columns past C are unused
+#pragma unroll
+            for (int p = 0; p < BN / 64; ++p) tma_load_2d(sb + p * 8192, tb, col + 64 * p, c0, full);
+        }
+    } else {  // TMA_CONV_WGRAD
+#pragma unroll
+        for (int p = 0; p < TMA_BM / 64; ++p) tma_load_2d(sa + p * 8192, ta, tm * TMA_BM + 64 * p, kc, full);
+        int n, hs, ws;
+        tma_window<CONV>(sh, kc, n, hs, ws);
+        const int taps = sh.r * sh.s;
+#pragma unroll
+        for (int p = 0; p < BN / 64; ++p) {
+            const int col = tn * BN + 64 * p;
+            int tap = col / sh.c, c0 = col - tap * sh.c;
+            if (tap >= taps) tap = taps - 1, c0 = 0;  // columns past R*S*C: any data, never stored
+            const int r = tap / sh.s, s = tap - r * sh.s;
+            tma_load_im2col(sb + p * 8192, tb, c0, ws, hs, n, (unsigned short)s, (unsigned short)r, full);
+        }
+    }
+}
+
+template <int BN, int TA, int TB, typename T>
+__device__ __forceinline__ void tma_wgmma(float (&acc)[BN / 2], uint64_t da, uint64_t db, T t) {
+    if constexpr (BN == 256) {
+        wgmma_n256<TA, TB>(acc, da, db, t);
+    } else {
+        wgmma_n128<TA, TB>(acc, da, db, t);
+    }
+}
+
+template <typename T, int CONV, bool A_KMAJOR, bool B_KMAJOR, int BN>
 __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* tb, T* C, float* ws, const T* bias,
                                               const Shape& sh, unsigned char* smem_raw) {
+    using Cfg = TmaCfg<BN>;
+    constexpr int STAGES = Cfg::STAGES, STAGE_BYTES = Cfg::STAGE_BYTES;
     unsigned char* smem = align1k<unsigned char>(smem_raw);
     const uint32_t s0 = smem_u32(smem);
-    const uint32_t bars = s0 + TMA_STAGES * TMA_STAGE_BYTES;  // full[s] at bars + 8 s, empty[s] at + 8 (S + s)
+    const uint32_t bars = s0 + STAGES * STAGE_BYTES;  // full[s] at bars + 8 s, empty[s] at + 8 (S + s)
     const int tid = threadIdx.x, wg = tid >> 7;
     const int M = sh.M, N = sh.N, K = sh.K;
-    const int mt = (M + TMA_BM - 1) / TMA_BM, nt = (N + TMA_BN - 1) / TMA_BN;
+    const int mt = (M + TMA_BM - 1) / TMA_BM, nt = (N + BN - 1) / BN;
     const int splits = K > 0 ? (K + sh.k_split - 1) / sh.k_split : 1;
     const int units = mt * nt * splits;
     if (tid == 0) {
-        for (int s = 0; s < TMA_STAGES; ++s) {
+        for (int s = 0; s < STAGES; ++s) {
             mbar_init(bars + 8 * s, 1);
-            mbar_init(bars + 8 * (TMA_STAGES + s), 2);
+            mbar_init(bars + 8 * (STAGES + s), 2);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -122,25 +222,14 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
                 int tm, tn, ks, k0;
                 const int kts = tma_unit_ktiles(u, mt, nt, splits, sh, tm, tn, ks, k0);
                 for (int kt = 0; kt < kts; ++kt, ++it) {
-                    const int s = it % TMA_STAGES;
-                    const uint32_t par = (it / TMA_STAGES) & 1;
-                    const uint32_t full = bars + 8 * s, empty = bars + 8 * (TMA_STAGES + s);
+                    const int s = it % STAGES;
+                    const uint32_t par = (it / STAGES) & 1;
+                    const uint32_t full = bars + 8 * s, empty = bars + 8 * (STAGES + s);
                     mbar_wait(empty, par ^ 1);
-                    mbar_expect_tx(full, TMA_STAGE_BYTES);
-                    const uint32_t sa = s0 + s * TMA_STAGE_BYTES, sb = sa + TMA_A_BYTES;
-                    const int kc = k0 + kt * TMA_KD;
-                    if (A_KMAJOR) {
-                        tma_load_2d(sa, ta, kc, tm * TMA_BM, full);
-                    } else {
-#pragma unroll
-                        for (int p = 0; p < TMA_BM / 64; ++p) tma_load_2d(sa + p * 8192, ta, tm * TMA_BM + 64 * p, kc, full);
-                    }
-                    if (B_KMAJOR) {
-                        tma_load_2d(sb, tb, kc, tn * TMA_BN, full);
-                    } else {
-#pragma unroll
-                        for (int p = 0; p < TMA_BN / 64; ++p) tma_load_2d(sb + p * 8192, tb, tn * TMA_BN + 64 * p, kc, full);
-                    }
+                    mbar_expect_tx(full, STAGE_BYTES);
+                    const uint32_t sa = s0 + s * STAGE_BYTES;
+                    tma_produce<CONV, A_KMAJOR, B_KMAJOR, BN>(ta, tb, sh, tm, tn, k0 + kt * TMA_KD, sa,
+                                                              sa + TMA_A_BYTES, full);
                 }
             }
         }
@@ -150,18 +239,19 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
     setmaxnreg_inc<232>();
     const int cw = wg - 1;              // consumer warpgroup: rows [64 cw, 64 cw + 64) of the tile
     const int warp = (tid >> 5) & 3, lane = tid & 31;
-    float acc[128];
+    constexpr int NACC = BN / 2;
+    float acc[NACC];
     int it = 0;
     for (int u = blockIdx.x; u < units; u += gridDim.x) {
         int tm, tn, ks, k0;
         const int kts = tma_unit_ktiles(u, mt, nt, splits, sh, tm, tn, ks, k0);
 #pragma unroll
-        for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+        for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
         int prev = 0;
         for (int kt = 0; kt < kts; ++kt, ++it) {
-            const int s = it % TMA_STAGES;
-            mbar_wait(bars + 8 * s, (it / TMA_STAGES) & 1);
-            const uint32_t sa = s0 + s * TMA_STAGE_BYTES, sb = sa + TMA_A_BYTES;
+            const int s = it % STAGES;
+            mbar_wait(bars + 8 * s, (it / STAGES) & 1);
+            const uint32_t sa = s0 + s * STAGE_BYTES, sb = sa + TMA_A_BYTES;
             fence_regs(acc);
             wg_fence();
 #pragma unroll
@@ -169,26 +259,26 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
                 const uint64_t da = A_KMAJOR ? wg_desc(sa + cw * 64 * 128 + kk * 32, 16, 1024)
                                              : wg_desc(sa + cw * 8192 + kk * 2048, 8192, 1024);
                 const uint64_t db = B_KMAJOR ? wg_desc(sb + kk * 32, 16, 1024) : wg_desc(sb + kk * 2048, 8192, 1024);
-                wgmma_n256<A_KMAJOR ? 0 : 1, B_KMAJOR ? 0 : 1>(acc, da, db, T());
+                tma_wgmma<BN, A_KMAJOR ? 0 : 1, B_KMAJOR ? 0 : 1>(acc, da, db, T());
             }
             wg_commit();
             wg_wait<1>();
             fence_regs(acc);
-            if (kt > 0 && (tid & 127) == 0) mbar_arrive(bars + 8 * (TMA_STAGES + prev));
+            if (kt > 0 && (tid & 127) == 0) mbar_arrive(bars + 8 * (STAGES + prev));
             prev = s;
         }
         wg_wait<0>();
         fence_regs(acc);
-        if (kts > 0 && (tid & 127) == 0) mbar_arrive(bars + 8 * (TMA_STAGES + prev));
+        if (kts > 0 && (tid & 127) == 0) mbar_arrive(bars + 8 * (STAGES + prev));
 
         // Epilogue straight from the accumulators: fragment j (8 columns), element e: row + 8 (e >= 2),
         // column 2 (lane % 4) + (e & 1).
         const int row0 = tm * TMA_BM + cw * 64 + warp * 16 + (lane >> 2);
-        const int col0 = tn * TMA_BN + 2 * (lane & 3);
+        const int col0 = tn * BN + 2 * (lane & 3);
         if (splits > 1) {
             float* out = ws + (size_t)ks * M * N;
 #pragma unroll
-            for (int j = 0; j < 32; ++j) {
+            for (int j = 0; j < BN / 8; ++j) {
                 const int col = col0 + 8 * j;
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
@@ -205,7 +295,7 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
             }
         } else {
 #pragma unroll
-            for (int j = 0; j < 32; ++j) {
+            for (int j = 0; j < BN / 8; ++j) {
                 const int col = col0 + 8 * j;
                 float b0 = 0.f, b1 = 0.f;
                 if (sh.has_bias && col < N) {

@@ -97,8 +97,9 @@ pub const W128S3: Tile =
 pub const W256: Tile =
     Tile { name: "w256", bm: 128, bn: 256, bk: 64, threads: 256, smem: 4 * (128 + 256) * 64 * 2 + 1024, file: 4 };
 /// 128x256x64 on the warp-specialised persistent TMA + wgmma kernel (05_tma_wgmma, sm_90a only): 384 threads
-/// (a producer and two consumer warpgroups), 4 stages. Matmuls and the 1x1 stride-1 convolutions (plain GEMMs in
-/// channels-last); a forced `x256` on any other convolution runs `w256`.
+/// (a producer and two consumer warpgroups), 4 stages. Matmuls, the 1x1 stride-1 convolutions (plain GEMMs in
+/// channels-last) and, through im2col tensor maps, the convolution passes [`tma_conv_applies`] accepts; a forced
+/// `x256` / `x128` on any other convolution pass runs `w256` / `w128`.
 pub const X256: Tile = Tile {
     name: "x256",
     bm: 128,
@@ -108,9 +109,20 @@ pub const X256: Tile = Tile {
     smem: 1024 + 4 * (128 + 256) * 64 * 2 + 2 * 4 * 8,
     file: 5,
 };
-/// Every tile variant; the last four (`w*`, `x256`: wgmma) run only on compute capability 9.0 (see
+/// 128x128x64 on the TMA kernel, 6 stages (05_tma_wgmma): twice the tiles of `x256`, for shapes whose last
+/// wave of 128x256 tiles would leave SMs idle.
+pub const X128: Tile = Tile {
+    name: "x128",
+    bm: 128,
+    bn: 128,
+    bk: 64,
+    threads: 384,
+    smem: 1024 + 6 * (128 + 128) * 64 * 2 + 2 * 6 * 8,
+    file: 5,
+};
+/// Every tile variant; the last five (`w*`, `x*`: wgmma) run only on compute capability 9.0 (see
 /// [`tiles_for`]).
-pub const TILES: [Tile; 10] = [T128, T64, T256, T128W, T128K64, T256K64, W128, W128S3, W256, X256];
+pub const TILES: [Tile; 11] = [T128, T64, T256, T128W, T128K64, T256K64, W128, W128S3, W256, X256, X128];
 /// The tiles that run on any sm_80+ GPU (mma.sync).
 pub const PORTABLE_TILES: [Tile; 6] = [T128, T64, T256, T128W, T128K64, T256K64];
 
@@ -375,6 +387,7 @@ fn conv_module(tile: Tile) -> (&'static str, &'static [u8]) {
         2 => ("conv/02_large_tiles", ptx::CONV_02_LARGE_TILES),
         3 => ("conv/03_deep_k", ptx::CONV_03_DEEP_K),
         4 => ("conv/04_wgmma", ptx::CONV_04_WGMMA),
+        5 => ("conv/05_tma_wgmma", ptx::CONV_05_TMA_WGMMA),
         _ => ("conv/01_implicit_gemm", ptx::CONV_01_IMPLICIT_GEMM),
     }
 }
@@ -436,7 +449,12 @@ fn reduce_cfg(len: usize) -> LaunchConfig {
 }
 
 // ------------------------------------------------------------------------------------------------------------
-// The TMA GEMM (x256, kernels/gemm/05_tma_wgmma.cu).
+// The TMA kernels (x256 / x128: kernels/gemm/05_tma_wgmma.cu, kernels/conv/05_tma_wgmma.cu).
+
+/// Whether `tile` is one of the TMA kernels' tiles.
+fn is_tma(tile: Tile) -> bool {
+    tile.file == 5
+}
 
 /// A CUtensorMap as the kernels take it: 128 opaque bytes by value (`ig::TmaDesc`, a `__grid_constant__`).
 #[repr(C, align(64))]
@@ -446,15 +464,20 @@ struct TmaDesc([u64; 16]);
 // SAFETY: plain bytes, laid out as the CUtensorMap the driver encoded.
 unsafe impl DeviceRepr for TmaDesc {}
 
+fn tma_dtype(dt: DType, op: &str) -> Result<candle_core::cuda_backend::cudarc::driver::sys::CUtensorMapDataType> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUtensorMapDataType as D;
+    match dt {
+        DType::BF16 => Ok(D::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16),
+        DType::F16 => Ok(D::CU_TENSOR_MAP_DATA_TYPE_FLOAT16),
+        other => candle_core::bail!("{op} (cuda): no TMA path for {other:?}"),
+    }
+}
+
 /// Tensor map of a row-major `outer` x `inner` matrix at device address `ptr` (row stride `inner` elements):
 /// boxes of 64 x `box_outer` elements into 128-byte-swizzled shared memory, zero fill out of bounds.
 fn tma_map(ptr: u64, dt: DType, inner: usize, outer: usize, box_outer: u32, op: &str) -> Result<TmaDesc> {
     use candle_core::cuda_backend::cudarc::driver::sys;
-    let dtype = match dt {
-        DType::BF16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-        DType::F16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-        other => candle_core::bail!("{op} (cuda): no TMA path for {other:?}"),
-    };
+    let dtype = tma_dtype(dt, op)?;
     if (inner * 2) % 16 != 0 || ptr % 16 != 0 {
         candle_core::bail!("{op} (cuda): TMA operand rows of {inner} elements are not 16-byte aligned");
     }
@@ -488,41 +511,111 @@ fn tma_map(ptr: u64, dt: DType, inner: usize, outer: usize, box_outer: u32, op: 
     Ok(TmaDesc(unsafe { map.assume_init() }.opaque))
 }
 
-/// Split-K of the TMA kernel: one k-split while the tiles alone give half a wave of blocks, else enough splits to
-/// fill the SMs, each at least 4 k-tiles deep. Returns (k_split, splits).
-fn tma_split(m: usize, n: usize, k: usize, sms: usize) -> (usize, usize) {
-    let tiles = m.div_ceil(X256.bm) * n.div_ceil(X256.bn);
-    let want = if 2 * tiles >= sms { 1 } else { sms.div_ceil(tiles).min(k / (4 * X256.bk)).max(1) };
-    let k_split = k.div_ceil(want).div_ceil(X256.bk).max(1) * X256.bk;
+/// Im2col tensor map over the channels-last tensor `dims` = (n, h, w, c) at `ptr`: each copy is a column of
+/// `pixels` output pixels x 64 channels of an `r` x `r` convolution with `stride`, whose windows start at
+/// -`pad` (the bounding box of the windows' top-left corners is [-pad, size - 1 + pad - (r - 1)]); the tap comes
+/// with each copy as its im2col offset. Zero fill outside the tensor.
+#[allow(clippy::too_many_arguments)]
+fn tma_im2col_map(
+    ptr: u64,
+    dt: DType,
+    (n, h, w, c): (usize, usize, usize, usize),
+    r: usize,
+    stride: usize,
+    pad: usize,
+    pixels: u32,
+    op: &str,
+) -> Result<TmaDesc> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let dtype = tma_dtype(dt, op)?;
+    if c % 64 != 0 || ptr % 16 != 0 || stride == 0 || stride > 8 {
+        candle_core::bail!("{op} (cuda): no im2col tensor map for c={c} r={r} stride={stride} pad={pad}");
+    }
+    let dims = [c as u64, w as u64, h as u64, n as u64];
+    let strides = [(c * 2) as u64, (w * c * 2) as u64, (h * w * c * 2) as u64];
+    let lower = [-(pad as i32); 2];
+    let upper = [pad as i32 - (r as i32 - 1); 2];
+    let elem_strides = [1u32, stride as u32, stride as u32, 1];
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+    // SAFETY: dims / elem_strides have rank (4) entries, strides rank - 1, the corners rank - 2; the map is
+    // written by the driver before it is read.
+    let res = unsafe {
+        sys::cuTensorMapEncodeIm2col(
+            map.as_mut_ptr(),
+            dtype,
+            4,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            lower.as_ptr(),
+            upper.as_ptr(),
+            64,
+            pixels,
+            elem_strides.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if res != sys::CUresult::CUDA_SUCCESS {
+        candle_core::bail!("{op} (cuda): cuTensorMapEncodeIm2col failed ({res:?}) for a {n}x{h}x{w}x{c} tensor");
+    }
+    // SAFETY: initialised by the successful call above.
+    Ok(TmaDesc(unsafe { map.assume_init() }.opaque))
+}
+
+/// Split-K of the TMA kernels: one k-split while the tiles alone give half a wave of blocks, else as many splits
+/// as fit the SMs in one wave, each at least 4 k-tiles deep. Returns (k_split, splits).
+fn tma_split(tile: Tile, m: usize, n: usize, k: usize, sms: usize) -> (usize, usize) {
+    let tiles = m.div_ceil(tile.bm) * n.div_ceil(tile.bn);
+    let want = if 2 * tiles >= sms { 1 } else { (sms / tiles.max(1)).min(k / (4 * tile.bk)).max(1) };
+    let k_split = k.div_ceil(want).div_ceil(tile.bk).max(1) * tile.bk;
     (k_split, k.div_ceil(k_split).max(1))
 }
 
-/// C (m x n) = A B in `layout` on the TMA kernel, plus `bias` (length n) when given. Split-K goes through an FP32
-/// workspace and gemm_splitk_reduce (which then adds the bias). The operands must be contiguous and 16-byte
-/// aligned with rows of a multiple of 8 elements (the `vec` condition of the other kernels).
-#[allow(clippy::too_many_arguments)]
-fn tma_gemm<T: CudaDType + DeviceRepr + WithDType>(
+/// c (m x n, row-major) += the FP32 partial sums ws[splits][m][n] (+ bias), in order: gemm_splitk_reduce.
+fn splitk_reduce<T: CudaDType + DeviceRepr + WithDType>(
     dev: &CudaDevice,
-    layout: GemmLayout,
+    ws: &CudaSlice<f32>,
+    c: &CudaSlice<T>,
+    bias: Option<&CudaView<T>>,
+    (m, n, splits): (usize, usize, usize),
+    op: &str,
+) -> Result<()> {
+    let sfx = suffix(T::DTYPE, op)?;
+    let r = gemm_function(dev, T64, &format!("gemm_splitk_reduce_{sfx}"))?;
+    let stream = dev.cuda_stream();
+    let mut bld = stream.launch_builder(&r);
+    let (hb, mn, nn, sp) = (bias.is_some() as i32, i32_of(m * n, op, "M*N")?, i32_of(n, op, "N")?, splits as i32);
+    bld.arg(ws).arg(c);
+    match bias {
+        Some(v) => bld.arg(v),
+        None => bld.arg(c), // never read: has_bias = 0
+    };
+    bld.arg(&hb).arg(&mn).arg(&nn).arg(&sp);
+    // SAFETY: (ws, c, bias, has_bias, mn, n, splits) as gemm_splitk_reduce_* takes them; ws holds splits*m*n.
+    unsafe { bld.launch(reduce_cfg(m * n)) }.w()?;
+    Ok(())
+}
+
+/// One launch of a TMA kernel `f` (tile x256 or x128) over the m x n x k problem described by the tensor maps:
+/// the persistent grid, split-K through an FP32 workspace and gemm_splitk_reduce (which then adds the bias).
+/// `base` carries the convolution geometry (zero for matmuls); c is m x n row-major.
+#[allow(clippy::too_many_arguments)]
+fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
+    dev: &CudaDevice,
+    tile: Tile,
+    f: &CudaFunction,
+    (ma, mb): (&TmaDesc, &TmaDesc),
     (m, n, k): (usize, usize, usize),
-    a: &CudaView<T>,
-    b: &CudaView<T>,
+    base: GemmShape,
     c: &CudaSlice<T>,
     bias: Option<&CudaView<T>>,
     op: &str,
 ) -> Result<()> {
     let sms = sm_count(dev)?;
-    let sfx = suffix(T::DTYPE, op)?;
-    let stream = dev.cuda_stream();
-    let (pa, ga) = a.device_ptr(&stream);
-    let (pb, gb) = b.device_ptr(&stream);
-    let dt = T::DTYPE;
-    let (ma, mb, tag) = match layout {
-        GemmLayout::Nt => (tma_map(pa, dt, k, m, 128, op)?, tma_map(pb, dt, k, n, 256, op)?, "nt"),
-        GemmLayout::Nn => (tma_map(pa, dt, k, m, 128, op)?, tma_map(pb, dt, n, k, 64, op)?, "nn"),
-        GemmLayout::Tn => (tma_map(pa, dt, m, k, 64, op)?, tma_map(pb, dt, n, k, 64, op)?, "tn"),
-    };
-    let (k_split, splits) = tma_split(m, n, k, sms);
+    let (k_split, splits) = tma_split(tile, m, n, k, sms);
     let split = splits > 1;
     if split {
         i32_of(splits * m * n, op, "split-K workspace")?;
@@ -534,40 +627,59 @@ fn tma_gemm<T: CudaDType + DeviceRepr + WithDType>(
         ldc: i32_of(n, op, "N")?,
         k_split: i32_of(k_split, op, "k_split")?,
         has_bias: bias.is_some() as i32,
-        ..Default::default()
+        ..base
     };
-    let units = m.div_ceil(X256.bm) * n.div_ceil(X256.bn) * splits;
+    let units = m.div_ceil(tile.bm) * n.div_ceil(tile.bn) * splits;
     let cfg = LaunchConfig {
         grid_dim: (units.min(sms).max(1) as u32, 1, 1),
-        block_dim: (X256.threads, 1, 1),
-        shared_mem_bytes: X256.smem,
+        block_dim: (tile.threads, 1, 1),
+        shared_mem_bytes: tile.smem,
     };
-    let f = gemm_function(dev, X256, &format!("gemm_{tag}_x256_vec_{sfx}"))?;
     // SAFETY: written in full (every (z, row, col) by the block that owns the unit) before it is read.
     let ws = unsafe { dev.alloc::<f32>(if split { splits * m * n } else { 1 })? };
-    let mut bld = stream.launch_builder(&f);
-    bld.arg(&ma).arg(&mb).arg(c).arg(&ws);
+    let stream = dev.cuda_stream();
+    let mut bld = stream.launch_builder(f);
+    bld.arg(ma).arg(mb).arg(c).arg(&ws);
     match bias {
         Some(v) => bld.arg(v),
-        None => bld.arg(a), // never read: has_bias = 0
+        None => bld.arg(c), // never read: has_bias = 0
     };
     bld.arg(&sh);
-    // SAFETY: (map A, map B, c, ws, bias, shape) as gemm_*_x256_* takes them; the maps cover exactly the operand
-    // views (m, n, k as above), c holds m*n elements, ws splits*m*n when split.
+    // SAFETY: (map A, map B, c, ws, bias, shape) as the x256 / x128 kernels take them; the maps cover exactly the
+    // operands of the m x n x k problem, c holds m*n elements, ws splits*m*n when split.
     unsafe { bld.launch(cfg) }.w()?;
     if split {
-        let r = gemm_function(dev, T64, &format!("gemm_splitk_reduce_{sfx}"))?;
-        let mut bld = stream.launch_builder(&r);
-        let (hb, mn, nn, sp) = (sh.has_bias, i32_of(m * n, op, "M*N")?, sh.n, splits as i32);
-        bld.arg(&ws).arg(c);
-        match bias {
-            Some(v) => bld.arg(v),
-            None => bld.arg(a),
-        };
-        bld.arg(&hb).arg(&mn).arg(&nn).arg(&sp);
-        // SAFETY: (ws, c, bias, has_bias, mn, n, splits) as gemm_splitk_reduce_* takes them.
-        unsafe { bld.launch(reduce_cfg(m * n)) }.w()?;
+        splitk_reduce(dev, &ws, c, bias, (m, n, splits), op)?;
     }
+    Ok(())
+}
+
+/// C (m x n) = A B in `layout` on a TMA tile, plus `bias` (length n) when given. The operands must be contiguous
+/// and 16-byte aligned with rows of a multiple of 8 elements (the `vec` condition of the other kernels).
+#[allow(clippy::too_many_arguments)]
+fn tma_gemm<T: CudaDType + DeviceRepr + WithDType>(
+    dev: &CudaDevice,
+    tile: Tile,
+    layout: GemmLayout,
+    (m, n, k): (usize, usize, usize),
+    a: &CudaView<T>,
+    b: &CudaView<T>,
+    c: &CudaSlice<T>,
+    bias: Option<&CudaView<T>>,
+    op: &str,
+) -> Result<()> {
+    let sfx = suffix(T::DTYPE, op)?;
+    let stream = dev.cuda_stream();
+    let (pa, ga) = a.device_ptr(&stream);
+    let (pb, gb) = b.device_ptr(&stream);
+    let (dt, bn) = (T::DTYPE, tile.bn as u32);
+    let (ma, mb, tag) = match layout {
+        GemmLayout::Nt => (tma_map(pa, dt, k, m, 128, op)?, tma_map(pb, dt, k, n, bn, op)?, "nt"),
+        GemmLayout::Nn => (tma_map(pa, dt, k, m, 128, op)?, tma_map(pb, dt, n, k, 64, op)?, "nn"),
+        GemmLayout::Tn => (tma_map(pa, dt, m, k, 64, op)?, tma_map(pb, dt, n, k, 64, op)?, "tn"),
+    };
+    let f = gemm_function(dev, tile, &format!("gemm_{tag}_{}_vec_{sfx}", tile.name))?;
+    tma_run(dev, tile, &f, (&ma, &mb), (m, n, k), GemmShape::default(), c, bias, op)?;
     drop((ga, gb));
     Ok(())
 }
@@ -622,14 +734,86 @@ impl ConvGeom {
     }
 }
 
-/// Whether tile variant `tile` has its own convolution kernels for `g`: all do, except `x256` (the TMA GEMM),
-/// which runs only the 1x1 stride-1 unpadded convolutions.
+/// Whether tile variant `tile` has its own kernel for at least one pass of `g`: all tiles do, except the TMA
+/// tiles (`x256`, `x128`), which take the passes [`tma_conv_applies`] accepts (a forced TMA tile runs `w256` /
+/// `w128` on the others).
 pub fn conv_tile_applies(tile: Tile, g: &ConvGeom) -> bool {
-    tile != X256 || (g.r == 1 && g.stride == 1 && g.pad == 0)
+    !is_tma(tile) || [ConvPass::Fwd, ConvPass::Dgrad, ConvPass::Wgrad].iter().any(|&p| tma_conv_applies(g, p))
 }
 
+/// Whether the TMA kernels run pass `pass` of `g`: the 1x1 stride-1 unpadded convolutions as plain GEMMs;
+/// otherwise through im2col tensor maps, which need the im2col source's channels (C; Ko for grad-input) to be a
+/// multiple of 64 (a 64-deep k-tile stays within one filter tap), and grad-input stride 1 (the strided
+/// grad-input is not a convolution of dy).
+pub fn tma_conv_applies(g: &ConvGeom, pass: ConvPass) -> bool {
+    let plain = g.r == 1 && g.stride == 1 && g.pad == 0;
+    plain
+        || match pass {
+            ConvPass::Fwd | ConvPass::Wgrad => g.c % 64 == 0 && g.ko % 8 == 0,
+            ConvPass::Dgrad => g.stride == 1 && g.pad < g.r && g.ko % 64 == 0 && g.c % 8 == 0,
+        }
+}
+
+/// The cp.async wgmma tile a TMA tile falls back to on the passes it does not run.
+fn tma_fallback(tile: Tile) -> Tile {
+    match tile {
+        X256 => W256,
+        X128 => W128,
+        t => t,
+    }
+}
+
+/// One pass of `g` on a TMA tile through im2col tensor maps (kernels/conv/05_tma_wgmma.cu): `a` / `b` are the
+/// pass's operands as [`ConvOp`] takes them (Fwd: x, w; Dgrad: dy, w; Wgrad: dy, x), `out` the result.
+#[allow(clippy::too_many_arguments)]
+fn tma_conv<T: CudaDType + DeviceRepr + WithDType>(
+    dev: &CudaDevice,
+    tile: Tile,
+    pass: ConvPass,
+    g: &ConvGeom,
+    a: &CudaView<T>,
+    b: &CudaView<T>,
+    out: &CudaSlice<T>,
+    op: &str,
+) -> Result<()> {
+    let sfx = suffix(T::DTYPE, op)?;
+    let stream = dev.cuda_stream();
+    let (pa, ga) = a.device_ptr(&stream);
+    let (pb, gb) = b.device_ptr(&stream);
+    let (dt, p, q, rsc) = (T::DTYPE, g.p(), g.q(), g.r * g.r * g.c);
+    let x_dims = (g.n, g.h, g.w, g.c);
+    let (ma, mb, mnk, name) = match pass {
+        // y[npq][ko] = im2col(x)[npq][(r, s, c)] . w[ko][(r, s, c)]
+        ConvPass::Fwd => (
+            tma_im2col_map(pa, dt, x_dims, g.r, g.stride, g.pad, 128, op)?,
+            tma_map(pb, dt, rsc, g.ko, tile.bn as u32, op)?,
+            (g.n * p * q, g.ko, rsc),
+            "fwd",
+        ),
+        // dx[nhw][c] = im2col(dy, padding r - 1 - pad)[nhw][(r', s', k)] . w[k][flipped (r', s')][c]
+        ConvPass::Dgrad => (
+            tma_im2col_map(pa, dt, (g.n, p, q, g.ko), g.r, 1, g.r - 1 - g.pad, 128, op)?,
+            tma_map(pb, dt, rsc, g.ko, 64, op)?,
+            (g.n * g.h * g.w, g.c, g.r * g.r * g.ko),
+            "dgrad",
+        ),
+        // dw[ko][(r, s, c)] = dy[npq][ko]^T . im2col(x)[npq][(r, s, c)]
+        ConvPass::Wgrad => (
+            tma_map(pa, dt, g.ko, g.n * p * q, 64, op)?,
+            tma_im2col_map(pb, dt, x_dims, g.r, g.stride, g.pad, 64, op)?,
+            (g.ko, rsc, g.n * p * q),
+            "wgrad",
+        ),
+    };
+    let f = conv_function(dev, tile, &format!("conv_{name}_{}_tma_{sfx}", tile.name))?;
+    tma_run(dev, tile, &f, (&ma, &mb), mnk, g.shape(op)?, out, None, op)?;
+    drop((ga, gb));
+    Ok(())
+}
+
+/// A pass of a convolution: forward, grad-input, grad-weight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum ConvPass {
+pub enum ConvPass {
     Fwd,
     Dgrad,
     Wgrad,
@@ -672,9 +856,11 @@ impl ConvOp {
         let (p, q) = (g.p(), g.q());
         let stream = dev.cuda_stream();
         let key = || format!("{op} {:?} {sfx}", g);
-        // 1x1 stride-1 convolutions are plain GEMMs over channels-last rows: the TMA kernel (x256) takes them.
-        let plain = conv_tile_applies(X256, &g);
-        let cands: Vec<Tile> = tiles_for(dev).iter().copied().filter(|&t| conv_tile_applies(t, &g)).collect();
+        // 1x1 stride-1 convolutions are plain GEMMs over channels-last rows (tma_gemm); the TMA tiles run the
+        // other passes tma_conv_applies accepts through im2col tensor maps (tma_conv).
+        let plain = g.r == 1 && g.stride == 1 && g.pad == 0;
+        let tma_ok = tma_conv_applies(&g, self.pass);
+        let cands: Vec<Tile> = tiles_for(dev).iter().copied().filter(|&t| !is_tma(t) || tma_ok).collect();
         match self.pass {
             ConvPass::Fwd => {
                 let (m, n, k) = (g.n * p * q, g.ko, g.r * g.r * g.c);
@@ -690,11 +876,14 @@ impl ConvOp {
                 };
                 let y = alloc_out::<T>(dev, m * n)?;
                 let run = |tile: Tile| -> Result<()> {
-                    if tile == X256 && plain {
-                        // 1x1, stride 1: y[npq][ko] = x[npq][c] w[ko][c]^T
-                        return tma_gemm(dev, GemmLayout::Nt, (m, n, k), &v1, &v2, &y, None, op);
+                    if is_tma(tile) && tma_ok {
+                        if plain {
+                            // 1x1, stride 1: y[npq][ko] = x[npq][c] w[ko][c]^T
+                            return tma_gemm(dev, tile, GemmLayout::Nt, (m, n, k), &v1, &v2, &y, None, op);
+                        }
+                        return tma_conv(dev, tile, self.pass, &g, &v1, &v2, &y, op);
                     }
-                    let tile = if tile == X256 { W256 } else { tile };
+                    let tile = tma_fallback(tile);
                     let name = format!("conv_fwd_{}_{}_{sfx}", tile.name, if vec { "vec" } else { "scalar" });
                     let f = conv_function(dev, tile, &name)?;
                     let mut b = stream.launch_builder(&f);
@@ -744,11 +933,14 @@ impl ConvOp {
                 }
                 let dx = alloc_out::<T>(dev, g.n * g.h * g.w * g.c)?;
                 let run = |tile: Tile| -> Result<()> {
-                    if tile == X256 && plain {
-                        // 1x1, stride 1: dx[nhw][c] = dy[nhw][ko] w[ko][c]
-                        return tma_gemm(dev, GemmLayout::Nn, (g.n * g.h * g.w, g.c, g.ko), &v1, &v2, &dx, None, op);
+                    if is_tma(tile) && tma_ok {
+                        if plain {
+                            // 1x1, stride 1: dx[nhw][c] = dy[nhw][ko] w[ko][c]
+                            return tma_gemm(dev, tile, GemmLayout::Nn, (g.n * g.h * g.w, g.c, g.ko), &v1, &v2, &dx, None, op);
+                        }
+                        return tma_conv(dev, tile, self.pass, &g, &v1, &v2, &dx, op);
                     }
-                    let tile = if tile == X256 { W256 } else { tile };
+                    let tile = tma_fallback(tile);
                     let name = format!("conv_dgrad_{}_vec_{sfx}", tile.name);
                     let f = conv_function(dev, tile, &name)?;
                     for (m, sh) in &classes {
@@ -770,11 +962,14 @@ impl ConvOp {
                 let vec = g.c % 8 == 0 && g.ko % 8 == 0;
                 let dw = alloc_out::<T>(dev, m * n)?;
                 let run = |tile: Tile| -> Result<()> {
-                    if tile == X256 && plain {
-                        // 1x1, stride 1: dw[ko][c] = dy[npq][ko]^T x[npq][c]
-                        return tma_gemm(dev, GemmLayout::Tn, (m, n, k), &v1, &v2, &dw, None, op);
+                    if is_tma(tile) && tma_ok {
+                        if plain {
+                            // 1x1, stride 1: dw[ko][c] = dy[npq][ko]^T x[npq][c]
+                            return tma_gemm(dev, tile, GemmLayout::Tn, (m, n, k), &v1, &v2, &dw, None, op);
+                        }
+                        return tma_conv(dev, tile, self.pass, &g, &v1, &v2, &dw, op);
                     }
-                    let tile = if tile == X256 { W256 } else { tile };
+                    let tile = tma_fallback(tile);
                     let (k_split, splits) = split_k(tile, m, n, k, sms);
                     i32_of(splits * m * n, op, "split-K workspace")?;
                     let sh = GemmShape {
@@ -1017,8 +1212,8 @@ impl GemmOp {
         };
         let stream = dev.cuda_stream();
         let run = |tile: Tile| -> Result<()> {
-            if tile == X256 {
-                return tma_gemm(dev, self.layout, (m, n, k), &va, &vb, &c, bias_view.as_ref(), op);
+            if is_tma(tile) {
+                return tma_gemm(dev, tile, self.layout, (m, n, k), &va, &vb, &c, bias_view.as_ref(), op);
             }
             // Split-K only on the 64x64 tile, when even its blocks cannot fill the GPU.
             let (k_split, splits) = if tile == T64 && m.div_ceil(64) * n.div_ceil(64) < sms {
@@ -1050,17 +1245,7 @@ impl GemmOp {
             // SAFETY: (a, b, c, ws, bias, shape) as gemm_* takes them; sizes checked above.
             unsafe { bld.launch(blocks(tile, m, n, splits, op)?) }.w()?;
             if split {
-                let r = gemm_function(dev, T64, &format!("gemm_splitk_reduce_{sfx}"))?;
-                let mut bld = stream.launch_builder(&r);
-                let (hb, mn, nn, sp) = (sh.has_bias, (m * n) as i32, n as i32, splits as i32);
-                bld.arg(&ws).arg(&c);
-                match &bias_view {
-                    Some(v) => bld.arg(v),
-                    None => bld.arg(&va),
-                };
-                bld.arg(&hb).arg(&mn).arg(&nn).arg(&sp);
-                // SAFETY: (ws, c, bias, has_bias, mn, n, splits) as gemm_splitk_reduce_* takes them.
-                unsafe { bld.launch(reduce_cfg(m * n)) }.w()?;
+                splitk_reduce(dev, &ws, &c, bias_view.as_ref(), (m, n, splits), op)?;
             }
             Ok(())
         };

@@ -141,7 +141,7 @@ fn run(a: &Args) -> Result<()> {
                 let geom = cuda_gemm::ConvGeom { n, h: hw, w: hw, c: ci, ko: co, r: k, stride: st, pad: pd };
                 for &t in cuda_gemm::tiles_for(dev.as_cuda_device()?) {
                     if !cuda_gemm::conv_tile_applies(t, &geom) {
-                        continue; // x256 (the TMA GEMM) runs the 1x1 stride-1 convolutions only
+                        continue; // a TMA tile (x256, x128) with no pass of its own for this shape
                     }
                     cuda_gemm::set_forced_tile(Some(t));
                     let vf = time_ms(&dev, a.iters, || cuda_gemm::conv_nhwc_fwd(&x, &w, st, pd))?;

@@ -1,0 +1,34 @@
+// 05_tma_wgmma: the convolution passes on the warp-specialised persistent TMA + wgmma kernel of
+// kernels/gemm/05_tma_wgmma.cu (kernels/gemm/tma.cuh). sm_90a only.
+//
+// What changed vs 04_wgmma: no per-thread im2col address arithmetic at all. The activations are read through TMA
+// im2col tensor maps (cuTensorMapEncodeIm2col over the NHWC tensor, made by the launcher in cuda_gemm.rs): one
+// copy brings a column of 128 (or 64) output pixels x 64 channels for one filter tap, walking the pixels in NHW
+// order across rows and images, with the padding as the hardware's out-of-bounds zero fill and the stride as the
+// map's traversal stride. The filter tap is the copy's im2col offset. Weights and dy come as tiled TMA boxes.
+//   forward:     y[npq][ko]  = im2col(x)[npq][(r,s,c)] . w[ko][(r,s,c)]^T          (any stride; C % 64 == 0)
+//   grad-input:  dx[nhw][c]  = im2col(dy, pad R-1-pad)[nhw][(r',s',k)] . w[k][flip(r',s')][c]  (stride 1;
+//                Ko % 64 == 0)
+//   grad-weight: dw[ko][(r,s,c)] = dy[npq][ko]^T . im2col(x)[npq][(r,s,c)]             (any stride; C % 64 == 0;
+//                split-K over the pixels through the FP32 workspace)
+// Tiles x256 (128x256x64, 4 stages) and x128 (128x128x64, 6 stages). Kernel arguments as the GEMM's:
+// (map A, map B, out, split-K workspace, bias (unused), shape).
+#include "gemm/tma.cuh"
+
+#define CONV_TMA(NAME, T, MODE, AK, BKM, BN)                                                                   \
+    extern "C" __global__ void __launch_bounds__(ig::TMA_THREADS, 1)                                         \
+        NAME(const __grid_constant__ ig::TmaDesc ta, const __grid_constant__ ig::TmaDesc tb, T* __restrict__ c, \
+             float* __restrict__ ws, const T* __restrict__ bias, ig::Shape sh) {                             \
+        extern __shared__ __align__(1024) unsigned char ig_smem[];                                            \
+        ig::tma_gemm_body<T, MODE, AK, BKM, BN>(&ta, &tb, c, ws, bias, sh, ig_smem);                          \
+    }
+
+#define CONV_TMA_ALL(T, SUF, BN)                                                        \
+    CONV_TMA(conv_fwd_x##BN##_tma_##SUF, T, ig::TMA_CONV_FWD, true, true, BN)           \
+    CONV_TMA(conv_dgrad_x##BN##_tma_##SUF, T, ig::TMA_CONV_DGRAD, true, false, BN)      \
+    CONV_TMA(conv_wgrad_x##BN##_tma_##SUF, T, ig::TMA_CONV_WGRAD, false, false, BN)
+
+CONV_TMA_ALL(__nv_bfloat16, bf16, 256)
+CONV_TMA_ALL(__half, f16, 256)
+CONV_TMA_ALL(__nv_bfloat16, bf16, 128)
+CONV_TMA_ALL(__half, f16, 128)
