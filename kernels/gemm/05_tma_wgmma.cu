@@ -12,10 +12,11 @@
 
 #define GEMM_TMA(NAME, T, AK, BKM, BN)                                                                         \
     extern "C" __global__ void __launch_bounds__(ig::TMA_THREADS, 1)                                         \
-        NAME(const __grid_constant__ ig::TmaDesc ta, const __grid_constant__ ig::TmaDesc tb, T* __restrict__ c, \
+        NAME(const __grid_constant__ ig::TmaDesc ta, const __grid_constant__ ig::TmaDesc tb,                   \
+             const __grid_constant__ ig::TmaDesc tc, T* __restrict__ c,                                       \
              float* __restrict__ ws, const T* __restrict__ bias, ig::Shape sh) {                             \
         extern __shared__ __align__(1024) unsigned char ig_smem[];                                            \
-        ig::tma_gemm_body<T, ig::TMA_GEMM, AK, BKM, BN>(&ta, &tb, c, ws, bias, sh, ig_smem);                  \
+        ig::tma_gemm_body<T, ig::TMA_GEMM, AK, BKM, BN>(&ta, &tb, &tc, c, ws, bias, sh, ig_smem);                  \
     }
 
 #define GEMM_TMA_ALL(T, SUF, BN)                                  \

@@ -41,6 +41,7 @@ struct Shape {
     // Grad-input phase class (see DgradA): input pixels h = hh * stride + ph (hh < mh), w = ww * stride + pw
     // (ww < mw); kernel taps r = r0 + stride * i (i < tr), s = s0 + stride * j (j < ts).
     int ph, pw, mh, mw, r0, s0, tr, ts;
+    int tma_c;  // TMA kernels: 1 = C (contiguous, ldc = N, N % 8 == 0) is stored through its tensor map
 };
 
 __device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }

@@ -1,20 +1,26 @@
-// Hopper (sm_90a) warp-specialised, persistent GEMM: TMA loads, an mbarrier ring, wgmma m64n256k16.
+// Hopper (sm_90a) warp-specialised, persistent GEMM: TMA loads, an mbarrier ring, wgmma m64n256k16 / m64n128k16.
 //
 // C[M][N] = A B (+ bias[n]) with FP32 accumulation; or, split-K, FP32 partial sums into ws[z][M][N] that
 // gemm_splitk_reduce adds up. A and B are read through TMA tensor maps made on the host
 // (crates/kernels/src/cuda_gemm.rs, `tma_map`): K-major operands as one box of {64 k, rows} per stage, MN-major
 // ones as 64 x 64 boxes, one per 64-row panel. TMA zero-fills whatever lies outside the matrix, so any M, N, K
-// works (the row strides must be multiples of 16 bytes: K, or N / M for MN-major operands, multiples of 8).
+// works (the row strides must be multiples of 16 bytes: K, or N / M for MN-major operands, multiples of 8). The
+// convolution modes (TMA_CONV_*, below) read the activations through im2col tensor maps instead.
 //
-// - Block tile 128 x 256 x 64, 4 stages (48 KiB each), 384 threads: warpgroup 0 is the producer (one thread
-//   issues the TMA copies; setmaxnreg gives its registers away), warpgroups 1 and 2 the consumers, each owning
-//   64 rows x 256 columns of the tile (128 FP32 accumulators per thread).
+// - Block tile 128 x BN x 64 (BN = 256: 4 stages of 48 KiB; BN = 128: 6 stages of 32 KiB), 384 threads:
+//   warpgroup 0 is the producer (one thread issues the TMA copies; setmaxnreg gives its registers away),
+//   warpgroups 1 and 2 the consumers, each owning 64 rows x BN columns of the tile (BN / 2 FP32 accumulators per
+//   thread).
 // - Ring: full[s] (1 arrival + the stage's transaction bytes) and empty[s] (one arrival per consumer warpgroup).
 //   A consumer issues the 4 wgmmas of stage s, commits, waits until at most this group is in flight and then
 //   frees the previous stage, so the tensor cores always have the next group queued.
 // - Persistent: gridDim.x <= SMs blocks walk the work units (tile, k-split) with stride gridDim.x; tiles go in
 //   groups of 8 row-tiles so that blocks running together share A and B in L2. The producer runs ahead into the
 //   next unit while the consumers store the previous one.
+// - Epilogue (no split-K, Shape::tma_c): each consumer converts its accumulators into a 128-byte-swizzled
+//   64 x 128 staging buffer and one thread issues TMA stores of it (full 128-byte lines, clipped at the matrix
+//   edge); the stores drain while the warpgroup runs the next unit, and the buffer is reused only after they
+//   have read it (cp.async.bulk.wait_group.read). Split-K partial sums go straight from the registers.
 // - Shared layouts are the TMA 128-byte swizzle, which is wgmma's 128B-swizzle canonical layout (as in
 //   wgmma.cuh: K-major 128-byte rows, MN-major 64-element panels of 64 k-rows).
 #pragma once
@@ -57,6 +63,27 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const TmaDesc* map, in
         "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
         : "memory");
 }
+// 2-D TMA store of the box at (c0 inner, c1 outer) from shared memory (bulk group of this thread); the
+// hardware clips the part of the box outside the tensor.
+__device__ __forceinline__ void tma_store_2d(const TmaDesc* map, uint32_t src, int c0, int c1) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(
+                     reinterpret_cast<uint64_t>(map)),
+                 "r"(c0), "r"(c1), "r"(src)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Waits until this thread's bulk groups have finished reading shared memory (READ) or completely.
+template <bool READ>
+__device__ __forceinline__ void bulk_wait_all() {
+    if (READ) {
+        asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+    } else {
+        asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+    }
+}
+// Barrier of the 128 threads of one warpgroup (named barrier id, 1 + the consumer index).
+__device__ __forceinline__ void wg_bar(int id) { asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory"); }
+
 template <int N>
 __device__ __forceinline__ void setmaxnreg_dec() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
@@ -90,6 +117,8 @@ constexpr int TMA_GEMM = 0, TMA_CONV_FWD = 1, TMA_CONV_DGRAD = 2, TMA_CONV_WGRAD
 
 constexpr int TMA_BM = 128, TMA_KD = 64, TMA_THREADS = 384, TMA_GROUP = 8;
 constexpr int TMA_A_BYTES = TMA_BM * TMA_KD * 2;
+// Epilogue staging: per consumer warpgroup 64 rows x 128 columns of C (two 64 x 64 boxes, 128-byte swizzle).
+constexpr int TMA_EPI_WG_BYTES = 64 * 128 * 2, TMA_EPI_BYTES = 2 * TMA_EPI_WG_BYTES;
 // Per block-tile width BN (256: tile x256, 128: tile x128): stages and dynamic shared memory (alignment slack,
 // the stages, 2 x STAGES barriers). The launcher's Tile constants (cuda_gemm.rs) repeat these sizes.
 template <int BN>
@@ -97,7 +126,7 @@ struct TmaCfg {
     static constexpr int STAGES = BN == 256 ? 4 : 6;
     static constexpr int B_BYTES = BN * TMA_KD * 2;
     static constexpr int STAGE_BYTES = TMA_A_BYTES + B_BYTES;
-    static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + 2 * STAGES * 8;
+    static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + TMA_EPI_BYTES + 2 * STAGES * 8;
 };
 
 // Work unit u -> (row tile, column tile, k-split).
@@ -193,13 +222,14 @@ __device__ __forceinline__ void tma_wgmma(float (&acc)[BN / 2], uint64_t da, uin
 }
 
 template <typename T, int CONV, bool A_KMAJOR, bool B_KMAJOR, int BN>
-__device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* tb, T* C, float* ws, const T* bias,
-                                              const Shape& sh, unsigned char* smem_raw) {
+__device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* tb, const TmaDesc* tc, T* C,
+                                              float* ws, const T* bias, const Shape& sh, unsigned char* smem_raw) {
     using Cfg = TmaCfg<BN>;
     constexpr int STAGES = Cfg::STAGES, STAGE_BYTES = Cfg::STAGE_BYTES;
     unsigned char* smem = align1k<unsigned char>(smem_raw);
     const uint32_t s0 = smem_u32(smem);
-    const uint32_t bars = s0 + STAGES * STAGE_BYTES;  // full[s] at bars + 8 s, empty[s] at + 8 (S + s)
+    const uint32_t epi = s0 + STAGES * STAGE_BYTES;  // epilogue staging, TMA_EPI_BYTES
+    const uint32_t bars = epi + TMA_EPI_BYTES;        // full[s] at bars + 8 s, empty[s] at + 8 (S + s)
     const int tid = threadIdx.x, wg = tid >> 7;
     const int M = sh.M, N = sh.N, K = sh.K;
     const int mt = (M + TMA_BM - 1) / TMA_BM, nt = (N + BN - 1) / BN;
@@ -293,6 +323,43 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
                     }
                 }
             }
+        } else if (sh.tma_c) {
+            // Through shared memory and TMA stores, 128 columns at a time: the stores drain while this warpgroup
+            // runs the next unit's MMAs. Fragment j of row r goes to 16-byte chunk (j % 8) ^ (r % 8) of row r of
+            // box j / 8 (the 128-byte swizzle; conflict-free: the 8 rows of a store phase hit 8 different chunks).
+            const uint32_t buf = epi + cw * TMA_EPI_WG_BYTES;
+            const int rloc = warp * 16 + (lane >> 2);  // row within this warpgroup's 64, + 8 h
+#pragma unroll
+            for (int half = 0; half < BN / 128; ++half) {
+                if ((tid & 127) == 0) bulk_wait_all<true>();
+                wg_bar(1 + cw);
+#pragma unroll
+                for (int jj = 0; jj < 16; ++jj) {
+                    const int j = half * 16 + jj;
+                    const int col = col0 + 8 * j;
+                    float b0 = 0.f, b1 = 0.f;
+                    if (sh.has_bias && col < N) {
+                        b0 = to_f(bias[col]);
+                        if (col + 1 < N) b1 = to_f(bias[col + 1]);
+                    }
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int r = rloc + 8 * h;
+                        const uint32_t addr =
+                            buf + (jj >> 3) * 8192 + r * 128 + ((((jj & 7) ^ (r & 7))) << 4) + ((lane & 3) << 2);
+                        const uint32_t v = pack2(from_f<T>(acc[4 * j + 2 * h] + b0), from_f<T>(acc[4 * j + 2 * h + 1] + b1));
+                        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+                    }
+                }
+                fence_async_smem();
+                wg_bar(1 + cw);
+                if ((tid & 127) == 0) {
+                    const int row = tm * TMA_BM + cw * 64, c0 = tn * BN + half * 128;
+                    tma_store_2d(tc, buf, c0, row);
+                    tma_store_2d(tc, buf + 8192, c0 + 64, row);
+                    bulk_commit();
+                }
+            }
         } else {
 #pragma unroll
             for (int j = 0; j < BN / 8; ++j) {
@@ -318,6 +385,7 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
             }
         }
     }
+    if ((tid & 127) == 0) bulk_wait_all<false>();  // the staging buffer must outlive the last TMA store
 }
 
 }  // namespace ig

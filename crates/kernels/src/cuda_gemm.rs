@@ -50,6 +50,7 @@ pub struct GemmShape {
     pub s0: i32,
     pub tr: i32,
     pub ts: i32,
+    pub tma_c: i32,
 }
 
 // SAFETY: #[repr(C)] plain integers, laid out as the C struct the kernels take by value.
@@ -106,7 +107,7 @@ pub const X256: Tile = Tile {
     bn: 256,
     bk: 64,
     threads: 384,
-    smem: 1024 + 4 * (128 + 256) * 64 * 2 + 2 * 4 * 8,
+    smem: 1024 + 4 * (128 + 256) * 64 * 2 + TMA_EPI_SMEM + 2 * 4 * 8,
     file: 5,
 };
 /// 128x128x64 on the TMA kernel, 6 stages (05_tma_wgmma): twice the tiles of `x256`, for shapes whose last
@@ -117,9 +118,11 @@ pub const X128: Tile = Tile {
     bn: 128,
     bk: 64,
     threads: 384,
-    smem: 1024 + 6 * (128 + 128) * 64 * 2 + 2 * 6 * 8,
+    smem: 1024 + 6 * (128 + 128) * 64 * 2 + TMA_EPI_SMEM + 2 * 6 * 8,
     file: 5,
 };
+/// The TMA tiles' epilogue staging buffer (`ig::TMA_EPI_BYTES`): 64 x 128 outputs per consumer warpgroup.
+const TMA_EPI_SMEM: u32 = 2 * 64 * 128 * 2;
 /// Every tile variant; the last five (`w*`, `x*`: wgmma) run only on compute capability 9.0 (see
 /// [`tiles_for`]).
 pub const TILES: [Tile; 11] = [T128, T64, T256, T128W, T128K64, T256K64, W128, W128S3, W256, X256, X128];
@@ -620,6 +623,12 @@ fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
     if split {
         i32_of(splits * m * n, op, "split-K workspace")?;
     }
+    let stream = dev.cuda_stream();
+    let (pc, gc) = c.device_ptr(&stream);
+    // Without split-K the kernel stores C through a tensor map (16-byte rows needed: N % 8 == 0).
+    let tma_c = !split && n % 8 == 0 && pc % 16 == 0;
+    let mc = if tma_c { tma_map(pc, T::DTYPE, n, m, 64, op)? } else { TmaDesc([0; 16]) };
+    drop(gc);
     let sh = GemmShape {
         m: i32_of(m, op, "M")?,
         n: i32_of(n, op, "N")?,
@@ -627,6 +636,7 @@ fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
         ldc: i32_of(n, op, "N")?,
         k_split: i32_of(k_split, op, "k_split")?,
         has_bias: bias.is_some() as i32,
+        tma_c: tma_c as i32,
         ..base
     };
     let units = m.div_ceil(tile.bm) * n.div_ceil(tile.bn) * splits;
@@ -637,16 +647,16 @@ fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
     };
     // SAFETY: written in full (every (z, row, col) by the block that owns the unit) before it is read.
     let ws = unsafe { dev.alloc::<f32>(if split { splits * m * n } else { 1 })? };
-    let stream = dev.cuda_stream();
     let mut bld = stream.launch_builder(f);
-    bld.arg(ma).arg(mb).arg(c).arg(&ws);
+    bld.arg(ma).arg(mb).arg(&mc).arg(c).arg(&ws);
     match bias {
         Some(v) => bld.arg(v),
         None => bld.arg(c), // never read: has_bias = 0
     };
     bld.arg(&sh);
-    // SAFETY: (map A, map B, c, ws, bias, shape) as the x256 / x128 kernels take them; the maps cover exactly the
-    // operands of the m x n x k problem, c holds m*n elements, ws splits*m*n when split.
+    // SAFETY: (map A, map B, map C, c, ws, bias, shape) as the x256 / x128 kernels take them; the maps cover exactly
+    // the operands of the m x n x k problem and c (read by the kernel only when tma_c), c holds m*n elements, ws
+    // splits*m*n when split.
     unsafe { bld.launch(cfg) }.w()?;
     if split {
         splitk_reduce(dev, &ws, c, bias, (m, n, splits), op)?;
