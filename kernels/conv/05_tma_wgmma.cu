@@ -11,6 +11,9 @@
 //                Ko % 64 == 0)
 //   grad-weight: dw[ko][(r,s,c)] = dy[npq][ko]^T . im2col(x)[npq][(r,s,c)]             (any stride; C % 64 == 0;
 //                split-K over the pixels through the FP32 workspace)
+//   strided grad-input: one launch per phase class (dx pixels h = hh * stride + ph, w = ww * stride + pw), each a
+//                stride-1 correlation of dy with the class's taps r = r0 + stride i (conv_dgrads_*; the class's
+//                im2col corners come with its tensor map; rows stored to their dx pixels; Ko % 64 == 0)
 // Tiles x256 (128x256x64, 4 stages) and x128 (128x128x64, 6 stages). Kernel arguments as the GEMM's:
 // (map A, map B, out, split-K workspace, bias (unused), shape).
 #include "gemm/tma.cuh"
@@ -27,7 +30,8 @@
 #define CONV_TMA_ALL(T, SUF, BN)                                                        \
     CONV_TMA(conv_fwd_x##BN##_tma_##SUF, T, ig::TMA_CONV_FWD, true, true, BN)           \
     CONV_TMA(conv_dgrad_x##BN##_tma_##SUF, T, ig::TMA_CONV_DGRAD, true, false, BN)      \
-    CONV_TMA(conv_wgrad_x##BN##_tma_##SUF, T, ig::TMA_CONV_WGRAD, false, false, BN)
+    CONV_TMA(conv_wgrad_x##BN##_tma_##SUF, T, ig::TMA_CONV_WGRAD, false, false, BN)     \
+    CONV_TMA(conv_dgrads_x##BN##_tma_##SUF, T, ig::TMA_CONV_DGRAD_S, true, false, BN)
 
 CONV_TMA_ALL(__nv_bfloat16, bf16, 256)
 CONV_TMA_ALL(__half, f16, 256)

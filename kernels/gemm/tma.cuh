@@ -113,7 +113,13 @@ __device__ __forceinline__ void tma_load_im2col(uint32_t dst, const TmaDesc* map
 //                    pixels x 64 channels, one tap per panel (M = Ko, N = R*S*C, K = N*P*Q).
 // A 64-deep k-tile never straddles two taps: the convolution modes need the im2col channel count (C, or Ko for
 // grad-input) to be a multiple of 64 (checked by the launcher).
-constexpr int TMA_GEMM = 0, TMA_CONV_FWD = 1, TMA_CONV_DGRAD = 2, TMA_CONV_WGRAD = 3;
+//  - TMA_CONV_DGRAD_S: strided grad-input, one launch per phase class (Shape::ph, pw, mh, mw, r0, s0, tr, ts, as
+//                    DgradA in igemm.cuh): the class's input pixels h = hh * stride + ph see only the taps
+//                    r = r0 + stride * i (i < tr), and dy row hh + (ph + pad - r0) / stride - i: a stride-1
+//                    correlation over dy, so A = im2col(dy) with the class's corners (made by the launcher), tap
+//                    offset i' = tr - 1 - i; B = w read MN-major at tap (r0 + stride (tr-1-i'), s0 + ...). Rows
+//                    (n, hh, ww) are stored straight to dx pixel (n, hh * stride + ph, ww * stride + pw).
+constexpr int TMA_GEMM = 0, TMA_CONV_FWD = 1, TMA_CONV_DGRAD = 2, TMA_CONV_WGRAD = 3, TMA_CONV_DGRAD_S = 4;
 
 constexpr int TMA_BM = 128, TMA_KD = 64, TMA_THREADS = 384, TMA_GROUP = 8;
 constexpr int TMA_A_BYTES = TMA_BM * TMA_KD * 2;
@@ -154,6 +160,14 @@ __device__ __forceinline__ int tma_unit_ktiles(int u, int mt, int nt, int splits
 // Output pixel m of an im2col walk -> (image, top-left corner of its window in the source tensor).
 template <int CONV>
 __device__ __forceinline__ void tma_window(const Shape& sh, int m, int& n, int& hs, int& ws) {
+    if (CONV == TMA_CONV_DGRAD_S) {
+        n = m / (sh.mh * sh.mw);
+        const int rem = m - n * sh.mh * sh.mw;
+        const int hh = rem / sh.mw;
+        hs = hh + (sh.ph + sh.pad - sh.r0) / sh.stride - (sh.tr - 1);
+        ws = rem - hh * sh.mw + (sh.pw + sh.pad - sh.s0) / sh.stride - (sh.ts - 1);
+        return;
+    }
     const bool dg = CONV == TMA_CONV_DGRAD;
     const int oh_n = dg ? sh.h : sh.p, ow_n = dg ? sh.w : sh.q;
     const int st = dg ? 1 : sh.stride, pd = dg ? sh.r - 1 - sh.pad : sh.pad;
@@ -195,6 +209,16 @@ __device__ __forceinline__ void tma_produce(const TmaDesc* ta, const TmaDesc* tb
 #pragma unroll
             for (int p = 0; p < BN / 64; ++p) tma_load_2d(sb + p * 8192, tb, col + 64 * p, c0, full);
         }
+    } else if (CONV == TMA_CONV_DGRAD_S) {
+        int n, hs, ws;
+        tma_window<CONV>(sh, tm * TMA_BM, n, hs, ws);
+        const int tap = kc / sh.ko, k0 = kc - tap * sh.ko;  // tap = i' * ts + j'
+        const int i1 = tap / sh.ts, j1 = tap - i1 * sh.ts;
+        tma_load_im2col(sa, ta, k0, ws, hs, n, (unsigned short)j1, (unsigned short)i1, full);
+        const int r = sh.r0 + sh.stride * (sh.tr - 1 - i1), s = sh.s0 + sh.stride * (sh.ts - 1 - j1);
+        const int col = (r * sh.s + s) * sh.c + tn * BN;  // columns past C are unused
+#pragma unroll
+        for (int p = 0; p < BN / 64; ++p) tma_load_2d(sb + p * 8192, tb, col + 64 * p, k0, full);
     } else {  // TMA_CONV_WGRAD
 #pragma unroll
         for (int p = 0; p < TMA_BM / 64; ++p) tma_load_2d(sa + p * 8192, ta, tm * TMA_BM + 64 * p, kc, full);
@@ -361,6 +385,19 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
                 }
             }
         } else {
+            // Element offset of output row row0 + 8 h (strided grad-input: its dx pixel).
+            size_t obase[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = row0 + 8 * h;
+                if (CONV == TMA_CONV_DGRAD_S) {
+                    const int n = row / (sh.mh * sh.mw), rem = row - n * sh.mh * sh.mw, hh = rem / sh.mw;
+                    const int ih = hh * sh.stride + sh.ph, iw = (rem - hh * sh.mw) * sh.stride + sh.pw;
+                    obase[h] = (((size_t)n * sh.h + ih) * sh.w + iw) * sh.ldc;
+                } else {
+                    obase[h] = (size_t)row * sh.ldc;
+                }
+            }
 #pragma unroll
             for (int j = 0; j < BN / 8; ++j) {
                 const int col = col0 + 8 * j;
@@ -375,10 +412,10 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
                     if (row < M && col < N) {
                         const T v0 = from_f<T>(acc[4 * j + 2 * h] + b0), v1 = from_f<T>(acc[4 * j + 2 * h + 1] + b1);
                         if (col + 1 < N && (sh.ldc & 1) == 0) {
-                            *reinterpret_cast<uint32_t*>(C + (size_t)row * sh.ldc + col) = pack2(v0, v1);
+                            *reinterpret_cast<uint32_t*>(C + obase[h] + col) = pack2(v0, v1);
                         } else {
-                            C[(size_t)row * sh.ldc + col] = v0;
-                            if (col + 1 < N) C[(size_t)row * sh.ldc + col + 1] = v1;
+                            C[obase[h] + col] = v0;
+                            if (col + 1 < N) C[obase[h] + col + 1] = v1;
                         }
                     }
                 }

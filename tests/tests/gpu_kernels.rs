@@ -155,6 +155,7 @@ fn conv_awkward_shapes_match_reference() -> Result<()> {
         (sh(64, 64, 5, 1, 9), 2),     // 25 taps, padding 2
         (sh(64, 128, 1, 2, 9), 3),    // strided 1x1 (no padding)
         (sh(192, 64, 3, 1, 10), 2),   // C = 192
+        (sh(64, 128, 3, 2, 15), 2),   // strided grad-input by phase class, odd size (classes of 8 and 7 rows)
     ];
     for (s, n) in cases {
         for dt in [DType::BF16, DType::F16] {

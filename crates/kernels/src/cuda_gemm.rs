@@ -515,29 +515,28 @@ fn tma_map(ptr: u64, dt: DType, inner: usize, outer: usize, box_outer: u32, op: 
 }
 
 /// Im2col tensor map over the channels-last tensor `dims` = (n, h, w, c) at `ptr`: each copy is a column of
-/// `pixels` output pixels x 64 channels of an `r` x `r` convolution with `stride`, whose windows start at
-/// -`pad` (the bounding box of the windows' top-left corners is [-pad, size - 1 + pad - (r - 1)]); the tap comes
-/// with each copy as its im2col offset. Zero fill outside the tensor.
+/// `pixels` output pixels x 64 channels; the windows' top-left corners walk the box [lower, size - 1 + upper]
+/// (per (h, w)) at `stride`, and the filter tap comes with each copy as its im2col offset. For an r x r
+/// convolution with `pad`: lower = -pad, upper = pad - (r - 1). Zero fill outside the tensor.
 #[allow(clippy::too_many_arguments)]
 fn tma_im2col_map(
     ptr: u64,
     dt: DType,
     (n, h, w, c): (usize, usize, usize, usize),
-    r: usize,
+    lower: (i32, i32),
+    upper: (i32, i32),
     stride: usize,
-    pad: usize,
     pixels: u32,
     op: &str,
 ) -> Result<TmaDesc> {
     use candle_core::cuda_backend::cudarc::driver::sys;
     let dtype = tma_dtype(dt, op)?;
     if c % 64 != 0 || ptr % 16 != 0 || stride == 0 || stride > 8 {
-        candle_core::bail!("{op} (cuda): no im2col tensor map for c={c} r={r} stride={stride} pad={pad}");
+        candle_core::bail!("{op} (cuda): no im2col tensor map for c={c} stride={stride}");
     }
     let dims = [c as u64, w as u64, h as u64, n as u64];
     let strides = [(c * 2) as u64, (w * c * 2) as u64, (h * w * c * 2) as u64];
-    let lower = [-(pad as i32); 2];
-    let upper = [pad as i32 - (r as i32 - 1); 2];
+    let (lower, upper) = ([lower.1, lower.0], [upper.1, upper.0]); // (w, h) order
     let elem_strides = [1u32, stride as u32, stride as u32, 1];
     let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
     // SAFETY: dims / elem_strides have rank (4) entries, strides rank - 1, the corners rank - 2; the map is
@@ -566,6 +565,12 @@ fn tma_im2col_map(
     }
     // SAFETY: initialised by the successful call above.
     Ok(TmaDesc(unsafe { map.assume_init() }.opaque))
+}
+
+/// The im2col corners (lower, upper) of an r x r convolution with `pad` (same for h and w).
+fn conv_corners(r: usize, pad: usize) -> ((i32, i32), (i32, i32)) {
+    let (lo, up) = (-(pad as i32), pad as i32 - (r as i32 - 1));
+    ((lo, lo), (up, up))
 }
 
 /// Split-K of the TMA kernels: one k-split while the tiles alone give half a wave of blocks, else as many splits
@@ -615,6 +620,7 @@ fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
     base: GemmShape,
     c: &CudaSlice<T>,
     bias: Option<&CudaView<T>>,
+    store_map: bool,
     op: &str,
 ) -> Result<()> {
     let sms = sm_count(dev)?;
@@ -625,8 +631,9 @@ fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
     }
     let stream = dev.cuda_stream();
     let (pc, gc) = c.device_ptr(&stream);
-    // Without split-K the kernel stores C through a tensor map (16-byte rows needed: N % 8 == 0).
-    let tma_c = !split && n % 8 == 0 && pc % 16 == 0;
+    // Without split-K the kernel stores C (when it is the plain m x n matrix: `store_map`) through a tensor map
+    // (16-byte rows needed: N % 8 == 0).
+    let tma_c = store_map && !split && n % 8 == 0 && pc % 16 == 0;
     let mc = if tma_c { tma_map(pc, T::DTYPE, n, m, 64, op)? } else { TmaDesc([0; 16]) };
     drop(gc);
     let sh = GemmShape {
@@ -689,7 +696,7 @@ fn tma_gemm<T: CudaDType + DeviceRepr + WithDType>(
         GemmLayout::Tn => (tma_map(pa, dt, m, k, 64, op)?, tma_map(pb, dt, n, k, 64, op)?, "tn"),
     };
     let f = gemm_function(dev, tile, &format!("gemm_{tag}_{}_vec_{sfx}", tile.name))?;
-    tma_run(dev, tile, &f, (&ma, &mb), (m, n, k), GemmShape::default(), c, bias, op)?;
+    tma_run(dev, tile, &f, (&ma, &mb), (m, n, k), GemmShape::default(), c, bias, true, op)?;
     drop((ga, gb));
     Ok(())
 }
@@ -753,14 +760,13 @@ pub fn conv_tile_applies(tile: Tile, g: &ConvGeom) -> bool {
 
 /// Whether the TMA kernels run pass `pass` of `g`: the 1x1 stride-1 unpadded convolutions as plain GEMMs;
 /// otherwise through im2col tensor maps, which need the im2col source's channels (C; Ko for grad-input) to be a
-/// multiple of 64 (a 64-deep k-tile stays within one filter tap), and grad-input stride 1 (the strided
-/// grad-input is not a convolution of dy).
+/// multiple of 64 (a 64-deep k-tile stays within one filter tap); the strided grad-input runs per phase class.
 pub fn tma_conv_applies(g: &ConvGeom, pass: ConvPass) -> bool {
     let plain = g.r == 1 && g.stride == 1 && g.pad == 0;
     plain
         || match pass {
             ConvPass::Fwd | ConvPass::Wgrad => g.c % 64 == 0 && g.ko % 8 == 0,
-            ConvPass::Dgrad => g.stride == 1 && g.pad < g.r && g.ko % 64 == 0 && g.c % 8 == 0,
+            ConvPass::Dgrad => g.pad < g.r && g.ko % 64 == 0 && g.c % 8 == 0,
         }
 }
 
@@ -774,13 +780,15 @@ fn tma_fallback(tile: Tile) -> Tile {
 }
 
 /// One pass of `g` on a TMA tile through im2col tensor maps (kernels/conv/05_tma_wgmma.cu): `a` / `b` are the
-/// pass's operands as [`ConvOp`] takes them (Fwd: x, w; Dgrad: dy, w; Wgrad: dy, x), `out` the result.
+/// pass's operands as [`ConvOp`] takes them (Fwd: x, w; Dgrad: dy, w; Wgrad: dy, x), `out` the result. The
+/// strided grad-input runs one launch per phase class of `classes` (see [`dgrad_classes`]).
 #[allow(clippy::too_many_arguments)]
 fn tma_conv<T: CudaDType + DeviceRepr + WithDType>(
     dev: &CudaDevice,
     tile: Tile,
     pass: ConvPass,
     g: &ConvGeom,
+    classes: &[(usize, GemmShape)],
     a: &CudaView<T>,
     b: &CudaView<T>,
     out: &CudaSlice<T>,
@@ -792,31 +800,50 @@ fn tma_conv<T: CudaDType + DeviceRepr + WithDType>(
     let (pb, gb) = b.device_ptr(&stream);
     let (dt, p, q, rsc) = (T::DTYPE, g.p(), g.q(), g.r * g.r * g.c);
     let x_dims = (g.n, g.h, g.w, g.c);
-    let (ma, mb, mnk, name) = match pass {
+    let (lo, up) = conv_corners(g.r, g.pad);
+    let func = |name: &str| conv_function(dev, tile, &format!("conv_{name}_{}_tma_{sfx}", tile.name));
+    let base = g.shape(op)?;
+    match pass {
         // y[npq][ko] = im2col(x)[npq][(r, s, c)] . w[ko][(r, s, c)]
-        ConvPass::Fwd => (
-            tma_im2col_map(pa, dt, x_dims, g.r, g.stride, g.pad, 128, op)?,
-            tma_map(pb, dt, rsc, g.ko, tile.bn as u32, op)?,
-            (g.n * p * q, g.ko, rsc),
-            "fwd",
-        ),
+        ConvPass::Fwd => {
+            let ma = tma_im2col_map(pa, dt, x_dims, lo, up, g.stride, 128, op)?;
+            let mb = tma_map(pb, dt, rsc, g.ko, tile.bn as u32, op)?;
+            tma_run(dev, tile, &func("fwd")?, (&ma, &mb), (g.n * p * q, g.ko, rsc), base, out, None, true, op)?;
+        }
         // dx[nhw][c] = im2col(dy, padding r - 1 - pad)[nhw][(r', s', k)] . w[k][flipped (r', s')][c]
-        ConvPass::Dgrad => (
-            tma_im2col_map(pa, dt, (g.n, p, q, g.ko), g.r, 1, g.r - 1 - g.pad, 128, op)?,
-            tma_map(pb, dt, rsc, g.ko, 64, op)?,
-            (g.n * g.h * g.w, g.c, g.r * g.r * g.ko),
-            "dgrad",
-        ),
+        ConvPass::Dgrad if g.stride == 1 => {
+            let (lo, up) = conv_corners(g.r, g.r - 1 - g.pad);
+            let ma = tma_im2col_map(pa, dt, (g.n, p, q, g.ko), lo, up, 1, 128, op)?;
+            let mb = tma_map(pb, dt, rsc, g.ko, 64, op)?;
+            let mnk = (g.n * g.h * g.w, g.c, g.r * g.r * g.ko);
+            tma_run(dev, tile, &func("dgrad")?, (&ma, &mb), mnk, base, out, None, true, op)?;
+        }
+        // Per phase class: dx[(n, hh, ww)][c] = im2col(dy, class corners)[..][(i', j', k)] . w[k][class tap][c],
+        // stored to dx pixel (n, hh * stride + ph, ww * stride + pw).
+        ConvPass::Dgrad => {
+            let mb = tma_map(pb, dt, rsc, g.ko, 64, op)?;
+            let f = func("dgrads")?;
+            for (m, sh) in classes {
+                let (tr, ts) = (sh.tr as usize, sh.ts as usize);
+                // The class's window corners over dy: hh + (ph + pad - r0) / stride - (tr - 1), walked for mh rows.
+                let corner = |ph: i32, r0: i32, t: usize, mh: i32, size: usize| {
+                    let lo = (ph + g.pad as i32 - r0) / g.stride as i32 - (t.max(1) as i32 - 1);
+                    (lo, mh - size as i32 + lo)
+                };
+                let (lh, uh) = corner(sh.ph, sh.r0, tr, sh.mh, p);
+                let (lw, uw) = corner(sh.pw, sh.s0, ts, sh.mw, q);
+                let ma = tma_im2col_map(pa, dt, (g.n, p, q, g.ko), (lh, lw), (uh, uw), 1, 128, op)?;
+                let mnk = (*m, g.c, tr * ts * g.ko);
+                tma_run(dev, tile, &f, (&ma, &mb), mnk, *sh, out, None, false, op)?;
+            }
+        }
         // dw[ko][(r, s, c)] = dy[npq][ko]^T . im2col(x)[npq][(r, s, c)]
-        ConvPass::Wgrad => (
-            tma_map(pa, dt, g.ko, g.n * p * q, 64, op)?,
-            tma_im2col_map(pb, dt, x_dims, g.r, g.stride, g.pad, 64, op)?,
-            (g.ko, rsc, g.n * p * q),
-            "wgrad",
-        ),
-    };
-    let f = conv_function(dev, tile, &format!("conv_{name}_{}_tma_{sfx}", tile.name))?;
-    tma_run(dev, tile, &f, (&ma, &mb), mnk, g.shape(op)?, out, None, op)?;
+        ConvPass::Wgrad => {
+            let ma = tma_map(pa, dt, g.ko, g.n * p * q, 64, op)?;
+            let mb = tma_im2col_map(pb, dt, x_dims, lo, up, g.stride, 64, op)?;
+            tma_run(dev, tile, &func("wgrad")?, (&ma, &mb), (g.ko, rsc, g.n * p * q), base, out, None, true, op)?;
+        }
+    }
     drop((ga, gb));
     Ok(())
 }
@@ -891,7 +918,7 @@ impl ConvOp {
                             // 1x1, stride 1: y[npq][ko] = x[npq][c] w[ko][c]^T
                             return tma_gemm(dev, tile, GemmLayout::Nt, (m, n, k), &v1, &v2, &y, None, op);
                         }
-                        return tma_conv(dev, tile, self.pass, &g, &v1, &v2, &y, op);
+                        return tma_conv(dev, tile, self.pass, &g, &[], &v1, &v2, &y, op);
                     }
                     let tile = tma_fallback(tile);
                     let name = format!("conv_fwd_{}_{}_{sfx}", tile.name, if vec { "vec" } else { "scalar" });
@@ -948,7 +975,7 @@ impl ConvOp {
                             // 1x1, stride 1: dx[nhw][c] = dy[nhw][ko] w[ko][c]
                             return tma_gemm(dev, tile, GemmLayout::Nn, (g.n * g.h * g.w, g.c, g.ko), &v1, &v2, &dx, None, op);
                         }
-                        return tma_conv(dev, tile, self.pass, &g, &v1, &v2, &dx, op);
+                        return tma_conv(dev, tile, self.pass, &g, &classes, &v1, &v2, &dx, op);
                     }
                     let tile = tma_fallback(tile);
                     let name = format!("conv_dgrad_{}_vec_{sfx}", tile.name);
@@ -977,7 +1004,7 @@ impl ConvOp {
                             // 1x1, stride 1: dw[ko][c] = dy[npq][ko]^T x[npq][c]
                             return tma_gemm(dev, tile, GemmLayout::Tn, (m, n, k), &v1, &v2, &dw, None, op);
                         }
-                        return tma_conv(dev, tile, self.pass, &g, &v1, &v2, &dw, op);
+                        return tma_conv(dev, tile, self.pass, &g, &[], &v1, &v2, &dw, op);
                     }
                     let tile = tma_fallback(tile);
                     let (k_split, splits) = split_k(tile, m, n, k, sms);
