@@ -14,7 +14,7 @@
 //   strided grad-input: one launch per phase class (dx pixels h = hh * stride + ph, w = ww * stride + pw), each a
 //                stride-1 correlation of dy with the class's taps r = r0 + stride i (conv_dgrads_*; the class's
 //                im2col corners come with its tensor map; rows stored to their dx pixels; Ko % 64 == 0)
-// Tiles x256 (128x256x64, 4 stages) and x128 (128x128x64, 6 stages). Kernel arguments as the GEMM's:
+// Tiles x256 (128x256x64, 4 stages), x128 (128x128x64, 6 stages) and x64 (128x64x64, 8 stages). Kernel arguments as the GEMM's:
 // (map A, map B, out, split-K workspace, bias (unused), shape).
 #include "gemm/tma.cuh"
 
@@ -37,3 +37,5 @@ CONV_TMA_ALL(__nv_bfloat16, bf16, 256)
 CONV_TMA_ALL(__half, f16, 256)
 CONV_TMA_ALL(__nv_bfloat16, bf16, 128)
 CONV_TMA_ALL(__half, f16, 128)
+CONV_TMA_ALL(__nv_bfloat16, bf16, 64)
+CONV_TMA_ALL(__half, f16, 64)

@@ -5,7 +5,8 @@
 // consumer warpgroups (setmaxnreg 40 / 232) instead of every thread loading and computing; one m64n256k16 per
 // consumer and k-step; a persistent grid of at most one block per SM that walks the tiles (and k-splits) so
 // that the loads of the next tile overlap the stores of the last. Tile x256: 128x256x64, 4 stages; tile x128:
-// 128x128x64, 6 stages (more tiles for the shapes where 128x256 leaves SMs idle in the last wave).
+// 128x128x64, 6 stages (more tiles for the shapes where 128x256 leaves SMs idle in the last wave); tile x64:
+// 128x64x64, 8 stages (GEMMs 64 wide, e.g. ResNet's 64-channel layers, where wider tiles multiply zeros).
 // Kernel arguments: (tensor map of A, tensor map of B, C, split-K workspace, bias, shape); the same names and
 // layouts as 01-04 (nt: A[M][K] B[N][K]; nn: A[M][K] B[K][N]; tn: A[K][M] B[K][N]).
 #include "gemm/tma.cuh"
@@ -28,3 +29,5 @@ GEMM_TMA_ALL(__nv_bfloat16, bf16, 256)
 GEMM_TMA_ALL(__half, f16, 256)
 GEMM_TMA_ALL(__nv_bfloat16, bf16, 128)
 GEMM_TMA_ALL(__half, f16, 128)
+GEMM_TMA_ALL(__nv_bfloat16, bf16, 64)
+GEMM_TMA_ALL(__half, f16, 64)

@@ -7,7 +7,7 @@
 // works (the row strides must be multiples of 16 bytes: K, or N / M for MN-major operands, multiples of 8). The
 // convolution modes (TMA_CONV_*, below) read the activations through im2col tensor maps instead.
 //
-// - Block tile 128 x BN x 64 (BN = 256: 4 stages of 48 KiB; BN = 128: 6 stages of 32 KiB), 384 threads:
+// - Block tile 128 x BN x 64 (BN = 256: 4 stages of 48 KiB; 128: 6 of 32 KiB; 64: 8 of 24 KiB), 384 threads:
 //   warpgroup 0 is the producer (one thread issues the TMA copies; setmaxnreg gives its registers away),
 //   warpgroups 1 and 2 the consumers, each owning 64 rows x BN columns of the tile (BN / 2 FP32 accumulators per
 //   thread).
@@ -125,11 +125,11 @@ constexpr int TMA_BM = 128, TMA_KD = 64, TMA_THREADS = 384, TMA_GROUP = 8;
 constexpr int TMA_A_BYTES = TMA_BM * TMA_KD * 2;
 // Epilogue staging: per consumer warpgroup 64 rows x 128 columns of C (two 64 x 64 boxes, 128-byte swizzle).
 constexpr int TMA_EPI_WG_BYTES = 64 * 128 * 2, TMA_EPI_BYTES = 2 * TMA_EPI_WG_BYTES;
-// Per block-tile width BN (256: tile x256, 128: tile x128): stages and dynamic shared memory (alignment slack,
+// Per block-tile width BN (256: tile x256, 128: tile x128, 64: tile x64): stages and dynamic shared memory (alignment slack,
 // the stages, 2 x STAGES barriers). The launcher's Tile constants (cuda_gemm.rs) repeat these sizes.
 template <int BN>
 struct TmaCfg {
-    static constexpr int STAGES = BN == 256 ? 4 : 6;
+    static constexpr int STAGES = BN == 256 ? 4 : BN == 128 ? 6 : 8;
     static constexpr int B_BYTES = BN * TMA_KD * 2;
     static constexpr int STAGE_BYTES = TMA_A_BYTES + B_BYTES;
     static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + TMA_EPI_BYTES + 2 * STAGES * 8;
@@ -240,8 +240,10 @@ template <int BN, int TA, int TB, typename T>
 __device__ __forceinline__ void tma_wgmma(float (&acc)[BN / 2], uint64_t da, uint64_t db, T t) {
     if constexpr (BN == 256) {
         wgmma_n256<TA, TB>(acc, da, db, t);
-    } else {
+    } else if constexpr (BN == 128) {
         wgmma_n128<TA, TB>(acc, da, db, t);
+    } else {
+        wgmma_n64<TA, TB>(acc, da, db, t);
     }
 }
 
@@ -353,13 +355,14 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
             // box j / 8 (the 128-byte swizzle; conflict-free: the 8 rows of a store phase hit 8 different chunks).
             const uint32_t buf = epi + cw * TMA_EPI_WG_BYTES;
             const int rloc = warp * 16 + (lane >> 2);  // row within this warpgroup's 64, + 8 h
+            constexpr int EW = BN < 128 ? BN : 128;  // columns per staging round
 #pragma unroll
-            for (int half = 0; half < BN / 128; ++half) {
+            for (int half = 0; half < BN / EW; ++half) {
                 if ((tid & 127) == 0) bulk_wait_all<true>();
                 wg_bar(1 + cw);
 #pragma unroll
-                for (int jj = 0; jj < 16; ++jj) {
-                    const int j = half * 16 + jj;
+                for (int jj = 0; jj < EW / 8; ++jj) {
+                    const int j = half * (EW / 8) + jj;
                     const int col = col0 + 8 * j;
                     float b0 = 0.f, b1 = 0.f;
                     if (sh.has_bias && col < N) {
@@ -378,9 +381,9 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
                 fence_async_smem();
                 wg_bar(1 + cw);
                 if ((tid & 127) == 0) {
-                    const int row = tm * TMA_BM + cw * 64, c0 = tn * BN + half * 128;
-                    tma_store_2d(tc, buf, c0, row);
-                    tma_store_2d(tc, buf + 8192, c0 + 64, row);
+                    const int row = tm * TMA_BM + cw * 64, c0 = tn * BN + half * EW;
+#pragma unroll
+                    for (int bx = 0; bx < EW / 64; ++bx) tma_store_2d(tc, buf + bx * 8192, c0 + 64 * bx, row);
                     bulk_commit();
                 }
             }

@@ -71,6 +71,25 @@ IG_WGMMA_N128(__nv_bfloat16, "bf16")
 IG_WGMMA_N128(__half, "f16")
 #undef IG_WGMMA_N128
 
+// D[64][64] += A[64][16] B[16][64] (the TMA kernel's 64-wide tile x64).
+#define IG_WGMMA_N64(CTYPE, PTYPE) \
+    template <int TA, int TB> \
+    __device__ __forceinline__ void wgmma_n64(float(&d)[32], uint64_t da, uint64_t db, CTYPE) { \
+        asm volatile( \
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" \
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTYPE "." PTYPE " " \
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, " \
+            "%32, %33, p, 1, 1, %35, %36;\n}\n" \
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+              "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
+            : "l"(da), "l"(db), "r"(1), "n"(TA), "n"(TB)); \
+    }
+IG_WGMMA_N64(__nv_bfloat16, "bf16")
+IG_WGMMA_N64(__half, "f16")
+#undef IG_WGMMA_N64
+
 // Dynamic shared memory rounded up to the next 1024-byte boundary (the launch reserves 1 KiB extra).
 template <typename T>
 __device__ __forceinline__ T* align1k(unsigned char* p) {

@@ -121,11 +121,22 @@ pub const X128: Tile = Tile {
     smem: 1024 + 6 * (128 + 128) * 64 * 2 + TMA_EPI_SMEM + 2 * 6 * 8,
     file: 5,
 };
+/// 128x64x64 on the TMA kernel, 8 stages (05_tma_wgmma): GEMMs 64 wide (the 64-channel layers), where the wider
+/// tiles would multiply zeros.
+pub const X64: Tile = Tile {
+    name: "x64",
+    bm: 128,
+    bn: 64,
+    bk: 64,
+    threads: 384,
+    smem: 1024 + 8 * (128 + 64) * 64 * 2 + TMA_EPI_SMEM + 2 * 8 * 8,
+    file: 5,
+};
 /// The TMA tiles' epilogue staging buffer (`ig::TMA_EPI_BYTES`): 64 x 128 outputs per consumer warpgroup.
 const TMA_EPI_SMEM: u32 = 2 * 64 * 128 * 2;
-/// Every tile variant; the last five (`w*`, `x*`: wgmma) run only on compute capability 9.0 (see
+/// Every tile variant; the last six (`w*`, `x*`: wgmma) run only on compute capability 9.0 (see
 /// [`tiles_for`]).
-pub const TILES: [Tile; 11] = [T128, T64, T256, T128W, T128K64, T256K64, W128, W128S3, W256, X256, X128];
+pub const TILES: [Tile; 12] = [T128, T64, T256, T128W, T128K64, T256K64, W128, W128S3, W256, X256, X128, X64];
 /// The tiles that run on any sm_80+ GPU (mma.sync).
 pub const PORTABLE_TILES: [Tile; 6] = [T128, T64, T256, T128W, T128K64, T256K64];
 
@@ -452,7 +463,7 @@ fn reduce_cfg(len: usize) -> LaunchConfig {
 }
 
 // ------------------------------------------------------------------------------------------------------------
-// The TMA kernels (x256 / x128: kernels/gemm/05_tma_wgmma.cu, kernels/conv/05_tma_wgmma.cu).
+// The TMA kernels (x256 / x128 / x64: kernels/gemm/05_tma_wgmma.cu, kernels/conv/05_tma_wgmma.cu).
 
 /// Whether `tile` is one of the TMA kernels' tiles.
 fn is_tma(tile: Tile) -> bool {
@@ -607,9 +618,10 @@ fn splitk_reduce<T: CudaDType + DeviceRepr + WithDType>(
     Ok(())
 }
 
-/// One launch of a TMA kernel `f` (tile x256 or x128) over the m x n x k problem described by the tensor maps:
+/// One launch of a TMA kernel `f` (tile x256, x128 or x64) over the m x n x k problem described by the tensor maps:
 /// the persistent grid, split-K through an FP32 workspace and gemm_splitk_reduce (which then adds the bias).
-/// `base` carries the convolution geometry (zero for matmuls); c is m x n row-major.
+/// `base` carries the convolution geometry (zero for matmuls); c is m x n row-major when `plain_c` (else the
+/// kernel places the rows itself, without split-K).
 #[allow(clippy::too_many_arguments)]
 fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
     dev: &CudaDevice,
@@ -620,20 +632,22 @@ fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
     base: GemmShape,
     c: &CudaSlice<T>,
     bias: Option<&CudaView<T>>,
-    store_map: bool,
+    plain_c: bool,
     op: &str,
 ) -> Result<()> {
     let sms = sm_count(dev)?;
-    let (k_split, splits) = tma_split(tile, m, n, k, sms);
+    // Split-K and the TMA store need C to be the plain row-major m x n matrix (not the strided grad-input's
+    // scattered rows).
+    let (k_split, splits) =
+        if plain_c { tma_split(tile, m, n, k, sms) } else { (k.div_ceil(tile.bk).max(1) * tile.bk, 1) };
     let split = splits > 1;
     if split {
         i32_of(splits * m * n, op, "split-K workspace")?;
     }
     let stream = dev.cuda_stream();
     let (pc, gc) = c.device_ptr(&stream);
-    // Without split-K the kernel stores C (when it is the plain m x n matrix: `store_map`) through a tensor map
-    // (16-byte rows needed: N % 8 == 0).
-    let tma_c = store_map && !split && n % 8 == 0 && pc % 16 == 0;
+    // Without split-K the kernel stores a plain C through a tensor map (16-byte rows needed: N % 8 == 0).
+    let tma_c = plain_c && !split && n % 8 == 0 && pc % 16 == 0;
     let mc = if tma_c { tma_map(pc, T::DTYPE, n, m, 64, op)? } else { TmaDesc([0; 16]) };
     drop(gc);
     let sh = GemmShape {
@@ -661,7 +675,7 @@ fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
         None => bld.arg(c), // never read: has_bias = 0
     };
     bld.arg(&sh);
-    // SAFETY: (map A, map B, map C, c, ws, bias, shape) as the x256 / x128 kernels take them; the maps cover exactly
+    // SAFETY: (map A, map B, map C, c, ws, bias, shape) as the x256 / x128 / x64 kernels take them; the maps cover exactly
     // the operands of the m x n x k problem and c (read by the kernel only when tma_c), c holds m*n elements, ws
     // splits*m*n when split.
     unsafe { bld.launch(cfg) }.w()?;
@@ -752,8 +766,8 @@ impl ConvGeom {
 }
 
 /// Whether tile variant `tile` has its own kernel for at least one pass of `g`: all tiles do, except the TMA
-/// tiles (`x256`, `x128`), which take the passes [`tma_conv_applies`] accepts (a forced TMA tile runs `w256` /
-/// `w128` on the others).
+/// tiles (`x256`, `x128`, `x64`), which take the passes [`tma_conv_applies`] accepts (a forced TMA tile runs
+/// `w256` / `w128` on the others).
 pub fn conv_tile_applies(tile: Tile, g: &ConvGeom) -> bool {
     !is_tma(tile) || [ConvPass::Fwd, ConvPass::Dgrad, ConvPass::Wgrad].iter().any(|&p| tma_conv_applies(g, p))
 }
@@ -774,7 +788,7 @@ pub fn tma_conv_applies(g: &ConvGeom, pass: ConvPass) -> bool {
 fn tma_fallback(tile: Tile) -> Tile {
     match tile {
         X256 => W256,
-        X128 => W128,
+        X128 | X64 => W128,
         t => t,
     }
 }
