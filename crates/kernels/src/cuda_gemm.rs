@@ -9,7 +9,7 @@ use crate::cuda::alloc_out;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaModule, CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaModule, CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
@@ -795,7 +795,8 @@ fn tma_fallback(tile: Tile) -> Tile {
 
 /// One pass of `g` on a TMA tile through im2col tensor maps (kernels/conv/05_tma_wgmma.cu): `a` / `b` are the
 /// pass's operands as [`ConvOp`] takes them (Fwd: x, w; Dgrad: dy, w; Wgrad: dy, x), `out` the result. The
-/// strided grad-input runs one launch per phase class of `classes` (see [`dgrad_classes`]).
+/// strided grad-input runs one launch per phase class of `classes` that has taps (`out` is zeroed beforehand
+/// when some class has none).
 #[allow(clippy::too_many_arguments)]
 fn tma_conv<T: CudaDType + DeviceRepr + WithDType>(
     dev: &CudaDevice,
@@ -837,11 +838,11 @@ fn tma_conv<T: CudaDType + DeviceRepr + WithDType>(
         ConvPass::Dgrad => {
             let mb = tma_map(pb, dt, rsc, g.ko, 64, op)?;
             let f = func("dgrads")?;
-            for (m, sh) in classes {
+            for (m, sh) in classes.iter().filter(|(_, sh)| sh.k > 0) {
                 let (tr, ts) = (sh.tr as usize, sh.ts as usize);
                 // The class's window corners over dy: hh + (ph + pad - r0) / stride - (tr - 1), walked for mh rows.
                 let corner = |ph: i32, r0: i32, t: usize, mh: i32, size: usize| {
-                    let lo = (ph + g.pad as i32 - r0) / g.stride as i32 - (t.max(1) as i32 - 1);
+                    let lo = (ph + g.pad as i32 - r0) / g.stride as i32 - (t as i32 - 1);
                     (lo, mh - size as i32 + lo)
                 };
                 let (lh, uh) = corner(sh.ph, sh.r0, tr, sh.mh, p);
@@ -887,7 +888,7 @@ impl ConvOp {
         }
     }
 
-    fn launch<T: CudaDType + DeviceRepr + WithDType + 'static>(
+    fn launch<T: CudaDType + DeviceRepr + WithDType + ValidAsZeroBits + 'static>(
         &self,
         s1: &CudaStorage,
         l1: &Layout,
@@ -982,12 +983,29 @@ impl ConvOp {
                         classes.push((m, sh));
                     }
                 }
-                let dx = alloc_out::<T>(dev, g.n * g.h * g.w * g.c)?;
+                // Phase classes without taps (a strided 1x1: 3 of 4) are zeros: one memset here, and the TMA
+                // path skips them (the other kernels write their zeros too).
+                let zero_classes = classes.iter().any(|(_, sh)| sh.k == 0);
+                let dx = if zero_classes {
+                    dev.alloc_zeros::<T>(g.n * g.h * g.w * g.c)?
+                } else {
+                    alloc_out::<T>(dev, g.n * g.h * g.w * g.c)?
+                };
                 let run = |tile: Tile| -> Result<()> {
                     if is_tma(tile) && tma_ok {
                         if plain {
                             // 1x1, stride 1: dx[nhw][c] = dy[nhw][ko] w[ko][c]
-                            return tma_gemm(dev, tile, GemmLayout::Nn, (g.n * g.h * g.w, g.c, g.ko), &v1, &v2, &dx, None, op);
+                            return tma_gemm(
+                                dev,
+                                tile,
+                                GemmLayout::Nn,
+                                (g.n * g.h * g.w, g.c, g.ko),
+                                &v1,
+                                &v2,
+                                &dx,
+                                None,
+                                op,
+                            );
                         }
                         return tma_conv(dev, tile, self.pass, &g, &classes, &v1, &v2, &dx, op);
                     }
