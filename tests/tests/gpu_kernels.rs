@@ -150,12 +150,12 @@ fn conv_awkward_shapes_match_reference() -> Result<()> {
         // The TMA im2col paths (channels multiples of 64): partial pixel tiles, stride 2 with odd sizes, output
         // channels below / not a multiple of the 128 / 256-wide tiles, 5x5 taps, a strided 1x1, and C = 192
         // (grad-input's flipped weight panels run past C into the next tap: those columns must never be stored).
-        (sh(64, 72, 3, 2, 15), 3),    // stride 2, odd size, Ko = 72
-        (sh(128, 64, 3, 1, 7), 5),    // M = 245: the last pixel column runs past the batch
-        (sh(64, 64, 5, 1, 9), 2),     // 25 taps, padding 2
-        (sh(64, 128, 1, 2, 9), 3),    // strided 1x1 (no padding)
-        (sh(192, 64, 3, 1, 10), 2),   // C = 192
-        (sh(64, 128, 3, 2, 15), 2),   // strided grad-input by phase class, odd size (classes of 8 and 7 rows)
+        (sh(64, 72, 3, 2, 15), 3),  // stride 2, odd size, Ko = 72
+        (sh(128, 64, 3, 1, 7), 5),  // M = 245: the last pixel column runs past the batch
+        (sh(64, 64, 5, 1, 9), 2),   // 25 taps, padding 2
+        (sh(64, 128, 1, 2, 9), 3),  // strided 1x1 (no padding)
+        (sh(192, 64, 3, 1, 10), 2), // C = 192
+        (sh(64, 128, 3, 2, 15), 2), // strided grad-input by phase class, odd size (classes of 8 and 7 rows)
     ];
     for (s, n) in cases {
         for dt in [DType::BF16, DType::F16] {
