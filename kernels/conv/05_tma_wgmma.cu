@@ -14,24 +14,15 @@
 //   strided grad-input: one launch per phase class (dx pixels h = hh * stride + ph, w = ww * stride + pw), each a
 //                stride-1 correlation of dy with the class's taps r = r0 + stride i (conv_dgrads_*; the class's
 //                im2col corners come with its tensor map; rows stored to their dx pixels; Ko % 64 == 0)
-// Tiles x256 (128x256x64, 4 stages), x128 (128x128x64, 6 stages) and x64 (128x64x64, 8 stages). Kernel arguments as the GEMM's:
-// (map A, map B, out, split-K workspace, bias (unused), shape).
+// Tiles x256 (128x256x64, 4 stages), x128 (128x128x64, 6 stages) and x64 (128x64x64, 8 stages). Kernel arguments
+// as the GEMM's (IG_TMA_KERNEL): (maps A, B and out, out, split-K workspace, bias (unused), shape).
 #include "gemm/tma.cuh"
 
-#define CONV_TMA(NAME, T, MODE, AK, BKM, BN)                                                                   \
-    extern "C" __global__ void __launch_bounds__(ig::TMA_THREADS, 1)                                         \
-        NAME(const __grid_constant__ ig::TmaDesc ta, const __grid_constant__ ig::TmaDesc tb,                   \
-             const __grid_constant__ ig::TmaDesc tc, T* __restrict__ c,                                       \
-             float* __restrict__ ws, const T* __restrict__ bias, ig::Shape sh) {                             \
-        extern __shared__ __align__(1024) unsigned char ig_smem[];                                            \
-        ig::tma_gemm_body<T, MODE, AK, BKM, BN>(&ta, &tb, &tc, c, ws, bias, sh, ig_smem);                          \
-    }
-
-#define CONV_TMA_ALL(T, SUF, BN)                                                        \
-    CONV_TMA(conv_fwd_x##BN##_tma_##SUF, T, ig::TMA_CONV_FWD, true, true, BN)           \
-    CONV_TMA(conv_dgrad_x##BN##_tma_##SUF, T, ig::TMA_CONV_DGRAD, true, false, BN)      \
-    CONV_TMA(conv_wgrad_x##BN##_tma_##SUF, T, ig::TMA_CONV_WGRAD, false, false, BN)     \
-    CONV_TMA(conv_dgrads_x##BN##_tma_##SUF, T, ig::TMA_CONV_DGRAD_S, true, false, BN)
+#define CONV_TMA_ALL(T, SUF, BN)                                                                \
+    IG_TMA_KERNEL(conv_fwd_x##BN##_tma_##SUF, T, ig::TMA_CONV_FWD, true, true, BN)              \
+    IG_TMA_KERNEL(conv_dgrad_x##BN##_tma_##SUF, T, ig::TMA_CONV_DGRAD, true, false, BN)         \
+    IG_TMA_KERNEL(conv_wgrad_x##BN##_tma_##SUF, T, ig::TMA_CONV_WGRAD, false, false, BN)        \
+    IG_TMA_KERNEL(conv_dgrads_x##BN##_tma_##SUF, T, ig::TMA_CONV_DGRAD_S, true, false, BN)
 
 CONV_TMA_ALL(__nv_bfloat16, bf16, 256)
 CONV_TMA_ALL(__half, f16, 256)

@@ -7,23 +7,14 @@
 // that the loads of the next tile overlap the stores of the last. Tile x256: 128x256x64, 4 stages; tile x128:
 // 128x128x64, 6 stages (more tiles for the shapes where 128x256 leaves SMs idle in the last wave); tile x64:
 // 128x64x64, 8 stages (GEMMs 64 wide, e.g. ResNet's 64-channel layers, where wider tiles multiply zeros).
-// Kernel arguments: (tensor map of A, tensor map of B, C, split-K workspace, bias, shape); the same names and
-// layouts as 01-04 (nt: A[M][K] B[N][K]; nn: A[M][K] B[K][N]; tn: A[K][M] B[K][N]).
+// Kernel arguments (IG_TMA_KERNEL, gemm/tma.cuh): (tensor maps of A, B and C, C, split-K workspace, bias, shape);
+// the same names and layouts as 01-04 (nt: A[M][K] B[N][K]; nn: A[M][K] B[K][N]; tn: A[K][M] B[K][N]).
 #include "gemm/tma.cuh"
 
-#define GEMM_TMA(NAME, T, AK, BKM, BN)                                                                         \
-    extern "C" __global__ void __launch_bounds__(ig::TMA_THREADS, 1)                                         \
-        NAME(const __grid_constant__ ig::TmaDesc ta, const __grid_constant__ ig::TmaDesc tb,                   \
-             const __grid_constant__ ig::TmaDesc tc, T* __restrict__ c,                                       \
-             float* __restrict__ ws, const T* __restrict__ bias, ig::Shape sh) {                             \
-        extern __shared__ __align__(1024) unsigned char ig_smem[];                                            \
-        ig::tma_gemm_body<T, ig::TMA_GEMM, AK, BKM, BN>(&ta, &tb, &tc, c, ws, bias, sh, ig_smem);                  \
-    }
-
-#define GEMM_TMA_ALL(T, SUF, BN)                                  \
-    GEMM_TMA(gemm_nt_x##BN##_vec_##SUF, T, true, true, BN)        \
-    GEMM_TMA(gemm_nn_x##BN##_vec_##SUF, T, true, false, BN)       \
-    GEMM_TMA(gemm_tn_x##BN##_vec_##SUF, T, false, false, BN)
+#define GEMM_TMA_ALL(T, SUF, BN)                                                                \
+    IG_TMA_KERNEL(gemm_nt_x##BN##_vec_##SUF, T, ig::TMA_GEMM, true, true, BN)                   \
+    IG_TMA_KERNEL(gemm_nn_x##BN##_vec_##SUF, T, ig::TMA_GEMM, true, false, BN)                  \
+    IG_TMA_KERNEL(gemm_tn_x##BN##_vec_##SUF, T, ig::TMA_GEMM, false, false, BN)
 
 GEMM_TMA_ALL(__nv_bfloat16, bf16, 256)
 GEMM_TMA_ALL(__half, f16, 256)

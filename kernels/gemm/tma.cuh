@@ -236,6 +236,16 @@ __device__ __forceinline__ void tma_produce(const TmaDesc* ta, const TmaDesc* tb
     }
 }
 
+// Bias of output columns col and col + 1 (zero without bias or past N).
+template <typename T>
+__device__ __forceinline__ void tma_bias2(const Shape& sh, const T* bias, int col, float& b0, float& b1) {
+    b0 = 0.f, b1 = 0.f;
+    if (sh.has_bias && col < sh.N) {
+        b0 = to_f(bias[col]);
+        if (col + 1 < sh.N) b1 = to_f(bias[col + 1]);
+    }
+}
+
 template <int BN, int TA, int TB, typename T>
 __device__ __forceinline__ void tma_wgmma(float (&acc)[BN / 2], uint64_t da, uint64_t db, T t) {
     if constexpr (BN == 256) {
@@ -364,11 +374,8 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
                 for (int jj = 0; jj < EW / 8; ++jj) {
                     const int j = half * (EW / 8) + jj;
                     const int col = col0 + 8 * j;
-                    float b0 = 0.f, b1 = 0.f;
-                    if (sh.has_bias && col < N) {
-                        b0 = to_f(bias[col]);
-                        if (col + 1 < N) b1 = to_f(bias[col + 1]);
-                    }
+                    float b0, b1;
+                    tma_bias2(sh, bias, col, b0, b1);
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
                         const int r = rloc + 8 * h;
@@ -404,11 +411,8 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
 #pragma unroll
             for (int j = 0; j < BN / 8; ++j) {
                 const int col = col0 + 8 * j;
-                float b0 = 0.f, b1 = 0.f;
-                if (sh.has_bias && col < N) {
-                    b0 = to_f(bias[col]);
-                    if (col + 1 < N) b1 = to_f(bias[col + 1]);
-                }
+                float b0, b1;
+                tma_bias2(sh, bias, col, b0, b1);
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int row = row0 + 8 * h;
@@ -429,3 +433,14 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
 }
 
 }  // namespace ig
+
+// One TMA kernel: (map A, map B, map C, C, split-K workspace, bias, shape), MODE one of ig::TMA_GEMM /
+// TMA_CONV_*, AK / BKM whether A / B are K-major, BN the tile width. Used by gemm/ and conv/05_tma_wgmma.cu.
+#define IG_TMA_KERNEL(NAME, T, MODE, AK, BKM, BN)                                                                \
+    extern "C" __global__ void __launch_bounds__(ig::TMA_THREADS, 1)                                            \
+        NAME(const __grid_constant__ ig::TmaDesc ta, const __grid_constant__ ig::TmaDesc tb,                    \
+             const __grid_constant__ ig::TmaDesc tc, T* __restrict__ c, float* __restrict__ ws,                  \
+             const T* __restrict__ bias, ig::Shape sh) {                                                        \
+        extern __shared__ __align__(1024) unsigned char ig_smem[];                                               \
+        ig::tma_gemm_body<T, MODE, AK, BKM, BN>(&ta, &tb, &tc, c, ws, bias, sh, ig_smem);                        \
+    }

@@ -97,43 +97,31 @@ pub const W128S3: Tile =
 /// 128x256x64 on wgmma, 2 warpgroups of 64x256, 4 stages (04_wgmma).
 pub const W256: Tile =
     Tile { name: "w256", bm: 128, bn: 256, bk: 64, threads: 256, smem: 4 * (128 + 256) * 64 * 2 + 1024, file: 4 };
-/// 128x256x64 on the warp-specialised persistent TMA + wgmma kernel (05_tma_wgmma, sm_90a only): 384 threads
-/// (a producer and two consumer warpgroups), 4 stages. Matmuls, the 1x1 stride-1 convolutions (plain GEMMs in
+/// A tile of the warp-specialised persistent TMA + wgmma kernel (05_tma_wgmma, sm_90a only): 128 x `bn` x 64,
+/// 384 threads (a producer and two consumer warpgroups), `stages` stages; shared memory as `ig::TmaCfg` lays it
+/// out (alignment slack, the stages, the epilogue staging buffer `ig::TMA_EPI_BYTES`: 64 x 128 outputs per
+/// consumer warpgroup, two barriers per stage). Matmuls, the 1x1 stride-1 convolutions (plain GEMMs in
 /// channels-last) and, through im2col tensor maps, the convolution passes [`tma_conv_applies`] accepts; a forced
-/// `x256` / `x128` on any other convolution pass runs `w256` / `w128`.
-pub const X256: Tile = Tile {
-    name: "x256",
-    bm: 128,
-    bn: 256,
-    bk: 64,
-    threads: 384,
-    smem: 1024 + 4 * (128 + 256) * 64 * 2 + TMA_EPI_SMEM + 2 * 4 * 8,
-    file: 5,
-};
-/// 128x128x64 on the TMA kernel, 6 stages (05_tma_wgmma): twice the tiles of `x256`, for shapes whose last
-/// wave of 128x256 tiles would leave SMs idle.
-pub const X128: Tile = Tile {
-    name: "x128",
-    bm: 128,
-    bn: 128,
-    bk: 64,
-    threads: 384,
-    smem: 1024 + 6 * (128 + 128) * 64 * 2 + TMA_EPI_SMEM + 2 * 6 * 8,
-    file: 5,
-};
-/// 128x64x64 on the TMA kernel, 8 stages (05_tma_wgmma): GEMMs 64 wide (the 64-channel layers), where the wider
-/// tiles would multiply zeros.
-pub const X64: Tile = Tile {
-    name: "x64",
-    bm: 128,
-    bn: 64,
-    bk: 64,
-    threads: 384,
-    smem: 1024 + 8 * (128 + 64) * 64 * 2 + TMA_EPI_SMEM + 2 * 8 * 8,
-    file: 5,
-};
-/// The TMA tiles' epilogue staging buffer (`ig::TMA_EPI_BYTES`): 64 x 128 outputs per consumer warpgroup.
-const TMA_EPI_SMEM: u32 = 2 * 64 * 128 * 2;
+/// TMA tile on any other convolution pass runs `w256` / `w128`.
+const fn tma_tile(name: &'static str, bn: usize, stages: u32) -> Tile {
+    let stage_bytes = ((128 + bn) * 64 * 2) as u32;
+    Tile {
+        name,
+        bm: 128,
+        bn,
+        bk: 64,
+        threads: 384,
+        smem: 1024 + stages * stage_bytes + 2 * 64 * 128 * 2 + 2 * stages * 8,
+        file: 5,
+    }
+}
+/// 128x256x64, 4 stages.
+pub const X256: Tile = tma_tile("x256", 256, 4);
+/// 128x128x64, 6 stages: twice the tiles of `x256`, for shapes whose last wave of 128x256 tiles would leave SMs
+/// idle.
+pub const X128: Tile = tma_tile("x128", 128, 6);
+/// 128x64x64, 8 stages: GEMMs 64 wide (the 64-channel layers), where the wider tiles would multiply zeros.
+pub const X64: Tile = tma_tile("x64", 64, 8);
 /// Every tile variant; the last six (`w*`, `x*`: wgmma) run only on compute capability 9.0 (see
 /// [`tiles_for`]).
 pub const TILES: [Tile; 12] = [T128, T64, T256, T128W, T128K64, T256K64, W128, W128S3, W256, X256, X128, X64];
