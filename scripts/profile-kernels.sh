@@ -36,9 +36,9 @@ metrics=(
     smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio
 )
 m=$(IFS=,; echo "${metrics[*]}")
-# Skip the forward pass's two warm-up launches; the next 7 are its timed launch and every launch of grad-input and
+# Skip the forward pass's three warm-up launches; the next 7 are its timed launch and every launch of grad-input and
 # grad-weight (strided grad-input: one per phase class).
-"$ncu" --clock-control none --kernel-name "$kernels" --launch-skip "${SKIP:-2}" --launch-count "${COUNT:-7}" \
+"$ncu" --clock-control none --kernel-name "$kernels" --launch-skip "${SKIP:-3}" --launch-count "${COUNT:-7}" \
     --metrics "$m" --export "$out/kprofile" --force-overwrite \
     "$bin" --filter "$shape" --tile "$tile" --iters 1 --no-candle --no-matmul > "$out/kprofile-run.log" 2>&1
 tail -3 "$out/kprofile-run.log"

@@ -14,6 +14,8 @@
 //   strided grad-input: one launch per phase class (dx pixels h = hh * stride + ph, w = ww * stride + pw), each a
 //                stride-1 correlation of dy with the class's taps r = r0 + stride i (conv_dgrads_*; the class's
 //                im2col corners come with its tensor map; rows stored to their dx pixels; Ko % 64 == 0)
+//   grad-weight transposed (conv_wgradt_*, Ko <= 64): dw^T[(r,s,c)][ko] = im2col(x)^T . dy, so that the 128-row
+//                tile runs over R*S*C instead of a half-empty Ko = 64; the launcher transposes the result.
 // Tiles x256 (128x256x64, 4 stages), x128 (128x128x64, 6 stages) and x64 (128x64x64, 8 stages). Kernel arguments
 // as the GEMM's (IG_TMA_KERNEL): (maps A, B and out, out, split-K workspace, bias (unused), shape).
 #include "gemm/tma.cuh"
@@ -22,7 +24,8 @@
     IG_TMA_KERNEL(conv_fwd_x##BN##_tma_##SUF, T, ig::TMA_CONV_FWD, true, true, BN)              \
     IG_TMA_KERNEL(conv_dgrad_x##BN##_tma_##SUF, T, ig::TMA_CONV_DGRAD, true, false, BN)         \
     IG_TMA_KERNEL(conv_wgrad_x##BN##_tma_##SUF, T, ig::TMA_CONV_WGRAD, false, false, BN)        \
-    IG_TMA_KERNEL(conv_dgrads_x##BN##_tma_##SUF, T, ig::TMA_CONV_DGRAD_S, true, false, BN)
+    IG_TMA_KERNEL(conv_dgrads_x##BN##_tma_##SUF, T, ig::TMA_CONV_DGRAD_S, true, false, BN)      \
+    IG_TMA_KERNEL(conv_wgradt_x##BN##_tma_##SUF, T, ig::TMA_CONV_WGRAD_T, false, false, BN)
 
 CONV_TMA_ALL(__nv_bfloat16, bf16, 256)
 CONV_TMA_ALL(__half, f16, 256)

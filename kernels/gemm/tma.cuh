@@ -119,7 +119,12 @@ __device__ __forceinline__ void tma_load_im2col(uint32_t dst, const TmaDesc* map
 //                    correlation over dy, so A = im2col(dy) with the class's corners (made by the launcher), tap
 //                    offset i' = tr - 1 - i; B = w read MN-major at tap (r0 + stride (tr-1-i'), s0 + ...). Rows
 //                    (n, hh, ww) are stored straight to dx pixel (n, hh * stride + ph, ww * stride + pw).
-constexpr int TMA_GEMM = 0, TMA_CONV_FWD = 1, TMA_CONV_DGRAD = 2, TMA_CONV_WGRAD = 3, TMA_CONV_DGRAD_S = 4;
+//  - TMA_CONV_WGRAD_T: grad-weight transposed, for few output channels (Ko = 64 would leave half of a 128-row
+//                    tile empty): dw^T[(r,s,c)][ko] = im2col(x)^T . dy, A = im2col(x) as MN-major panels of 64
+//                    pixels x 64 channels (one tap per panel, M = R*S*C), B = dy as MN-major panels of dy
+//                    [N*P*Q][Ko] (N = Ko, K = N*P*Q); the launcher transposes the small result.
+constexpr int TMA_GEMM = 0, TMA_CONV_FWD = 1, TMA_CONV_DGRAD = 2, TMA_CONV_WGRAD = 3, TMA_CONV_DGRAD_S = 4,
+              TMA_CONV_WGRAD_T = 5;
 
 constexpr int TMA_BM = 128, TMA_KD = 64, TMA_THREADS = 384, TMA_GROUP = 8;
 constexpr int TMA_A_BYTES = TMA_BM * TMA_KD * 2;
@@ -178,10 +183,55 @@ __device__ __forceinline__ void tma_window(const Shape& sh, int m, int& n, int& 
     ws = (rem - oh * ow_n) * st - pd;
 }
 
-// One k-tile (depth TMA_KD at reduction index kc) of work unit (tm, tn) into stage buffers sa / sb.
+// Where the producer stands in the reduction of a forward / grad-input unit: the window of the tile's first
+// output pixel (fixed for the unit) and the (tap row, tap column, channel) of the next k-tile, advanced by
+// counters instead of divisions per k-tile (a 64-deep k-tile never straddles two taps).
+struct TmaPos {
+    int n, hs, ws;  // image and window corner of the row tile's first pixel
+    int tr, ts, c0; // tap (row, column) within the pass's taps, first channel of the k-tile
+};
+
+template <int CONV>
+__device__ __forceinline__ int tma_pos_channels(const Shape& sh) {
+    return CONV == TMA_CONV_FWD ? sh.c : sh.ko;  // channels of the im2col source
+}
+template <int CONV>
+__device__ __forceinline__ int tma_pos_cols(const Shape& sh) {
+    return CONV == TMA_CONV_DGRAD_S ? sh.ts : sh.s;  // taps per tap row
+}
+
+// The position at reduction index k0 of row tile tm (forward, grad-input, strided grad-input only).
+template <int CONV>
+__device__ __forceinline__ TmaPos tma_pos_init(const Shape& sh, int tm, int k0) {
+    TmaPos p{};
+    if (CONV == TMA_CONV_FWD || CONV == TMA_CONV_DGRAD || CONV == TMA_CONV_DGRAD_S) {
+        tma_window<CONV>(sh, tm * TMA_BM, p.n, p.hs, p.ws);
+        const int ch = tma_pos_channels<CONV>(sh), cols = tma_pos_cols<CONV>(sh);
+        const int tap = k0 / ch;
+        p.c0 = k0 - tap * ch;
+        p.tr = tap / cols;
+        p.ts = tap - p.tr * cols;
+    }
+    return p;
+}
+
+// Advances the position by one 64-deep k-tile.
+template <int CONV>
+__device__ __forceinline__ void tma_pos_next(const Shape& sh, TmaPos& p) {
+    if (CONV == TMA_CONV_FWD || CONV == TMA_CONV_DGRAD || CONV == TMA_CONV_DGRAD_S) {
+        p.c0 += TMA_KD;
+        if (p.c0 >= tma_pos_channels<CONV>(sh)) {
+            p.c0 = 0;
+            if (++p.ts == tma_pos_cols<CONV>(sh)) p.ts = 0, ++p.tr;
+        }
+    }
+}
+
+// One k-tile (depth TMA_KD at reduction index kc; position `pos` for forward / grad-input) of work unit (tm, tn)
+// into stage buffers sa / sb.
 template <int CONV, bool A_KMAJOR, bool B_KMAJOR, int BN>
 __device__ __forceinline__ void tma_produce(const TmaDesc* ta, const TmaDesc* tb, const Shape& sh, int tm, int tn,
-                                            int kc, uint32_t sa, uint32_t sb, uint32_t full) {
+                                            int kc, const TmaPos& pos, uint32_t sa, uint32_t sb, uint32_t full) {
     if (CONV == TMA_GEMM) {
         if (A_KMAJOR) {
             tma_load_2d(sa, ta, kc, tm * TMA_BM, full);
@@ -196,42 +246,39 @@ __device__ __forceinline__ void tma_produce(const TmaDesc* ta, const TmaDesc* tb
             for (int p = 0; p < BN / 64; ++p) tma_load_2d(sb + p * 8192, tb, tn * BN + 64 * p, kc, full);
         }
     } else if (CONV == TMA_CONV_FWD || CONV == TMA_CONV_DGRAD) {
-        int n, hs, ws;
-        tma_window<CONV>(sh, tm * TMA_BM, n, hs, ws);
-        const int ch = CONV == TMA_CONV_FWD ? sh.c : sh.ko;  // channels of the im2col source
-        const int tap = kc / ch, c0 = kc - tap * ch;
-        const int r = tap / sh.s, s = tap - r * sh.s;
-        tma_load_im2col(sa, ta, c0, ws, hs, n, (unsigned short)s, (unsigned short)r, full);
+        tma_load_im2col(sa, ta, pos.c0, pos.ws, pos.hs, pos.n, (unsigned short)pos.ts, (unsigned short)pos.tr, full);
         if (CONV == TMA_CONV_FWD) {
             tma_load_2d(sb, tb, kc, tn * BN, full);
         } else {
+            const int tap = pos.tr * sh.s + pos.ts;
             const int col = (sh.r * sh.s - 1 - tap) * sh.c + tn * BN;  // flipped tap; columns past C are unused
 #pragma unroll
-            for (int p = 0; p < BN / 64; ++p) tma_load_2d(sb + p * 8192, tb, col + 64 * p, c0, full);
+            for (int p = 0; p < BN / 64; ++p) tma_load_2d(sb + p * 8192, tb, col + 64 * p, pos.c0, full);
         }
     } else if (CONV == TMA_CONV_DGRAD_S) {
-        int n, hs, ws;
-        tma_window<CONV>(sh, tm * TMA_BM, n, hs, ws);
-        const int tap = kc / sh.ko, k0 = kc - tap * sh.ko;  // tap = i' * ts + j'
-        const int i1 = tap / sh.ts, j1 = tap - i1 * sh.ts;
-        tma_load_im2col(sa, ta, k0, ws, hs, n, (unsigned short)j1, (unsigned short)i1, full);
-        const int r = sh.r0 + sh.stride * (sh.tr - 1 - i1), s = sh.s0 + sh.stride * (sh.ts - 1 - j1);
+        // tap (i', j') = (pos.tr, pos.ts) of the class's tr x ts taps
+        tma_load_im2col(sa, ta, pos.c0, pos.ws, pos.hs, pos.n, (unsigned short)pos.ts, (unsigned short)pos.tr, full);
+        const int r = sh.r0 + sh.stride * (sh.tr - 1 - pos.tr), s = sh.s0 + sh.stride * (sh.ts - 1 - pos.ts);
         const int col = (r * sh.s + s) * sh.c + tn * BN;  // columns past C are unused
 #pragma unroll
-        for (int p = 0; p < BN / 64; ++p) tma_load_2d(sb + p * 8192, tb, col + 64 * p, k0, full);
-    } else {  // TMA_CONV_WGRAD
+        for (int p = 0; p < BN / 64; ++p) tma_load_2d(sb + p * 8192, tb, col + 64 * p, pos.c0, full);
+    } else {  // TMA_CONV_WGRAD, TMA_CONV_WGRAD_T: the im2col(x) panels are B's columns, or A's rows (transposed)
+        constexpr bool T_ = CONV == TMA_CONV_WGRAD_T;
+        constexpr int DY_PANELS = T_ ? BN / 64 : TMA_BM / 64, X_PANELS = T_ ? TMA_BM / 64 : BN / 64;
+        const uint32_t sdy = T_ ? sb : sa, sx = T_ ? sa : sb;
+        const int dy0 = T_ ? tn * BN : tm * TMA_BM, x0 = T_ ? tm * TMA_BM : tn * BN;
 #pragma unroll
-        for (int p = 0; p < TMA_BM / 64; ++p) tma_load_2d(sa + p * 8192, ta, tm * TMA_BM + 64 * p, kc, full);
+        for (int p = 0; p < DY_PANELS; ++p) tma_load_2d(sdy + p * 8192, T_ ? tb : ta, dy0 + 64 * p, kc, full);
         int n, hs, ws;
-        tma_window<CONV>(sh, kc, n, hs, ws);
+        tma_window<TMA_CONV_WGRAD>(sh, kc, n, hs, ws);
         const int taps = sh.r * sh.s;
 #pragma unroll
-        for (int p = 0; p < BN / 64; ++p) {
-            const int col = tn * BN + 64 * p;
+        for (int p = 0; p < X_PANELS; ++p) {
+            const int col = x0 + 64 * p;
             int tap = col / sh.c, c0 = col - tap * sh.c;
-            if (tap >= taps) tap = taps - 1, c0 = 0;  // columns past R*S*C: any data, never stored
+            if (tap >= taps) tap = taps - 1, c0 = 0;  // columns (rows) past R*S*C: any data, never stored
             const int r = tap / sh.s, s = tap - r * sh.s;
-            tma_load_im2col(sb + p * 8192, tb, c0, ws, hs, n, (unsigned short)s, (unsigned short)r, full);
+            tma_load_im2col(sx + p * 8192, T_ ? ta : tb, c0, ws, hs, n, (unsigned short)s, (unsigned short)r, full);
         }
     }
 }
@@ -287,6 +334,7 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
             for (int u = blockIdx.x; u < units; u += gridDim.x) {
                 int tm, tn, ks, k0;
                 const int kts = tma_unit_ktiles(u, mt, nt, splits, sh, tm, tn, ks, k0);
+                TmaPos pos = tma_pos_init<CONV>(sh, tm, k0);
                 for (int kt = 0; kt < kts; ++kt, ++it) {
                     const int s = it % STAGES;
                     const uint32_t par = (it / STAGES) & 1;
@@ -294,8 +342,9 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
                     mbar_wait(empty, par ^ 1);
                     mbar_expect_tx(full, STAGE_BYTES);
                     const uint32_t sa = s0 + s * STAGE_BYTES;
-                    tma_produce<CONV, A_KMAJOR, B_KMAJOR, BN>(ta, tb, sh, tm, tn, k0 + kt * TMA_KD, sa,
+                    tma_produce<CONV, A_KMAJOR, B_KMAJOR, BN>(ta, tb, sh, tm, tn, k0 + kt * TMA_KD, pos, sa,
                                                               sa + TMA_A_BYTES, full);
+                    tma_pos_next<CONV>(sh, pos);
                 }
             }
         }

@@ -300,17 +300,19 @@ fn pick<F: FnMut(Tile) -> Result<()>>(
     if let Some(t) = tuned_cache().lock().unwrap().get(&key) {
         return Ok(*t);
     }
+    // Each candidate: one warm-up run, then the GPU time of 5 back-to-back runs between two CUDA events (host
+    // wall-clock would add the launch and synchronisation latency, the same for every tile, to kernels of ~30 us).
     let stream = dev.cuda_stream();
+    let timing = Some(candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
     let mut best = (f64::INFINITY, heuristic);
     for &t in candidates {
         run(t)?;
-        stream.synchronize().w()?;
-        let t0 = std::time::Instant::now();
-        for _ in 0..3 {
+        let start = stream.record_event(timing).w()?;
+        for _ in 0..5 {
             run(t)?;
         }
-        stream.synchronize().w()?;
-        let dt = t0.elapsed().as_secs_f64();
+        let end = stream.record_event(timing).w()?;
+        let dt = start.elapsed_ms(&end).w()? as f64;
         if dt < best.0 {
             best = (dt, t);
         }
@@ -366,6 +368,19 @@ fn function(
     }
     func_cache().lock().unwrap().insert(key, f.clone());
     Ok(f)
+}
+
+/// The workspace argument of a launch without split-K (never read or written): one float per device, allocated
+/// once, instead of an allocation per launch.
+fn no_workspace(dev: &CudaDevice) -> Result<Arc<CudaSlice<f32>>> {
+    static W: OnceLock<Mutex<HashMap<usize, Arc<CudaSlice<f32>>>>> = OnceLock::new();
+    let mut map = W.get_or_init(Default::default).lock().unwrap();
+    if let Some(w) = map.get(&dev_key(dev)) {
+        return Ok(w.clone());
+    }
+    let w = Arc::new(dev.alloc_zeros::<f32>(1)?);
+    map.insert(dev_key(dev), w.clone());
+    Ok(w)
 }
 
 /// Number of SMs of the device (cached per device).
@@ -585,7 +600,7 @@ fn tma_split(tile: Tile, m: usize, n: usize, k: usize, sms: usize) -> (usize, us
 fn splitk_reduce<T: CudaDType + DeviceRepr + WithDType>(
     dev: &CudaDevice,
     ws: &CudaSlice<f32>,
-    c: &CudaSlice<T>,
+    c: &CudaView<T>,
     bias: Option<&CudaView<T>>,
     (m, n, splits): (usize, usize, usize),
     op: &str,
@@ -618,7 +633,7 @@ fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
     (ma, mb): (&TmaDesc, &TmaDesc),
     (m, n, k): (usize, usize, usize),
     base: GemmShape,
-    c: &CudaSlice<T>,
+    c: &CudaView<T>,
     bias: Option<&CudaView<T>>,
     plain_c: bool,
     op: &str,
@@ -654,10 +669,17 @@ fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
         block_dim: (tile.threads, 1, 1),
         shared_mem_bytes: tile.smem,
     };
-    // SAFETY: written in full (every (z, row, col) by the block that owns the unit) before it is read.
-    let ws = unsafe { dev.alloc::<f32>(if split { splits * m * n } else { 1 })? };
+    let (ws_split, ws_none);
+    let ws: &CudaSlice<f32> = if split {
+        // SAFETY: written in full (every (z, row, col) by the block that owns the unit) before it is read.
+        ws_split = unsafe { dev.alloc::<f32>(splits * m * n)? };
+        &ws_split
+    } else {
+        ws_none = no_workspace(dev)?;
+        &ws_none
+    };
     let mut bld = stream.launch_builder(f);
-    bld.arg(ma).arg(mb).arg(&mc).arg(c).arg(&ws);
+    bld.arg(ma).arg(mb).arg(&mc).arg(c).arg(ws);
     match bias {
         Some(v) => bld.arg(v),
         None => bld.arg(c), // never read: has_bias = 0
@@ -668,7 +690,7 @@ fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
     // splits*m*n when split.
     unsafe { bld.launch(cfg) }.w()?;
     if split {
-        splitk_reduce(dev, &ws, c, bias, (m, n, splits), op)?;
+        splitk_reduce(dev, ws, c, bias, (m, n, splits), op)?;
     }
     Ok(())
 }
@@ -683,7 +705,7 @@ fn tma_gemm<T: CudaDType + DeviceRepr + WithDType>(
     (m, n, k): (usize, usize, usize),
     a: &CudaView<T>,
     b: &CudaView<T>,
-    c: &CudaSlice<T>,
+    c: &CudaView<T>,
     bias: Option<&CudaView<T>>,
     op: &str,
 ) -> Result<()> {
@@ -784,7 +806,7 @@ fn tma_fallback(tile: Tile) -> Tile {
 /// One pass of `g` on a TMA tile through im2col tensor maps (kernels/conv/05_tma_wgmma.cu): `a` / `b` are the
 /// pass's operands as [`ConvOp`] takes them (Fwd: x, w; Dgrad: dy, w; Wgrad: dy, x), `out` the result. The
 /// strided grad-input runs one launch per phase class of `classes` that has taps (`out` is zeroed beforehand
-/// when some class has none).
+/// when some class has none); `transposed` grad-weight writes dw^T (see [`wgrad_transposed`]).
 #[allow(clippy::too_many_arguments)]
 fn tma_conv<T: CudaDType + DeviceRepr + WithDType>(
     dev: &CudaDevice,
@@ -792,9 +814,10 @@ fn tma_conv<T: CudaDType + DeviceRepr + WithDType>(
     pass: ConvPass,
     g: &ConvGeom,
     classes: &[(usize, GemmShape)],
+    transposed: bool,
     a: &CudaView<T>,
     b: &CudaView<T>,
-    out: &CudaSlice<T>,
+    out: &CudaView<T>,
     op: &str,
 ) -> Result<()> {
     let sfx = suffix(T::DTYPE, op)?;
@@ -840,6 +863,12 @@ fn tma_conv<T: CudaDType + DeviceRepr + WithDType>(
                 tma_run(dev, tile, &f, (&ma, &mb), mnk, *sh, out, None, false, op)?;
             }
         }
+        // Transposed (Ko <= 64, see wgrad_transposed): dw^T[(r, s, c)][ko] = im2col(x)^T[..][npq] . dy[npq][ko]
+        ConvPass::Wgrad if transposed => {
+            let ma = tma_im2col_map(pb, dt, x_dims, lo, up, g.stride, 64, op)?;
+            let mb = tma_map(pa, dt, g.ko, g.n * p * q, 64, op)?;
+            tma_run(dev, tile, &func("wgradt")?, (&ma, &mb), (rsc, g.ko, g.n * p * q), base, out, None, true, op)?;
+        }
         // dw[ko][(r, s, c)] = dy[npq][ko]^T . im2col(x)[npq][(r, s, c)]
         ConvPass::Wgrad => {
             let ma = tma_map(pa, dt, g.ko, g.n * p * q, 64, op)?;
@@ -848,6 +877,149 @@ fn tma_conv<T: CudaDType + DeviceRepr + WithDType>(
         }
     }
     drop((ga, gb));
+    Ok(())
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Explicit im2col for very few input channels (the RGB stem): kernels/conv/06_im2col.cu + the TMA GEMM.
+
+/// Mirror of `Im2colArgs` (kernels/conv/06_im2col.cu).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct Im2colArgs {
+    m0: i64,
+    rows: i32,
+    h: i32,
+    w: i32,
+    c: i32,
+    p: i32,
+    q: i32,
+    r: i32,
+    stride: i32,
+    pad: i32,
+    kp: i32,
+}
+// SAFETY: plain repr(C) integers, laid out as the CUDA struct.
+unsafe impl DeviceRepr for Im2colArgs {}
+
+/// Input channel counts below this run through [`im2col_conv`] on a wgmma device (instead of zero-padding C to 8).
+const IM2COL_BELOW_C: usize = 8;
+/// Byte budget of the im2col buffer: the rows go in chunks of whole images that fit (at least one image).
+static IM2COL_BUDGET: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1 << 30);
+
+/// Sets the im2col buffer budget in bytes (`None`: the default 1 GiB). Tests use a small one to run the chunked path.
+pub fn set_im2col_budget(bytes: Option<usize>) {
+    IM2COL_BUDGET.store(bytes.unwrap_or(1 << 30), Ordering::Relaxed);
+}
+
+/// Whether a convolution with `c` input channels and `ko` outputs runs through [`im2col_conv`] on `dev`.
+fn im2col_applies(dev: &CudaDevice, c: usize, ko: usize) -> bool {
+    c > 0 && c < IM2COL_BELOW_C && ko % 8 == 0 && has_wgmma(dev)
+}
+
+/// The same test on a tensor about to be convolved (channels-last x, or None off CUDA).
+fn im2col_tensor(x: &Tensor, ko: usize) -> bool {
+    match (x.device(), x.dim(3)) {
+        (candle_core::Device::Cuda(d), Ok(c)) => conv_supported(x) && im2col_applies(d, c, ko),
+        _ => false,
+    }
+}
+
+/// Forward or grad-weight of a convolution with few input channels: the rows (pixels) of im2col(x) are written,
+/// a chunk of whole images at a time, to a [rows][K'] buffer (K' = R*S*C rounded up to 8, zero-filled) that a
+/// TMA GEMM multiplies. Fwd: a = x, b = w [Ko][R*S*C] -> y [N*P*Q][Ko]. Wgrad: a = dy, b = x -> dw [Ko][R*S*C]
+/// (one partial product per chunk, summed in FP32 by sum_rows; one chunk, so no partial rounding, up to the
+/// budget: batch 256 of 224 x 224 images for the ResNet stem).
+#[allow(clippy::too_many_arguments)]
+fn im2col_conv<T: CudaDType + DeviceRepr + WithDType>(
+    dev: &CudaDevice,
+    tile: Tile,
+    pass: ConvPass,
+    g: &ConvGeom,
+    a: &CudaView<T>,
+    b: &CudaView<T>,
+    out: &CudaSlice<T>,
+    op: &str,
+) -> Result<()> {
+    let sfx = suffix(T::DTYPE, op)?;
+    let stream = dev.cuda_stream();
+    let (p, q) = (g.p(), g.q());
+    let (k, kp) = (g.r * g.r * g.c, (g.r * g.r * g.c).next_multiple_of(8));
+    let imgs = (IM2COL_BUDGET.load(Ordering::Relaxed) / (p * q * kp * 2)).clamp(1, g.n);
+    let chunks = g.n.div_ceil(imgs);
+    let cols = unsafe { dev.alloc::<T>(imgs * p * q * kp)? }; // SAFETY: each chunk's rows are written by im2col first
+    let f = |name: &str| function(dev, "conv/06_im2col", crate::cuda::ptx::CONV_06_IM2COL, &format!("{name}_{sfx}"), 0);
+    let (im2col, pad_rows, sum_rows) = (f("im2col_nhwc")?, f("pad_rows")?, f("sum_rows")?);
+    let tile = if is_tma(tile) { tile } else { X64 };
+    let sms = sm_count(dev)?;
+    let (mut wp, mut parts) = (None, None);
+    match pass {
+        ConvPass::Fwd => {
+            // w' [Ko][K'] = w with zero columns K..K'.
+            let w2 = unsafe { dev.alloc::<T>(g.ko * kp)? }; // SAFETY: written in full by pad_rows
+            let (ko, ki, kpi) = (i32_of(g.ko, op, "Ko")?, i32_of(k, op, "K")?, i32_of(kp, op, "K'")?);
+            let mut bld = stream.launch_builder(&pad_rows);
+            bld.arg(b).arg(&w2).arg(&ko).arg(&ki).arg(&ki).arg(&kpi);
+            // SAFETY: (src, dst, rows, cols, ld_src, ld_dst) as pad_rows_* takes them; w holds Ko*K, w' Ko*K'.
+            unsafe { bld.launch(reduce_cfg(g.ko * kp)) }.w()?;
+            wp = Some(w2);
+        }
+        ConvPass::Wgrad => {
+            // SAFETY: chunk z's Ko x K' partial product is written in full by its GEMM before sum_rows reads it.
+            parts = Some(unsafe { dev.alloc::<T>(chunks * g.ko * kp)? });
+        }
+        ConvPass::Dgrad => candle_core::bail!("{op}: the im2col path has no grad-input"),
+    }
+    let x = if pass == ConvPass::Fwd { a } else { b };
+    for z in 0..chunks {
+        let n0 = z * imgs;
+        let rows = (g.n - n0).min(imgs) * p * q;
+        let m0 = n0 * p * q;
+        let args = Im2colArgs {
+            m0: m0 as i64,
+            rows: i32_of(rows, op, "rows")?,
+            h: g.h as i32,
+            w: g.w as i32,
+            c: g.c as i32,
+            p: p as i32,
+            q: q as i32,
+            r: g.r as i32,
+            stride: g.stride as i32,
+            pad: g.pad as i32,
+            kp: kp as i32,
+        };
+        let threads = rows * (kp / 8);
+        let cfg = LaunchConfig {
+            grid_dim: (threads.div_ceil(256).clamp(1, 16 * sms) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: (4 * kp) as u32,
+        };
+        let mut bld = stream.launch_builder(&im2col);
+        bld.arg(x).arg(&cols).arg(&args);
+        // SAFETY: (x, cols, args) as im2col_nhwc_* takes them; x holds N*H*W*C, cols imgs*P*Q*K' >= rows*K'.
+        unsafe { bld.launch(cfg) }.w()?;
+        let cv = cols.slice(..rows * kp);
+        match (&wp, &parts) {
+            (Some(wp), _) => {
+                let yv = out.slice(m0 * g.ko..(m0 + rows) * g.ko);
+                tma_gemm(dev, tile, GemmLayout::Nt, (rows, g.ko, kp), &cv, &wp.as_view(), &yv, None, op)?;
+            }
+            (None, Some(parts)) => {
+                let dyv = a.slice(m0 * g.ko..(m0 + rows) * g.ko);
+                let pv = parts.slice(z * g.ko * kp..(z + 1) * g.ko * kp);
+                tma_gemm(dev, tile, GemmLayout::Tn, (g.ko, kp, rows), &dyv, &cv, &pv, None, op)?;
+            }
+            (None, None) => unreachable!("set above for Fwd / Wgrad"),
+        }
+    }
+    if let Some(parts) = &parts {
+        let (nz, ko, ki, kpi) = (chunks as i32, g.ko as i32, k as i32, kp as i32);
+        let mut bld = stream.launch_builder(&sum_rows);
+        bld.arg(parts).arg(out).arg(&nz).arg(&ko).arg(&ki).arg(&kpi);
+        // SAFETY: (src, dst, parts, rows, cols, ld_src) as sum_rows_* takes them; parts holds chunks*Ko*K',
+        // dw Ko*K.
+        unsafe { bld.launch(reduce_cfg(g.ko * k)) }.w()?;
+    }
     Ok(())
 }
 
@@ -865,6 +1037,8 @@ pub enum ConvPass {
 struct ConvOp {
     geom: ConvGeom,
     pass: ConvPass,
+    /// Grad-weight only: compute dw^T, shape (r, r, c, ko) (see [`wgrad_transposed`]).
+    wt: bool,
 }
 
 impl ConvOp {
@@ -901,6 +1075,19 @@ impl ConvOp {
         let plain = g.r == 1 && g.stride == 1 && g.pad == 0;
         let tma_ok = tma_conv_applies(&g, self.pass);
         let cands: Vec<Tile> = tiles_for(dev).iter().copied().filter(|&t| !is_tma(t) || tma_ok).collect();
+        if self.pass != ConvPass::Dgrad && im2col_applies(dev, g.c, g.ko) {
+            // Few input channels (the RGB stem): explicit im2col + the TMA GEMM, on the TMA tiles only.
+            let (len, shape) = match self.pass {
+                ConvPass::Fwd => (g.n * p * q * g.ko, Shape::from((g.n, p, q, g.ko))),
+                _ => (g.ko * g.r * g.r * g.c, Shape::from((g.ko, g.r, g.r, g.c))),
+            };
+            let out = alloc_out::<T>(dev, len)?;
+            let tma: Vec<Tile> = tiles_for(dev).iter().copied().filter(|&t| is_tma(t)).collect();
+            let mut run = |tile: Tile| im2col_conv(dev, tile, self.pass, &g, &v1, &v2, &out, op);
+            let tile = pick(dev, key, true, &tma, X64, &mut run)?;
+            run(tile)?;
+            return Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), shape));
+        }
         match self.pass {
             ConvPass::Fwd => {
                 let (m, n, k) = (g.n * p * q, g.ko, g.r * g.r * g.c);
@@ -919,9 +1106,9 @@ impl ConvOp {
                     if is_tma(tile) && tma_ok {
                         if plain {
                             // 1x1, stride 1: y[npq][ko] = x[npq][c] w[ko][c]^T
-                            return tma_gemm(dev, tile, GemmLayout::Nt, (m, n, k), &v1, &v2, &y, None, op);
+                            return tma_gemm(dev, tile, GemmLayout::Nt, (m, n, k), &v1, &v2, &y.as_view(), None, op);
                         }
-                        return tma_conv(dev, tile, self.pass, &g, &[], &v1, &v2, &y, op);
+                        return tma_conv(dev, tile, self.pass, &g, &[], false, &v1, &v2, &y.as_view(), op);
                     }
                     let tile = tma_fallback(tile);
                     let name = format!("conv_fwd_{}_{}_{sfx}", tile.name, if vec { "vec" } else { "scalar" });
@@ -990,12 +1177,12 @@ impl ConvOp {
                                 (g.n * g.h * g.w, g.c, g.ko),
                                 &v1,
                                 &v2,
-                                &dx,
+                                &dx.as_view(),
                                 None,
                                 op,
                             );
                         }
-                        return tma_conv(dev, tile, self.pass, &g, &classes, &v1, &v2, &dx, op);
+                        return tma_conv(dev, tile, self.pass, &g, &classes, false, &v1, &v2, &dx.as_view(), op);
                     }
                     let tile = tma_fallback(tile);
                     let name = format!("conv_dgrad_{}_vec_{sfx}", tile.name);
@@ -1014,6 +1201,23 @@ impl ConvOp {
                 run(tile)?;
                 Ok((CudaStorage::wrap_cuda_slice(dx, dev.clone()), Shape::from((g.n, g.h, g.w, g.c))))
             }
+            ConvPass::Wgrad if self.wt => {
+                // dw^T[(r, s, c)][ko] = im2col(x)^T . dy, on the TMA tiles only.
+                let (m, n, k) = (g.r * g.r * g.c, g.ko, g.n * p * q);
+                let dwt = alloc_out::<T>(dev, m * n)?;
+                let tma: Vec<Tile> = tiles_for(dev).iter().copied().filter(|&t| is_tma(t)).collect();
+                let mut run = |tile: Tile| -> Result<()> {
+                    let tile = if is_tma(tile) { tile } else { X64 };
+                    if plain {
+                        // 1x1, stride 1: dw^T[c][ko] = x[npq][c]^T dy[npq][ko]
+                        return tma_gemm(dev, tile, GemmLayout::Tn, (m, n, k), &v2, &v1, &dwt.as_view(), None, op);
+                    }
+                    tma_conv(dev, tile, self.pass, &g, &[], true, &v1, &v2, &dwt.as_view(), op)
+                };
+                let tile = pick(dev, key, true, &tma, X64, &mut run)?;
+                run(tile)?;
+                Ok((CudaStorage::wrap_cuda_slice(dwt, dev.clone()), Shape::from((g.r, g.r, g.c, g.ko))))
+            }
             ConvPass::Wgrad => {
                 let (m, n, k) = (g.ko, g.r * g.r * g.c, g.n * p * q);
                 let vec = g.c % 8 == 0 && g.ko % 8 == 0;
@@ -1022,9 +1226,9 @@ impl ConvOp {
                     if is_tma(tile) && tma_ok {
                         if plain {
                             // 1x1, stride 1: dw[ko][c] = dy[npq][ko]^T x[npq][c]
-                            return tma_gemm(dev, tile, GemmLayout::Tn, (m, n, k), &v1, &v2, &dw, None, op);
+                            return tma_gemm(dev, tile, GemmLayout::Tn, (m, n, k), &v1, &v2, &dw.as_view(), None, op);
                         }
-                        return tma_conv(dev, tile, self.pass, &g, &[], &v1, &v2, &dw, op);
+                        return tma_conv(dev, tile, self.pass, &g, &[], false, &v1, &v2, &dw.as_view(), op);
                     }
                     let tile = tma_fallback(tile);
                     let (k_split, splits) = split_k(tile, m, n, k, sms);
@@ -1093,10 +1297,10 @@ impl CustomOp2 for ConvNhwc {
         "conv2d_nhwc"
     }
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
-        ConvOp { geom: self.geom, pass: ConvPass::Fwd }.cpu_fwd(s1, l1, s2, l2)
+        ConvOp { geom: self.geom, pass: ConvPass::Fwd, wt: false }.cpu_fwd(s1, l1, s2, l2)
     }
     fn cuda_fwd(&self, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<(CudaStorage, Shape)> {
-        ConvOp { geom: self.geom, pass: ConvPass::Fwd }.cuda_fwd(s1, l1, s2, l2)
+        ConvOp { geom: self.geom, pass: ConvPass::Fwd, wt: false }.cuda_fwd(s1, l1, s2, l2)
     }
     fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let dy = aligned(&dy.to_dtype(x.dtype())?)?;
@@ -1131,11 +1335,32 @@ fn dgrad_geom(dy: &Tensor, w: &Tensor, g: ConvGeom) -> Result<Tensor> {
         let p = crate::conv::Conv2dParams { stride: g.stride, padding: g.pad };
         return crate::conv::conv2d_grad_input(&dyn_, &wn, p, (g.h, g.w))?.permute((0, 2, 3, 1))?.contiguous();
     }
-    dy.apply_op2_no_bwd(&aligned(w)?, &ConvOp { geom: g, pass: ConvPass::Dgrad })
+    dy.apply_op2_no_bwd(&aligned(w)?, &ConvOp { geom: g, pass: ConvPass::Dgrad, wt: false })
 }
 
 fn wgrad_geom(dy: &Tensor, x: &Tensor, g: ConvGeom) -> Result<Tensor> {
-    dy.apply_op2_no_bwd(&aligned(x)?, &ConvOp { geom: g, pass: ConvPass::Wgrad })
+    let wt = match dy.device() {
+        candle_core::Device::Cuda(d) => conv_supported(dy) && wgrad_transposed(d, &g),
+        _ => false,
+    };
+    let dw = dy.apply_op2_no_bwd(&aligned(x)?, &ConvOp { geom: g, pass: ConvPass::Wgrad, wt })?;
+    if wt {
+        dw.permute((3, 0, 1, 2))?.contiguous() // (r, r, c, ko) -> (ko, r, r, c)
+    } else {
+        Ok(dw)
+    }
+}
+
+/// Whether grad-weight runs transposed, dw^T[(r, s, c)][ko] = im2col(x)^T . dy (conv_wgradt_*, or a TN GEMM of x
+/// and dy for a 1x1), followed by a transposing copy of the small result: few output channels (Ko <= 64, which
+/// would fill half of the TMA tiles' 128 rows) and at least 128 rows of R*S*C, on the TMA path of a wgmma device.
+fn wgrad_transposed(dev: &CudaDevice, g: &ConvGeom) -> bool {
+    g.ko <= 64
+        && g.ko % 8 == 0
+        && g.c % 8 == 0
+        && g.r * g.r * g.c >= 128
+        && tma_conv_applies(g, ConvPass::Wgrad)
+        && has_wgmma(dev)
 }
 
 /// Whether [`crate::conv2d_nhwc`] runs our kernels for this input (CUDA, BF16/FP16).
@@ -1151,7 +1376,7 @@ const PAD_CHANNELS_BELOW: usize = 64;
 /// already (same result: the added channels are zero in both); otherwise unchanged.
 fn pad_channels(x: &Tensor, w: &Tensor) -> Result<(Tensor, Tensor)> {
     let c = x.dim(3)?;
-    if c % 8 == 0 || c >= PAD_CHANNELS_BELOW {
+    if c % 8 == 0 || c >= PAD_CHANNELS_BELOW || im2col_tensor(x, w.dim(0)?) {
         return Ok((x.clone(), w.clone()));
     }
     let extra = c.next_multiple_of(8) - c;
@@ -1159,7 +1384,8 @@ fn pad_channels(x: &Tensor, w: &Tensor) -> Result<(Tensor, Tensor)> {
 }
 
 /// Differentiable channels-last convolution on our kernels. x: (n, h, w, c), w: (ko, r, r, c) -> (n, p, q, ko).
-/// A small channel count that is not a multiple of 8 is zero-padded (autograd narrows the weight gradient back).
+/// A small channel count that is not a multiple of 8 runs through explicit im2col + the TMA GEMM on a wgmma device
+/// (fewer than 8 channels: the RGB stem), else is zero-padded (autograd narrows the weight gradient back).
 pub fn conv2d_nhwc(x: &Tensor, w: &Tensor, stride: usize, pad: usize) -> Result<Tensor> {
     let (x, w) = pad_channels(x, w)?;
     let geom = geom_of(&x, &w, stride, pad)?;
@@ -1172,7 +1398,7 @@ pub fn conv2d_nhwc(x: &Tensor, w: &Tensor, stride: usize, pad: usize) -> Result<
 pub fn conv_nhwc_fwd(x: &Tensor, w: &Tensor, stride: usize, pad: usize) -> Result<Tensor> {
     let (x, w) = pad_channels(x, w)?;
     let geom = geom_of(&x, &w, stride, pad)?;
-    aligned(&x)?.apply_op2_no_bwd(&aligned(&w)?, &ConvOp { geom, pass: ConvPass::Fwd })
+    aligned(&x)?.apply_op2_no_bwd(&aligned(&w)?, &ConvOp { geom, pass: ConvPass::Fwd, wt: false })
 }
 
 /// Grad-input: dy (n, p, q, ko), w (ko, r, r, c) -> dx (n, h, w, c) for an input of `in_hw`.
@@ -1183,11 +1409,11 @@ pub fn conv_nhwc_dgrad(dy: &Tensor, w: &Tensor, stride: usize, pad: usize, in_hw
     dgrad_geom(&aligned(dy)?, w, geom)
 }
 
-/// Grad-weight: dy (n, p, q, ko), x (n, h, w, c) -> dw (ko, r, r, c); small channel counts are padded for the
-/// kernel (as in [`conv2d_nhwc`]) and the result narrowed back.
+/// Grad-weight: dy (n, p, q, ko), x (n, h, w, c) -> dw (ko, r, r, c); small channel counts take the im2col path
+/// or are padded for the kernel (as in [`conv2d_nhwc`]) and the result narrowed back.
 pub fn conv_nhwc_wgrad(dy: &Tensor, x: &Tensor, r: usize, stride: usize, pad: usize) -> Result<Tensor> {
     let c0 = x.dim(3)?;
-    let x = if c0 % 8 != 0 && c0 < PAD_CHANNELS_BELOW {
+    let x = if c0 % 8 != 0 && c0 < PAD_CHANNELS_BELOW && !im2col_tensor(x, dy.dim(3)?) {
         x.pad_with_zeros(3, 0, c0.next_multiple_of(8) - c0)?
     } else {
         x.clone()
@@ -1270,7 +1496,7 @@ impl GemmOp {
         let stream = dev.cuda_stream();
         let run = |tile: Tile| -> Result<()> {
             if is_tma(tile) {
-                return tma_gemm(dev, tile, self.layout, (m, n, k), &va, &vb, &c, bias_view.as_ref(), op);
+                return tma_gemm(dev, tile, self.layout, (m, n, k), &va, &vb, &c.as_view(), bias_view.as_ref(), op);
             }
             // Split-K only on the 64x64 tile, when even its blocks cannot fill the GPU.
             let (k_split, splits) = if tile == T64 && m.div_ceil(64) * n.div_ceil(64) < sms {
@@ -1290,10 +1516,17 @@ impl GemmOp {
                 if split { "_split" } else { "" }
             );
             let f = gemm_function(dev, tile, &name)?;
-            // SAFETY: written in full by the kernel (split: by the blocks of every z) before it is read.
-            let ws = unsafe { dev.alloc::<f32>(if split { splits * m * n } else { 1 })? };
+            let (ws_split, ws_none);
+            let ws: &CudaSlice<f32> = if split {
+                // SAFETY: written in full by the blocks of every z before it is read.
+                ws_split = unsafe { dev.alloc::<f32>(splits * m * n)? };
+                &ws_split
+            } else {
+                ws_none = no_workspace(dev)?;
+                &ws_none
+            };
             let mut bld = stream.launch_builder(&f);
-            bld.arg(&va).arg(&vb).arg(&c).arg(&ws);
+            bld.arg(&va).arg(&vb).arg(&c).arg(ws);
             match &bias_view {
                 Some(v) => bld.arg(v),
                 None => bld.arg(&va), // never read: has_bias = 0
@@ -1302,7 +1535,7 @@ impl GemmOp {
             // SAFETY: (a, b, c, ws, bias, shape) as gemm_* takes them; sizes checked above.
             unsafe { bld.launch(blocks(tile, m, n, splits, op)?) }.w()?;
             if split {
-                splitk_reduce(dev, &ws, &c, bias_view.as_ref(), (m, n, splits), op)?;
+                splitk_reduce(dev, ws, &c.as_view(), bias_view.as_ref(), (m, n, splits), op)?;
             }
             Ok(())
         };

@@ -3,15 +3,22 @@
 //! at 8192^3 and at the FC layer's shapes. Prints TFLOP/s tables and writes JSON (`--json PATH`) that
 //! scripts/kernels-bench.sh joins with cuDNN's figures (scripts/torch_conv_shapes.py) from the same run.
 //!
-//! usage: kernels-bench [--batch 128] [--dtype bf16|f16] [--iters 10] [--no-candle] [--variants]
+//! usage: kernels-bench [--batch 128] [--dtype bf16|f16] [--iters 20] [--no-candle] [--variants] [--wall]
 //!                      [--only-matmul | --no-matmul] [--filter SHAPE-SUBSTRING] [--json PATH]
+//! Times are GPU times between two CUDA events around `--iters` back-to-back runs after 3 warm-up runs, as
+//! scripts/torch_conv_shapes.py times cuDNN; `--wall` times the host instead (synchronise, run, synchronise).
+//! cudarc's per-allocation event tracking is off, as in the trainer (one stream).
 //! `--tile t128` forces one tile variant instead of the autotuned choice (for profiling; `--variants` resets it).
 //! `--filter "256-> 256 k3 s1 hw 14"` keeps the shapes whose printed name contains the text (for profiling one).
 
 use candle_core::{DType, Device, Result, Tensor};
 use kernels::cuda_gemm::{self, GemmLayout, TILES};
 use kernels::shapes::resnet152_convs;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
+
+/// `--wall`: host wall-clock timing instead of CUDA events.
+static WALL: AtomicBool = AtomicBool::new(false);
 
 struct Args {
     batch: usize,
@@ -29,7 +36,7 @@ fn parse() -> std::result::Result<Args, String> {
     let mut a = Args {
         batch: 128,
         dtype: DType::BF16,
-        iters: 10,
+        iters: 20,
         candle: true,
         variants: false,
         only_matmul: false,
@@ -51,6 +58,7 @@ fn parse() -> std::result::Result<Args, String> {
                 }
             }
             "--no-candle" => a.candle = false,
+            "--wall" => WALL.store(true, Ordering::Relaxed),
             "--variants" => a.variants = true,
             "--only-matmul" => a.only_matmul = true,
             "--no-matmul" => a.no_matmul = true,
@@ -72,18 +80,32 @@ fn parse() -> std::result::Result<Args, String> {
     Ok(a)
 }
 
-/// Mean milliseconds of `f` over `iters` runs after 2 warm-up runs (device synchronised around the timing).
+/// Mean milliseconds of `f` over `iters` back-to-back runs after 3 warm-up runs: the GPU time between CUDA events
+/// recorded before and after them (as torch.cuda.Event in scripts/torch_conv_shapes.py), or with `--wall` the host
+/// time from a synchronised start to a synchronised end.
 fn time_ms(dev: &Device, iters: usize, mut f: impl FnMut() -> Result<Tensor>) -> Result<f64> {
-    for _ in 0..2 {
+    for _ in 0..3 {
         f()?;
     }
     dev.synchronize()?;
-    let t = Instant::now();
+    if WALL.load(Ordering::Relaxed) {
+        let t = Instant::now();
+        for _ in 0..iters {
+            f()?;
+        }
+        dev.synchronize()?;
+        return Ok(t.elapsed().as_secs_f64() * 1e3 / iters as f64);
+    }
+    let stream = dev.as_cuda_device()?.cuda_stream();
+    let timing = Some(candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let err =
+        |e: candle_core::cuda_backend::cudarc::driver::DriverError| candle_core::Error::Msg(format!("CUDA event: {e}"));
+    let start = stream.record_event(timing).map_err(err)?;
     for _ in 0..iters {
         f()?;
     }
-    dev.synchronize()?;
-    Ok(t.elapsed().as_secs_f64() * 1e3 / iters as f64)
+    let end = stream.record_event(timing).map_err(err)?;
+    Ok(start.elapsed_ms(&end).map_err(err)? as f64 / iters as f64)
 }
 
 fn tflops(flop: f64, ms: f64) -> f64 {
@@ -106,6 +128,8 @@ fn main() {
 
 fn run(a: &Args) -> Result<()> {
     let dev = Device::new_cuda(0)?;
+    // SAFETY: all device work below is issued from this thread on candle's one stream (see trainer::train).
+    unsafe { dev.as_cuda_device()?.disable_event_tracking() };
     let dt = a.dtype;
     let mut json = Vec::new();
     if !a.only_matmul {
