@@ -588,10 +588,11 @@ fn conv_corners(r: usize, pad: usize) -> ((i32, i32), (i32, i32)) {
 }
 
 /// Split-K of the TMA kernels: one k-split while the tiles alone give half a wave of blocks, else as many splits
-/// as fit the SMs in one wave, each at least 4 k-tiles deep. Returns (k_split, splits).
+/// as fit the SMs in one wave, each at least 2 k-tiles deep (4 left the FC layer's grad-input, 1 x 32 tiles of
+/// 128 x 64 with K = 1000, at 3 splits on 96 of 132 SMs). Returns (k_split, splits).
 fn tma_split(tile: Tile, m: usize, n: usize, k: usize, sms: usize) -> (usize, usize) {
     let tiles = m.div_ceil(tile.bm) * n.div_ceil(tile.bn);
-    let want = if 2 * tiles >= sms { 1 } else { (sms / tiles.max(1)).min(k / (4 * tile.bk)).max(1) };
+    let want = if 2 * tiles >= sms { 1 } else { (sms / tiles.max(1)).min(k / (2 * tile.bk)).max(1) };
     let k_split = k.div_ceil(want).div_ceil(tile.bk).max(1) * tile.bk;
     (k_split, k.div_ceil(k_split).max(1))
 }
@@ -952,8 +953,12 @@ fn im2col_conv<T: CudaDType + DeviceRepr + WithDType>(
     let (im2col, pad_rows, sum_rows) = (f("im2col_nhwc")?, f("pad_rows")?, f("sum_rows")?);
     let tile = if is_tma(tile) { tile } else { X64 };
     let sms = sm_count(dev)?;
-    let (mut wp, mut parts) = (None, None);
-    match pass {
+    // Forward: the weights zero-padded to K' columns; grad-weight: one Ko x K' partial product per chunk.
+    enum Second<T> {
+        Weights(CudaSlice<T>),
+        Parts(CudaSlice<T>),
+    }
+    let second = match pass {
         ConvPass::Fwd => {
             // w' [Ko][K'] = w with zero columns K..K'.
             let w2 = unsafe { dev.alloc::<T>(g.ko * kp)? }; // SAFETY: written in full by pad_rows
@@ -962,14 +967,12 @@ fn im2col_conv<T: CudaDType + DeviceRepr + WithDType>(
             bld.arg(b).arg(&w2).arg(&ko).arg(&ki).arg(&ki).arg(&kpi);
             // SAFETY: (src, dst, rows, cols, ld_src, ld_dst) as pad_rows_* takes them; w holds Ko*K, w' Ko*K'.
             unsafe { bld.launch(reduce_cfg(g.ko * kp)) }.w()?;
-            wp = Some(w2);
+            Second::Weights(w2)
         }
-        ConvPass::Wgrad => {
-            // SAFETY: chunk z's Ko x K' partial product is written in full by its GEMM before sum_rows reads it.
-            parts = Some(unsafe { dev.alloc::<T>(chunks * g.ko * kp)? });
-        }
+        // SAFETY: chunk z's Ko x K' partial product is written in full by its GEMM before sum_rows reads it.
+        ConvPass::Wgrad => Second::Parts(unsafe { dev.alloc::<T>(chunks * g.ko * kp)? }),
         ConvPass::Dgrad => candle_core::bail!("{op}: the im2col path has no grad-input"),
-    }
+    };
     let x = if pass == ConvPass::Fwd { a } else { b };
     for z in 0..chunks {
         let n0 = z * imgs;
@@ -999,20 +1002,19 @@ fn im2col_conv<T: CudaDType + DeviceRepr + WithDType>(
         // SAFETY: (x, cols, args) as im2col_nhwc_* takes them; x holds N*H*W*C, cols imgs*P*Q*K' >= rows*K'.
         unsafe { bld.launch(cfg) }.w()?;
         let cv = cols.slice(..rows * kp);
-        match (&wp, &parts) {
-            (Some(wp), _) => {
+        match &second {
+            Second::Weights(wp) => {
                 let yv = out.slice(m0 * g.ko..(m0 + rows) * g.ko);
                 tma_gemm(dev, tile, GemmLayout::Nt, (rows, g.ko, kp), &cv, &wp.as_view(), &yv, None, op)?;
             }
-            (None, Some(parts)) => {
+            Second::Parts(parts) => {
                 let dyv = a.slice(m0 * g.ko..(m0 + rows) * g.ko);
                 let pv = parts.slice(z * g.ko * kp..(z + 1) * g.ko * kp);
                 tma_gemm(dev, tile, GemmLayout::Tn, (g.ko, kp, rows), &dyv, &cv, &pv, None, op)?;
             }
-            (None, None) => unreachable!("set above for Fwd / Wgrad"),
         }
     }
-    if let Some(parts) = &parts {
+    if let Second::Parts(parts) = &second {
         let (nz, ko, ki, kpi) = (chunks as i32, g.ko as i32, k as i32, kp as i32);
         let mut bld = stream.launch_builder(&sum_rows);
         bld.arg(parts).arg(out).arg(&nz).arg(&ko).arg(&ki).arg(&kpi);
@@ -1372,11 +1374,18 @@ pub fn conv_supported(x: &Tensor) -> bool {
 /// multiple of 8 so that the vectorised kernels run them: the extra FLOPs cost far less than element-wise loads.
 const PAD_CHANNELS_BELOW: usize = 64;
 
+/// Whether the kernels see `x`'s channels (convolved to `ko` outputs) zero-padded to a multiple of 8: a small
+/// count that is not one already and does not take the im2col path.
+fn pads_channels(x: &Tensor, ko: usize) -> Result<bool> {
+    let c = x.dim(3)?;
+    Ok(c % 8 != 0 && c < PAD_CHANNELS_BELOW && !im2col_tensor(x, ko))
+}
+
 /// `x` (n, h, w, c) and `w` (ko, r, s, c) with c zero-padded to a multiple of 8 when c is small and not one
 /// already (same result: the added channels are zero in both); otherwise unchanged.
 fn pad_channels(x: &Tensor, w: &Tensor) -> Result<(Tensor, Tensor)> {
     let c = x.dim(3)?;
-    if c % 8 == 0 || c >= PAD_CHANNELS_BELOW || im2col_tensor(x, w.dim(0)?) {
+    if !pads_channels(x, w.dim(0)?)? {
         return Ok((x.clone(), w.clone()));
     }
     let extra = c.next_multiple_of(8) - c;
@@ -1413,11 +1422,8 @@ pub fn conv_nhwc_dgrad(dy: &Tensor, w: &Tensor, stride: usize, pad: usize, in_hw
 /// or are padded for the kernel (as in [`conv2d_nhwc`]) and the result narrowed back.
 pub fn conv_nhwc_wgrad(dy: &Tensor, x: &Tensor, r: usize, stride: usize, pad: usize) -> Result<Tensor> {
     let c0 = x.dim(3)?;
-    let x = if c0 % 8 != 0 && c0 < PAD_CHANNELS_BELOW && !im2col_tensor(x, dy.dim(3)?) {
-        x.pad_with_zeros(3, 0, c0.next_multiple_of(8) - c0)?
-    } else {
-        x.clone()
-    };
+    let x =
+        if pads_channels(x, dy.dim(3)?)? { x.pad_with_zeros(3, 0, c0.next_multiple_of(8) - c0)? } else { x.clone() };
     let (n, h, w, c) = x.dims4()?;
     let ko = dy.dim(3)?;
     let geom = ConvGeom { n, h, w, c, ko, r, stride, pad };
