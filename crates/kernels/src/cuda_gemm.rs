@@ -370,6 +370,16 @@ fn function(
     Ok(f)
 }
 
+/// The FP32 workspace argument of a GEMM launch: `len` floats for split-K partial sums (written in full by the
+/// blocks of every k-split before gemm_splitk_reduce reads them), or without split-K the per-device placeholder.
+fn splitk_workspace(dev: &CudaDevice, len: Option<usize>) -> Result<Arc<CudaSlice<f32>>> {
+    match len {
+        // SAFETY: written in full (every (z, row, col) by the block that owns the unit) before it is read.
+        Some(len) => Ok(Arc::new(unsafe { dev.alloc::<f32>(len)? })),
+        None => no_workspace(dev),
+    }
+}
+
 /// The workspace argument of a launch without split-K (never read or written): one float per device, allocated
 /// once, instead of an allocation per launch.
 fn no_workspace(dev: &CudaDevice) -> Result<Arc<CudaSlice<f32>>> {
@@ -670,17 +680,9 @@ fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
         block_dim: (tile.threads, 1, 1),
         shared_mem_bytes: tile.smem,
     };
-    let (ws_split, ws_none);
-    let ws: &CudaSlice<f32> = if split {
-        // SAFETY: written in full (every (z, row, col) by the block that owns the unit) before it is read.
-        ws_split = unsafe { dev.alloc::<f32>(splits * m * n)? };
-        &ws_split
-    } else {
-        ws_none = no_workspace(dev)?;
-        &ws_none
-    };
+    let ws = splitk_workspace(dev, split.then_some(splits * m * n))?;
     let mut bld = stream.launch_builder(f);
-    bld.arg(ma).arg(mb).arg(&mc).arg(c).arg(ws);
+    bld.arg(ma).arg(mb).arg(&mc).arg(c).arg(&*ws);
     match bias {
         Some(v) => bld.arg(v),
         None => bld.arg(c), // never read: has_bias = 0
@@ -691,7 +693,7 @@ fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
     // splits*m*n when split.
     unsafe { bld.launch(cfg) }.w()?;
     if split {
-        splitk_reduce(dev, ws, c, bias, (m, n, splits), op)?;
+        splitk_reduce(dev, &ws, c, bias, (m, n, splits), op)?;
     }
     Ok(())
 }
@@ -1522,17 +1524,9 @@ impl GemmOp {
                 if split { "_split" } else { "" }
             );
             let f = gemm_function(dev, tile, &name)?;
-            let (ws_split, ws_none);
-            let ws: &CudaSlice<f32> = if split {
-                // SAFETY: written in full by the blocks of every z before it is read.
-                ws_split = unsafe { dev.alloc::<f32>(splits * m * n)? };
-                &ws_split
-            } else {
-                ws_none = no_workspace(dev)?;
-                &ws_none
-            };
+            let ws = splitk_workspace(dev, split.then_some(splits * m * n))?;
             let mut bld = stream.launch_builder(&f);
-            bld.arg(&va).arg(&vb).arg(&c).arg(ws);
+            bld.arg(&va).arg(&vb).arg(&c).arg(&*ws);
             match &bias_view {
                 Some(v) => bld.arg(v),
                 None => bld.arg(&va), // never read: has_bias = 0
@@ -1541,7 +1535,7 @@ impl GemmOp {
             // SAFETY: (a, b, c, ws, bias, shape) as gemm_* takes them; sizes checked above.
             unsafe { bld.launch(blocks(tile, m, n, splits, op)?) }.w()?;
             if split {
-                splitk_reduce(dev, ws, &c.as_view(), bias_view.as_ref(), (m, n, splits), op)?;
+                splitk_reduce(dev, &ws, &c.as_view(), bias_view.as_ref(), (m, n, splits), op)?;
             }
             Ok(())
         };
