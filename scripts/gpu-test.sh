@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Runs ON the GPU machine (no Rust there): unpacks the binaries that scripts/package-gpu.sh built, runs the GPU
-# test binary (all tests, one thread, output shown), then the max-pool tests again under compute-sanitizer
-# memcheck, and smoke-runs the trainer binary. Logs go to $OUT (the device tool's output folder; ./gpu-out
+# Runs ON the GPU machine (no Rust there): unpacks the binaries that scripts/package-gpu.sh built, smoke-runs the
+# trainer end to end, runs both GPU test binaries with the default multi-threaded harness (kernel choices are
+# values, output poisoning is scoped to a test's thread), then the pool, convolution and matmul tests again under
+# compute-sanitizer memcheck. Logs go to $OUT (the device tool's output folder; ./gpu-out
 # when unset). Exits non-zero if anything fails.
 #   usage: bash scripts/gpu-test.sh [DIST_DIR]     (default: dist)
 set -uo pipefail
@@ -51,17 +52,17 @@ main() {
     fi
     rm -rf "$e2e"
 
-    echo "== GPU tests: gpu-tests --test-threads=1 --nocapture"
+    echo "== GPU tests: gpu-tests --nocapture (default multi-threaded harness)"
     local t0=$SECONDS
-    if RUST_BACKTRACE=1 "$bin/gpu-tests" --test-threads=1 --nocapture 2>&1 | tee "$out/gpu-tests.log"; then
+    if RUST_BACKTRACE=1 "$bin/gpu-tests" --nocapture 2>&1 | tee "$out/gpu-tests.log"; then
         echo "gpu-tests: ok ($((SECONDS - t0)) s)"
     else
         echo "gpu-tests: FAILED ($((SECONDS - t0)) s)"; fails=$((fails + 1))
     fi
 
-    echo "== kernel tests: gpu-kernel-tests --test-threads=1 --nocapture (conv/matmul vs FP32 references)"
+    echo "== kernel tests: gpu-kernel-tests --nocapture (conv/matmul vs FP32 references, multi-threaded harness)"
     t0=$SECONDS
-    if RUST_BACKTRACE=1 "$bin/gpu-kernel-tests" --test-threads=1 --nocapture > "$out/gpu-kernel-tests.log" 2>&1; then
+    if RUST_BACKTRACE=1 "$bin/gpu-kernel-tests" --nocapture > "$out/gpu-kernel-tests.log" 2>&1; then
         grep -E "^test |test result" "$out/gpu-kernel-tests.log"; echo "gpu-kernel-tests: ok ($((SECONDS - t0)) s)"
     else
         grep -E "^test |test result|Error|panicked" "$out/gpu-kernel-tests.log" | head -40
@@ -73,11 +74,11 @@ main() {
     if [ "${SANITIZE:-1}" = 1 ] && [ -n "$san" ]; then
         echo "== compute-sanitizer memcheck on the max-pool and average-pool correctness tests"
         t0=$SECONDS
-        timeout 150 "$san" --tool memcheck --error-exitcode 99 "$bin/gpu-tests" --test-threads=1 \
+        timeout 150 "$san" --tool memcheck --error-exitcode 99 "$bin/gpu-tests" \
             maxpool_cuda_matches_cpu maxpool_cuda_nan_matches_cpu maxpool_nhwc_cuda_nan_matches_cpu \
             avgpool_nhwc_cuda_matches_cpu > "$out/memcheck.log" 2>&1
         local rc=$?
-        timeout 200 "$san" --tool memcheck --error-exitcode 99 "$bin/gpu-kernel-tests" --test-threads=1 \
+        timeout 200 "$san" --tool memcheck --error-exitcode 99 "$bin/gpu-kernel-tests" \
             conv_awkward_shapes_match_reference matmul_matches_reference >> "$out/memcheck.log" 2>&1
         local rc2=$?
         [ "$rc" = 0 ] && rc=$rc2

@@ -3,6 +3,7 @@
 #   dist/trainer.gz    release `trainer` with --features cuda, stripped
 #   dist/gpu-tests.gz  the tests/tests/gpu.rs test binary (cargo test --release --features cuda --test gpu)
 #   dist/gpu-kernel-tests.gz  the tests/tests/gpu_kernels.rs test binary (conv/matmul kernels vs references)
+#   dist/gpu-step-tests.gz    the tests/tests/gpu_step.rs test binary (the fused training step vs autograd)
 #   dist/kernels-bench.gz     the kernel benchmark (crates/trainer/src/bin/kernels-bench.rs)
 #   dist/BUILD_INFO    commit, date and toolchain of the build
 # Then run `bash scripts/gpu-test.sh` on the GPU machine with dist/ carried along (docs/CUDA_BUILD.md).
@@ -29,10 +30,11 @@ exe = [m["executable"] for m in map(json.loads, sys.stdin)
        if m.get("reason") == "compiler-artifact" and m["target"]["name"] == name and m.get("executable")]
 print(exe[-1] if exe else "")' "$1"
 }
-echo "== cargo test --release --features cuda -p integration-tests --test gpu --test gpu_kernels --no-run"
+echo "== cargo test --release --features cuda -p integration-tests --test gpu --test gpu_kernels --test gpu_step --no-run"
 tests_bin="$(test_bin gpu)"
 kernel_tests_bin="$(test_bin gpu_kernels)"
-for b in "$tests_bin" "$kernel_tests_bin"; do
+step_tests_bin="$(test_bin gpu_step)"
+for b in "$tests_bin" "$kernel_tests_bin" "$step_tests_bin"; do
     [ -n "$b" ] && [ -x "$b" ] || { echo "package-gpu: GPU test binary not found" >&2; exit 1; }
 done
 
@@ -46,6 +48,7 @@ pack() { # pack SRC NAME: strip a copy of SRC into dist/NAME, gzip it
 pack "$CARGO_TARGET_DIR/release/trainer" trainer
 pack "$tests_bin" gpu-tests
 pack "$kernel_tests_bin" gpu-kernel-tests
+pack "$step_tests_bin" gpu-step-tests
 pack "$CARGO_TARGET_DIR/release/kernels-bench" kernels-bench
 {
     echo "commit: $(git rev-parse HEAD)$(git diff --quiet HEAD -- . ':!dist' 2>/dev/null || echo ' (with uncommitted changes)')"

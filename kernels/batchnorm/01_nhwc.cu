@@ -29,21 +29,11 @@
 //
 // Exported: bn_nhwc_{sum,sqdev,apply,bwd_sum,bwd_dx}_{f32,bf16,f16}, bn_nhwc_{mean,var,bwd_final}.
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <stdint.h>
+#include "common.cuh"
 
 #define BN_TX 32
 #define BN_TY 8
 
-__device__ __forceinline__ float to_f32(float v) { return v; }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
-
-template <typename T> __device__ __forceinline__ T from_f32(float v);
-template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
 
 // Sums `acc` over threadIdx.y in a fixed order; thread (x, 0) gets the block total. All threads must call it.
 __device__ __forceinline__ float block_sum_y(float acc) {

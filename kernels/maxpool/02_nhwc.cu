@@ -22,49 +22,8 @@
 //
 // Exported: maxpool2d_nhwc_fwd_{f32,bf16,f16}, maxpool2d_nhwc_bwd_{f32,bf16,f16}.
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <stdint.h>
+#include "maxpool/nhwc.cuh"
 
-__device__ __forceinline__ float to_f32(float v) { return v; }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
-
-template <typename T> __device__ __forceinline__ T from_f32(float v);
-template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
-
-struct PoolGeomNhwc {
-    int h, w, c;  // input image (h, w, c)
-    int oh, ow;   // output plane
-    int k, s, p;  // kernel, stride, padding
-};
-
-// Argmax of window (oy, ox) of channel ch in one input image (h, w, c): the spatial index y * w + x of the
-// winner (-1 if the window holds no input cell, which MaxPool2d::check_nhwc rules out) and its value in `best`.
-template <typename T>
-__device__ __forceinline__ int window_argmax_nhwc(const T* __restrict__ img, const PoolGeomNhwc& g, int oy, int ox,
-                                                  int ch, float& best) {
-    const int y0 = oy * g.s - g.p;
-    const int x0 = ox * g.s - g.p;
-    const int ky0 = max(0, -y0), ky1 = min(g.k, g.h - y0);
-    const int kx0 = max(0, -x0), kx1 = min(g.k, g.w - x0);
-    int arg = -1;
-    best = -INFINITY;
-    for (int ky = ky0; ky < ky1; ++ky) {
-        const int row = (y0 + ky) * g.w;
-        for (int kx = kx0; kx < kx1; ++kx) {
-            const int idx = row + x0 + kx;
-            const float v = to_f32(img[idx * g.c + ch]);
-            if (arg < 0 || v > best || isnan(v)) {
-                best = v;
-                arg = idx;
-            }
-        }
-    }
-    return arg;
-}
 
 // x: (n, h, w, c) T, y: (n, oh, ow, c) T. Every y element is written.
 template <typename T>

@@ -3,20 +3,9 @@
 //! with and without the fused ReLU, f32 exactly-enough and bf16/f16 loosely.
 
 use candle_core::{DType, Device, Tensor, Var};
+use integration_tests::{flat, max_err};
 
 const EPS: f64 = 1e-5;
-
-fn flat(t: &Tensor) -> Vec<f32> {
-    t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap()
-}
-
-/// max |a - b| / max(1, max |b|).
-fn err(a: &Tensor, b: &Tensor) -> f32 {
-    assert_eq!(a.dims(), b.dims());
-    let (x, y) = (flat(a), flat(b));
-    let scale = y.iter().fold(1f32, |m, v| m.max(v.abs()));
-    x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max) / scale
-}
 
 /// BatchNorm2d's training-mode math as candle ops in FP32 over (rows, c): y, mean, biased var.
 fn composed(x: &Tensor, w: &Tensor, b: &Tensor, relu: bool) -> (Tensor, Tensor, Tensor) {
@@ -122,7 +111,8 @@ fn batchnorm_nhwc_f32_matches_composition() {
         for (k, (g, r)) in got.iter().zip(&want).enumerate() {
             // dx = a * (g - mean(g) - xhat * mean(g * xhat)) with a = weight * invstd: its rounding error scales with
             // a (large where a channel's variance is small; two-row batches have dx ~ 0, all of it cancellation).
-            let e = if NAMES[k] == "dx" { err(g, r) / max_gain(&w, &want[2]) } else { err(g, r) };
+            let e =
+                if NAMES[k] == "dx" { max_err(g, r).unwrap() / max_gain(&w, &want[2]) } else { max_err(g, r).unwrap() };
             assert!(e < 2e-5, "{:?} relu={} {}: max err {e:e}", case.dims, case.relu, NAMES[k]);
         }
     }
@@ -142,7 +132,7 @@ fn batchnorm_nhwc_low_precision_close_to_f32() {
             let want = run_composed(&xr, &w, &b, &dyr, case.relu);
             let tol = if dt == DType::BF16 { 2e-2 } else { 4e-3 };
             for (k, (g, r)) in got.iter().zip(&want).enumerate() {
-                let e = err(g, r);
+                let e = max_err(g, r).unwrap();
                 assert!(e < tol, "{:?} relu={} {dt:?} {}: max err {e:e}", case.dims, case.relu, NAMES[k]);
             }
         }
@@ -159,7 +149,7 @@ fn batchnorm_nhwc_fused_relu_matches_separate() {
     let y = y.relu().unwrap();
     assert_eq!(flat(&y), flat(&fused[0]));
     let g = y.mul(&dy).unwrap().sum_all().unwrap().backward().unwrap();
-    let e = err(&fused[3], g.get(xv.as_tensor()).unwrap());
+    let e = max_err(&fused[3], g.get(xv.as_tensor()).unwrap()).unwrap();
     assert!(e < 1e-6, "dx max err {e:e}");
 }
 
@@ -184,17 +174,17 @@ fn batchnorm_nhwc_rejects_bad_arguments() {
 /// output, ReLU-fused output, gradients of the input, weight and bias, running statistics and the batch counter.
 #[test]
 fn batchnorm2d_fused_matches_composed() {
-    use resnet::layers::{set_fused_batchnorm_on_cpu, BatchNorm2d, Builder, Ctx};
+    use resnet::layers::{BatchNorm2d, Builder, Ctx};
     let dev = Device::Cpu;
     let (x, w, b, dy) = inputs(&[3, 4, 6, 5]);
-    let ctx = Ctx { train: true, act: DType::F32, channels_last: true };
     // (y, dx, dweight, dbias, running_mean, running_var, num_batches_tracked) of two steps, the second with ReLU.
     let run = |fused: bool| {
         let store = resnet::ParamStore::new(&dev);
         let bn = BatchNorm2d::new(&Builder::new(&store, 0).pp("bn"), 5, false).unwrap();
         store.set("bn.weight", &w).unwrap();
         store.set("bn.bias", &b).unwrap();
-        set_fused_batchnorm_on_cpu(fused);
+        let kernels = kernels::KernelPolicy { fused_batchnorm_on_cpu: fused, ..kernels::KernelPolicy::custom() };
+        let ctx = Ctx { train: true, act: DType::F32, kernels };
         let mut out = Vec::new();
         for relu in [false, true] {
             let xv = Var::from_tensor(&x).unwrap();
@@ -206,7 +196,6 @@ fn batchnorm2d_fused_matches_composed() {
                 out.push(g.get(t).unwrap().clone());
             }
         }
-        set_fused_batchnorm_on_cpu(false);
         out.push(bn.running_mean.tensor());
         out.push(bn.running_var.tensor());
         assert_eq!(bn.num_batches_tracked.tensor().to_scalar::<i64>().unwrap(), 2);
@@ -214,7 +203,7 @@ fn batchnorm2d_fused_matches_composed() {
     };
     let (fused, composed) = (run(true), run(false));
     for (i, (f, c)) in fused.iter().zip(&composed).enumerate() {
-        let e = err(f, c);
+        let e = max_err(f, c).unwrap();
         assert!(e < 1e-5, "output {i}: max err {e:e}");
     }
 }

@@ -1,12 +1,13 @@
 //! The conv op's backward (forward convs only) against candle's built-in conv2d backward.
 
 use candle_core::{Device, Tensor, Var};
+use integration_tests::rel_l2;
 
 fn grads(x: &Tensor, w: &Tensor, stride: usize, pad: usize, ours: bool) -> (Tensor, Vec<f32>, Vec<f32>) {
     let xv = Var::from_tensor(x).unwrap();
     let wv = Var::from_tensor(w).unwrap();
     let y = if ours {
-        kernels::conv2d(xv.as_tensor(), wv.as_tensor(), stride, pad).unwrap()
+        kernels::conv2d(xv.as_tensor(), wv.as_tensor(), stride, pad, kernels::ConvImpl::FwdConv).unwrap()
     } else {
         xv.as_tensor().conv2d(wv.as_tensor(), pad, stride, 1, 1).unwrap()
     };
@@ -21,12 +22,6 @@ fn grads(x: &Tensor, w: &Tensor, stride: usize, pad: usize, ours: bool) -> (Tens
     let gx = gs.get(xv.as_tensor()).unwrap().flatten_all().unwrap().to_vec1().unwrap();
     let gw = gs.get(wv.as_tensor()).unwrap().flatten_all().unwrap().to_vec1().unwrap();
     (y, gx, gw)
-}
-
-fn rel(a: &[f32], b: &[f32]) -> f32 {
-    let num: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
-    let den: f32 = b.iter().map(|y| y * y).sum();
-    (num / den.max(1e-30)).sqrt()
 }
 
 #[test]
@@ -50,7 +45,7 @@ fn conv_backward_matches_candle() {
         let (y1, gx1, gw1) = grads(&x, &wt, s, p, true);
         let (y2, gx2, gw2) = grads(&x, &wt, s, p, false);
         assert_eq!(y1.dims(), y2.dims());
-        let (ex, ew) = (rel(&gx1, &gx2), rel(&gw1, &gw2));
+        let (ex, ew) = (rel_l2(&gx1, &gx2), rel_l2(&gw1, &gw2));
         assert!(
             ex < 1e-5 && ew < 1e-5,
             "case {:?}: grad-input rel err {ex}, grad-weight {ew}",

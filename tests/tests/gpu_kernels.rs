@@ -1,21 +1,29 @@
 //! GPU tests of the tensor-core kernels (feature `cuda`): implicit-GEMM convolution forward / grad-input /
 //! grad-weight on all 23 distinct ResNet-152 convolutions and on awkward shapes, and the matmul in its three
 //! layouts, each against FP32 candle ops on the same (rounded) inputs, outputs poisoned with NaN before every
-//! launch, under every tile variant the GPU runs. Run by scripts/gpu-test.sh (`--test-threads=1 --nocapture`).
+//! launch, under every tile variant the GPU runs. Run by scripts/gpu-test.sh with the default (multi-threaded) harness: every test passes its kernel
+//! policy as a value and poisons outputs in a scope of its own thread.
 #![cfg(feature = "cuda")]
 
-use anyhow::{ensure, Context, Result};
+use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
-use kernels::conv::{conv2d_grad_input, conv2d_grad_weight, Conv2dParams};
-use kernels::cuda_gemm::{self, GemmLayout};
+use integration_tests::check_rel as check;
+use kernels::cuda::loader::tiles_for;
+use kernels::ops::conv::{conv2d_grad_input, conv2d_grad_weight, Conv2dParams};
+use kernels::ops::conv_nhwc::{conv_nhwc_dgrad, conv_nhwc_fwd, conv_nhwc_wgrad};
+use kernels::ops::linear::{matmul, matmul_bias};
 use kernels::shapes::{resnet152_convs, ConvShape};
+use kernels::variants::{Tile, PORTABLE_TILES};
+use kernels::{Autotuner, GemmLayout, KernelPolicy, Tuning};
+use std::sync::Arc;
 
-/// The per-shape choice (None) and every tile variant the device runs (the wgmma ones on compute capability 9.0).
-fn tiles() -> Vec<Option<cuda_gemm::Tile>> {
+/// The per-shape choice (None: autotuned) and every tile variant the device runs (the wgmma ones on compute
+/// capability 9.0).
+fn tiles() -> Vec<Option<Tile>> {
     let dev = cuda().and_then(|d| Ok(d.as_cuda_device()?.clone()));
     let all = match &dev {
-        Ok(d) => cuda_gemm::tiles_for(d),
-        Err(_) => &cuda_gemm::PORTABLE_TILES[..],
+        Ok(d) => tiles_for(d),
+        Err(_) => &PORTABLE_TILES[..],
     };
     std::iter::once(None).chain(all.iter().copied().map(Some)).collect()
 }
@@ -24,48 +32,13 @@ fn cuda() -> Result<Device> {
     Device::new_cuda(0).context("no CUDA device 0")
 }
 
-/// Output poisoning (unwritten outputs read as NaN) and a forced tile for the guard's lifetime.
-struct Guard;
-impl Guard {
-    fn new(tile: Option<cuda_gemm::Tile>) -> Self {
-        kernels::cuda::set_poison_outputs(true);
-        cuda_gemm::set_forced_tile(tile);
-        Guard
-    }
-}
-impl Drop for Guard {
-    fn drop(&mut self) {
-        kernels::cuda::set_poison_outputs(false);
-        cuda_gemm::set_forced_tile(None);
-    }
-}
-
-fn host(t: &Tensor) -> Result<Vec<f32>> {
-    Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
-}
-
-/// Relative L2 error ‖got − want‖ / ‖want‖ and the largest |got − want| / max|want|; fails on any non-finite
-/// output (a poisoned element the kernel did not write) or an error above `tol`.
-fn check(what: &str, got: &Tensor, want: &Tensor, tol: f64) -> Result<f64> {
-    ensure!(got.dims() == want.dims(), "{what}: shape {:?} vs reference {:?}", got.dims(), want.dims());
-    let (g, w) = (host(got)?, host(want)?);
-    let bad = g.iter().filter(|v| !v.is_finite()).count();
-    ensure!(bad == 0, "{what}: {bad} of {} outputs are not finite (unwritten?)", g.len());
-    let (mut num, mut den, mut maxd, mut maxw) = (0f64, 0f64, 0f64, 0f64);
-    for (&a, &b) in g.iter().zip(&w) {
-        let d = (a as f64 - b as f64).abs();
-        num += d * d;
-        den += (b as f64).powi(2);
-        maxd = maxd.max(d);
-        maxw = maxw.max((b as f64).abs());
-    }
-    let rel = (num / den.max(1e-30)).sqrt();
-    let rel_max = maxd / maxw.max(1e-30);
-    ensure!(
-        rel <= tol && rel_max <= 4.0 * tol,
-        "{what}: relative L2 error {rel:.2e}, max error {rel_max:.2e} of max |ref| (bound {tol:.0e})"
-    );
-    Ok(rel)
+/// The custom kernels with `tile` forced, or autotuned (in memory) for None.
+fn policy(tile: Option<Tile>) -> KernelPolicy {
+    let tuning = match tile {
+        Some(t) => Tuning::Forced(t),
+        None => Tuning::Autotune(Arc::new(Autotuner::in_memory())),
+    };
+    KernelPolicy::custom().with_tuning(tuning)
 }
 
 fn tol(dt: DType) -> f64 {
@@ -100,15 +73,17 @@ fn conv_reference(s: &ConvShape, x: &Tensor, w: &Tensor, dy: &Tensor) -> Result<
     Ok((y, dx, dw))
 }
 
-fn check_conv(s: &ConvShape, n: usize, dt: DType, dev: &Device, tag: &str) -> Result<String> {
+/// Forward, grad-input and grad-weight of `s` under `p` against the FP32 references, outputs NaN-poisoned.
+fn check_conv(s: &ConvShape, n: usize, dt: DType, dev: &Device, p: &KernelPolicy, tag: &str) -> Result<String> {
+    let _poison = kernels::cuda::poison_outputs();
     let (x, w, dy) = conv_inputs(s, n, dt, dev)?;
     let (y_ref, dx_ref, dw_ref) = conv_reference(s, &x, &w, &dy)?;
     let what = format!("{s} n{n} {dt:?} {tag}");
-    let y = cuda_gemm::conv_nhwc_fwd(&x, &w, s.stride, s.pad)?;
+    let y = conv_nhwc_fwd(&x, &w, s.stride, s.pad, p)?;
     let ef = check(&format!("fwd {what}"), &y, &y_ref, tol(dt))?;
-    let dx = cuda_gemm::conv_nhwc_dgrad(&dy, &w, s.stride, s.pad, (s.hw, s.hw))?;
+    let dx = conv_nhwc_dgrad(&dy, &w, s.stride, s.pad, (s.hw, s.hw), p)?;
     let ed = check(&format!("dgrad {what}"), &dx, &dx_ref, tol(dt))?;
-    let dw = cuda_gemm::conv_nhwc_wgrad(&dy, &x, s.k, s.stride, s.pad)?;
+    let dw = conv_nhwc_wgrad(&dy, &x, s.k, s.stride, s.pad, p)?;
     let eg = check(&format!("wgrad {what}"), &dw, &dw_ref, tol(dt))?;
     Ok(format!("{what}: rel err fwd {ef:.1e} dgrad {ed:.1e} wgrad {eg:.1e}"))
 }
@@ -120,9 +95,8 @@ fn conv_resnet152_shapes_match_reference() -> Result<()> {
     for (s, _) in resnet152_convs() {
         for dt in [DType::BF16, DType::F16] {
             for tile in tiles() {
-                let _g = Guard::new(tile);
                 let tag = tile.map_or("auto", |t| t.name);
-                println!("{}", check_conv(&s, 2, dt, &dev, tag)?);
+                println!("{}", check_conv(&s, 2, dt, &dev, &policy(tile), tag)?);
             }
         }
     }
@@ -160,22 +134,16 @@ fn conv_awkward_shapes_match_reference() -> Result<()> {
     for (s, n) in cases {
         for dt in [DType::BF16, DType::F16] {
             for tile in tiles() {
-                let _g = Guard::new(tile);
                 let tag = tile.map_or("auto", |t| t.name);
-                println!("{}", check_conv(&s, n, dt, &dev, tag)?);
+                println!("{}", check_conv(&s, n, dt, &dev, &policy(tile), tag)?);
             }
         }
     }
     // Fewer than 8 input channels go through explicit im2col + the TMA GEMM on a wgmma device; with a tiny buffer
     // budget the rows go one image per chunk (grad-weight: one partial product per chunk, summed by sum_rows).
-    cuda_gemm::set_im2col_budget(Some(1));
-    let chunked = [(sh(3, 64, 7, 2, 37), 3), (sh(5, 24, 3, 1, 9), 2)]
-        .iter()
-        .map(|(s, n)| check_conv(s, *n, DType::BF16, &dev, "im2col, one image per chunk"))
-        .collect::<Result<Vec<_>>>();
-    cuda_gemm::set_im2col_budget(None);
-    for line in chunked? {
-        println!("{line}");
+    let tiny = KernelPolicy { im2col_budget: 1, ..policy(None) };
+    for (s, n) in [(sh(3, 64, 7, 2, 37), 3), (sh(5, 24, 3, 1, 9), 2)] {
+        println!("{}", check_conv(&s, n, DType::BF16, &dev, &tiny, "im2col, one image per chunk")?);
     }
     Ok(())
 }
@@ -187,7 +155,7 @@ fn conv2d_nhwc_autograd_matches_reference() -> Result<()> {
     let s = ConvShape { c_in: 32, c_out: 48, k: 3, stride: 2, pad: 1, hw: 11 };
     let (x, w, _) = conv_inputs(&s, 3, DType::BF16, &dev)?;
     let (xv, wv) = (Var::from_tensor(&x)?, Var::from_tensor(&w)?);
-    let y = kernels::conv2d_nhwc(xv.as_tensor(), wv.as_tensor(), s.stride, s.pad)?;
+    let y = kernels::conv2d_nhwc(xv.as_tensor(), wv.as_tensor(), s.stride, s.pad, &policy(None))?;
     let loss = (y.to_dtype(DType::F32)?.sqr()?.sum_all()? * 0.5)?;
     let g = loss.backward()?;
     let (x32, w32) = (Var::from_tensor(&x.to_dtype(DType::F32)?)?, Var::from_tensor(&w.to_dtype(DType::F32)?)?);
@@ -227,7 +195,8 @@ fn matmul_matches_reference() -> Result<()> {
     for (m, n, k) in cases {
         for dt in [DType::BF16, DType::F16] {
             for tile in tiles() {
-                let _g = Guard::new(tile);
+                let p = policy(tile);
+                let _poison = kernels::cuda::poison_outputs();
                 for layout in [GemmLayout::Nt, GemmLayout::Nn, GemmLayout::Tn] {
                     let (ash, bsh) = match layout {
                         GemmLayout::Nt => ((m, k), (n, k)),
@@ -237,12 +206,11 @@ fn matmul_matches_reference() -> Result<()> {
                     let a = Tensor::randn(0f32, 1.0, ash, &dev)?.to_dtype(dt)?;
                     let b = Tensor::randn(0f32, 1.0, bsh, &dev)?.to_dtype(dt)?;
                     let what = format!("{layout:?} {m}x{n}x{k} {dt:?} {}", tile.map_or("auto", |t| t.name));
-                    let e =
-                        check(&what, &cuda_gemm::matmul(&a, &b, layout)?, &matmul_reference(&a, &b, layout)?, tol(dt))?;
+                    let e = check(&what, &matmul(&a, &b, layout, &p)?, &matmul_reference(&a, &b, layout)?, tol(dt))?;
                     if layout == GemmLayout::Nt {
                         let bias = Tensor::randn(0f32, 1.0, n, &dev)?.to_dtype(dt)?;
                         let want = matmul_reference(&a, &b, layout)?.broadcast_add(&bias.to_dtype(DType::F32)?)?;
-                        check(&format!("{what} +bias"), &cuda_gemm::matmul_bias(&a, &b, &bias)?, &want, tol(dt))?;
+                        check(&format!("{what} +bias"), &matmul_bias(&a, &b, &bias, &p)?, &want, tol(dt))?;
                     }
                     println!("matmul {what}: rel err {e:.1e}");
                 }
@@ -261,10 +229,7 @@ fn linear_custom_autograd_matches_reference() -> Result<()> {
     let w = (Tensor::randn(0f32, 1.0, (n, k), &dev)? * 0.02)?.to_dtype(DType::BF16)?;
     let b = Tensor::randn(0f32, 1.0, n, &dev)?.to_dtype(DType::BF16)?;
     let (xv, wv, bv) = (Var::from_tensor(&x)?, Var::from_tensor(&w)?, Var::from_tensor(&b)?);
-    kernels::set_matmul_impl(kernels::MatmulImpl::Custom);
-    let y = kernels::linear(xv.as_tensor(), wv.as_tensor(), bv.as_tensor());
-    kernels::set_matmul_impl(kernels::MatmulImpl::Cublas);
-    let y = y?;
+    let y = kernels::linear(xv.as_tensor(), wv.as_tensor(), bv.as_tensor(), &KernelPolicy::custom())?;
     let g = (y.to_dtype(DType::F32)?.sqr()?.sum_all()? * 0.5)?.backward()?;
     let f = |t: &Tensor| -> Result<Var> { Ok(Var::from_tensor(&t.to_dtype(DType::F32)?)?) };
     let (x32, w32, b32) = (f(&x)?, f(&w)?, f(&b)?);

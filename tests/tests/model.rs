@@ -5,7 +5,7 @@ use resnet::weights;
 use resnet::{Arch, Precision, ResNet, ResNetConfig, Stem};
 
 fn cfg(arch: Arch, classes: usize, stem: Stem) -> ResNetConfig {
-    ResNetConfig { arch, num_classes: classes, stem, zero_init_residual: false, seed: 7, channels_last: false }
+    ResNetConfig { arch, num_classes: classes, stem, zero_init_residual: false, seed: 7, kernels: Default::default() }
 }
 
 fn tmp(name: &str) -> std::path::PathBuf {
@@ -79,7 +79,7 @@ fn batchnorm_train_and_eval_numerics() {
     store.set("bn.bias", &Tensor::new(&[1f32, -1.0], &dev).unwrap()).unwrap();
     // channel 0 values: 1, 2, 3, 6 (mean 3, biased var 3.5, unbiased 14/3); channel 1: 4, 4, 0, 8 (mean 4, var 8, unbiased 32/3)
     let x = Tensor::new(&[[[[1f32, 2.]], [[4., 4.]]], [[[3., 6.]], [[0., 8.]]]], &dev).unwrap();
-    let y = bn.forward(&x, &Ctx { train: true, act: DType::F32, channels_last: false }).unwrap();
+    let y = bn.forward(&x, &Ctx::new(true, DType::F32)).unwrap();
     let y: Vec<f32> = y.flatten_all().unwrap().to_vec1().unwrap();
     let eps = 1e-5f32;
     let n0 = |v: f32| 2.0 * (v - 3.0) / (3.5 + eps).sqrt() + 1.0;
@@ -95,16 +95,14 @@ fn batchnorm_train_and_eval_numerics() {
     assert!((rv[1] - (0.9 + 0.1 * 32.0 / 3.0)).abs() < 1e-5, "{rv:?}");
     assert_eq!(bn.num_batches_tracked.tensor().to_scalar::<i64>().unwrap(), 1);
     // Eval uses the running statistics and leaves them alone.
-    let y = bn.forward(&x, &Ctx { train: false, act: DType::F32, channels_last: false }).unwrap();
+    let y = bn.forward(&x, &Ctx::new(false, DType::F32)).unwrap();
     let y: Vec<f32> = y.flatten_all().unwrap().to_vec1().unwrap();
     let e0 = |v: f32| 2.0 * (v - rm[0]) / (rv[0] + eps).sqrt() + 1.0;
     assert!((y[0] - e0(1.0)).abs() < 1e-5);
     let rm2: Vec<f32> = bn.running_mean.tensor().to_vec1().unwrap();
     assert_eq!(rm, rm2);
     // Low-precision input: statistics in FP32, output in the input dtype.
-    let yb = bn
-        .forward(&x.to_dtype(DType::BF16).unwrap(), &Ctx { train: true, act: DType::BF16, channels_last: false })
-        .unwrap();
+    let yb = bn.forward(&x.to_dtype(DType::BF16).unwrap(), &Ctx::new(true, DType::BF16)).unwrap();
     assert_eq!(yb.dtype(), DType::BF16);
     assert_eq!(bn.running_mean.tensor().dtype(), DType::F32);
 }
@@ -412,7 +410,8 @@ fn flat_f32(t: &Tensor) -> Vec<f32> {
 }
 
 fn resnet18_layout(stem: Stem, channels_last: bool) -> ResNet {
-    let c = ResNetConfig { seed: 11, channels_last, ..cfg(Arch::ResNet18, 10, stem) };
+    let kernels = if channels_last { kernels::KernelPolicy::custom() } else { kernels::KernelPolicy::default() };
+    let c = ResNetConfig { seed: 11, kernels, ..cfg(Arch::ResNet18, 10, stem) };
     ResNet::new(c, &Device::Cpu).unwrap()
 }
 
@@ -423,7 +422,7 @@ fn channels_last_resnet18_matches_nchw() {
     let dev = Device::Cpu;
     for stem in [Stem::Cifar, Stem::ImageNet] {
         let (nchw, nhwc) = (resnet18_layout(stem, false), resnet18_layout(stem, true));
-        assert!(nhwc.config.channels_last && !nchw.config.channels_last);
+        assert!(nhwc.config.channels_last() && !nchw.config.channels_last());
         let x = Tensor::randn(0f32, 1., (2, 3, 32, 32), &dev).unwrap();
         let labels = Tensor::new(&[3u32, 8], &dev).unwrap();
         let step = |m: &ResNet| {
@@ -490,8 +489,8 @@ fn channels_last_batchnorm_matches_nchw() {
     }
     let x = (Tensor::randn(0f32, 1., (3, 5, 4, 6), &dev).unwrap() * 3.0).unwrap();
     let xl = x.permute((0, 2, 3, 1)).unwrap().contiguous().unwrap();
-    let nchw = |train| Ctx { train, act: DType::F32, channels_last: false };
-    let nhwc = |train| Ctx { train, act: DType::F32, channels_last: true };
+    let nchw = |train| Ctx::new(train, DType::F32);
+    let nhwc = |train| Ctx { kernels: kernels::KernelPolicy::custom(), ..Ctx::new(train, DType::F32) };
     for train in [true, true, false] {
         let ya = bna.forward(&x, &nchw(train)).unwrap();
         let yb = bnb.forward(&xl, &nhwc(train)).unwrap();
@@ -623,7 +622,7 @@ fn avgpool_nhwc_matches_candle_mean() {
             assert!((a - b).abs() <= b.abs() * 2f32.powi(-7) + 1e-6, "bf16 forward {what}: {a} vs {b}");
         }
         let gb = g.to_dtype(DType::BF16).unwrap();
-        let dx = gb.apply_op1_no_bwd(&kernels::avgpool::GlobalAvgPoolNhwcBackward { h, w }).unwrap();
+        let dx = gb.apply_op1_no_bwd(&kernels::ops::avgpool::GlobalAvgPoolNhwcBackward { h, w }).unwrap();
         let gv = flat_f32(&gb);
         let want: Vec<f32> = (0..n * h * w * c)
             .map(|i| half::bf16::from_f32(gv[(i / (h * w * c)) * c + i % c] / (h * w) as f32).to_f32())

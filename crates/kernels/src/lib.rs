@@ -1,35 +1,33 @@
-//! Custom ops for ResNet training, each a candle custom op with a CPU reference and (feature `cuda`) a CUDA kernel.
+//! Custom ops for ResNet training, swapped in for candle's defaults: each a candle custom op with a CPU
+//! reference and (feature `cuda`) CUDA kernels.
+//!
+//! Layout (kernels/README.md has the whole map and how to add a kernel):
+//! - [`policy`]: which implementation runs ([`KernelPolicy`]), passed with every call that has a choice;
+//! - [`variants`]: the table of kernel variants (entry 0: candle's built-in path, then our tiles);
+//! - [`geom`]: plain geometry shared by the ops and the launchers;
+//! - [`ops`]: one module per op (CPU reference, candle op, dispatch);
+//! - [`cuda`] (feature `cuda`): the backend: loader, autotune, TMA descriptors, launchers.
 //!
 //! The CPU implementations are the references the CUDA kernels are tested against, and they are what the
 //! default (CPU-only) build runs.
 
-pub mod avgpool;
-pub mod batchnorm;
-pub mod conv;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-#[cfg(feature = "cuda")]
-pub mod cuda_bn;
-#[cfg(feature = "cuda")]
-pub mod cuda_gemm;
-pub mod igemm;
-pub mod matmul;
-pub mod maxpool;
-#[cfg(feature = "cuda")]
-pub mod multi_tensor;
+pub mod geom;
+pub mod ops;
+pub mod policy;
 pub mod shapes;
+pub mod variants;
 
-pub use avgpool::global_avg_pool_nhwc;
-pub use batchnorm::batch_norm_nhwc_train;
-pub use conv::{conv2d, conv_impl, set_conv_impl, ConvImpl};
-pub use igemm::{conv2d_nhwc, conv2d_nhwc_reference};
-pub use matmul::{linear, matmul_impl, set_matmul_impl, MatmulImpl};
-pub use maxpool::{max_pool2d, MaxPool2d};
-pub use maxpool::{max_pool2d_nhwc, MaxPool2dNhwc};
-
-/// Errors of this crate's ops.
-#[derive(Debug, thiserror::Error)]
-pub enum KernelError {
-    #[error("{op}: {msg}")]
-    Invalid { op: &'static str, msg: String },
-}
+pub use geom::{conv_out_size, ConvGeom, ConvPass, GemmLayout};
+pub use ops::avgpool::global_avg_pool_nhwc;
+pub use ops::batchnorm::batch_norm_nhwc_train;
+pub use ops::conv::conv2d;
+pub use ops::conv_nhwc::{
+    conv2d_nhwc, conv2d_nhwc_forward, conv2d_nhwc_grad_input, conv2d_nhwc_grad_weight, conv2d_nhwc_reference,
+};
+pub use ops::input;
+pub use ops::linear::linear;
+pub use ops::residual::{add_relu_grad, bn_add_relu, relu_grad, BnParams};
+pub use ops::maxpool::{max_pool2d, max_pool2d_nhwc, MaxPool2d, MaxPool2dNhwc};
+pub use policy::{Autotuner, ConvChoice, ConvImpl, KernelPolicy, MatmulChoice, MatmulImpl, Tuning};

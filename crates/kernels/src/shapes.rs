@@ -13,7 +13,7 @@ pub struct ConvShape {
 
 impl ConvShape {
     pub fn out_hw(&self) -> usize {
-        (self.hw + 2 * self.pad - self.k) / self.stride + 1
+        crate::geom::conv_out_size(self.hw, self.k, self.stride, self.pad)
     }
     /// FLOPs of the forward pass at batch `n` (2 per multiply-add).
     pub fn flops(&self, n: usize) -> f64 {
@@ -34,8 +34,8 @@ pub fn bottleneck_convs(layers: [usize; 4], image: usize) -> Vec<(ConvShape, usi
     let mut all = Vec::new();
     let conv = |c_in, c_out, k, stride, hw| ConvShape { c_in, c_out, k, stride, pad: k / 2, hw };
     all.push(conv(3, 64, 7, 2, image));
-    let mut hw = (image + 2 * 3 - 7) / 2 + 1; // stem conv
-    hw = (hw + 2 - 3) / 2 + 1; // max-pool
+    let mut hw = crate::geom::conv_out_size(image, 7, 2, 3); // stem conv
+    hw = crate::geom::conv_out_size(hw, 3, 2, 1); // max-pool
     let mut c_in = 64;
     for (stage, &blocks) in layers.iter().enumerate() {
         let width = 64 << stage;

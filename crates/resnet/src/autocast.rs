@@ -13,12 +13,21 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
-/// Execution precision of a training or evaluation step.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Execution precision of a training or evaluation step; in configs `fp32`, `bf16` or `fp16`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Precision {
+    #[serde(rename = "fp32")]
     F32,
+    #[serde(rename = "bf16")]
     Bf16,
+    #[serde(rename = "fp16")]
     F16,
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 impl Precision {
@@ -37,6 +46,9 @@ impl Precision {
             Self::F16 => "fp16",
         }
     }
+    /// Every precision, in config order.
+    pub const ALL: [Precision; 3] = [Precision::F32, Precision::Bf16, Precision::F16];
+
     /// Dtype of activations between layers.
     pub fn act_dtype(&self) -> DType {
         match self {

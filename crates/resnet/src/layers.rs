@@ -3,6 +3,7 @@
 use crate::autocast::{finish, operand};
 use crate::store::{Param, ParamKind, ParamStore};
 use candle_core::{DType, Result, Tensor, D};
+use kernels::KernelPolicy;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal, Uniform};
@@ -65,15 +66,26 @@ impl<'a> Builder<'a> {
     }
 }
 
-/// Per-forward settings: training mode, the low-precision dtype of convs/matmuls and activations, and the
-/// activation layout.
-#[derive(Debug, Clone, Copy)]
+/// Per-forward settings: training mode, the low-precision dtype of convs/matmuls and activations, and the kernel
+/// policy, which also fixes the activation layout.
+#[derive(Debug, Clone)]
 pub struct Ctx {
     pub train: bool,
     pub act: DType,
-    /// Activations are channels-last (n, h, w, c) instead of (n, c, h, w): convs run [`kernels::conv2d_nhwc`]
-    /// and BatchNorm normalises over dims (0, 1, 2).
-    pub channels_last: bool,
+    pub kernels: KernelPolicy,
+}
+
+impl Ctx {
+    /// NCHW activations, candle's kernels.
+    pub fn new(train: bool, act: DType) -> Self {
+        Self { train, act, kernels: KernelPolicy::default() }
+    }
+
+    /// Activations are channels-last (n, h, w, c) instead of (n, c, h, w) (the custom convolutions): convs run
+    /// [`kernels::conv2d_nhwc`] and BatchNorm normalises over dims (0, 1, 2).
+    pub fn channels_last(&self) -> bool {
+        self.kernels.channels_last()
+    }
 }
 
 /// 2D convolution without bias (every ResNet conv feeds a BatchNorm). Weight: (out, in, k, k), FP32 master.
@@ -97,25 +109,14 @@ impl Conv2d {
     pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
         let w = operand(&self.weight.tensor(), ctx.act)?;
         let x = operand(x, ctx.act)?;
-        let y = if ctx.channels_last {
+        let y = if ctx.channels_last() {
             let w = w.permute((0, 2, 3, 1))?.contiguous()?;
-            kernels::conv2d_nhwc(&x, &w, self.stride, self.padding)?
+            kernels::conv2d_nhwc(&x, &w, self.stride, self.padding, &ctx.kernels)?
         } else {
-            kernels::conv2d(&x, &w, self.stride, self.padding)?
+            kernels::conv2d(&x, &w, self.stride, self.padding, ctx.kernels.conv)?
         };
         finish(&y, ctx.act)
     }
-}
-
-static FUSED_BATCHNORM_ON_CPU: AtomicBool = AtomicBool::new(false);
-
-/// Testing aid: when on, channels-last training-mode BatchNorm runs the fused op on the CPU too (its reference
-/// implementation). Off by default: the CPU then composes candle ops exactly as the NCHW model does, so the
-/// channels-last CPU model stays bitwise equal to the NCHW one (with batch-2 inputs the 1x1 maps of layer4 have two
-/// values per channel, and such BatchNorms amplify any rounding difference far beyond f32 noise), and the ReLU
-/// gradient at exactly-zero pre-activations agrees even where a channel mean equals an element.
-pub fn set_fused_batchnorm_on_cpu(on: bool) {
-    FUSED_BATCHNORM_ON_CPU.store(on, Ordering::Relaxed);
 }
 
 /// BatchNorm2d: batch statistics and running-stat updates in training mode, running statistics in eval mode.
@@ -123,7 +124,9 @@ pub fn set_fused_batchnorm_on_cpu(on: bool) {
 /// the activation dtype. Running variance is updated with the unbiased batch variance, as PyTorch does.
 /// Channels-last training with batch statistics on CUDA runs the fused [`kernels::batch_norm_nhwc_train`] op (ReLU
 /// fused too through [`BatchNorm2d::forward_relu`]); NCHW, eval mode, frozen statistics and the CPU compose candle
-/// ops (see [`set_fused_batchnorm_on_cpu`]).
+/// ops exactly as the NCHW model does (unless [`KernelPolicy::fused_batchnorm_on_cpu`], a testing aid: with batch-2
+/// inputs the 1x1 maps of layer4 have two values per channel, and such BatchNorms amplify any rounding difference
+/// far beyond f32 noise, so the composed CPU path keeps the channels-last CPU model bitwise equal to the NCHW one).
 #[derive(Debug, Clone)]
 pub struct BatchNorm2d {
     pub weight: Param,
@@ -164,8 +167,8 @@ impl BatchNorm2d {
 
     fn forward_act(&self, x: &Tensor, ctx: &Ctx, relu: bool) -> Result<Tensor> {
         let use_batch = ctx.train && !self.stats_frozen.load(Ordering::Relaxed);
-        let fused_here = x.device().is_cuda() || FUSED_BATCHNORM_ON_CPU.load(Ordering::Relaxed);
-        if ctx.channels_last && use_batch && fused_here {
+        let fused_here = x.device().is_cuda() || ctx.kernels.fused_batchnorm_on_cpu;
+        if ctx.channels_last() && use_batch && fused_here {
             return self.forward_nhwc_train(x, relu);
         }
         let y = self.forward_composed(x, ctx)?;
@@ -200,8 +203,8 @@ impl BatchNorm2d {
         let (n, d1, d2, d3) = x.dims4()?;
         // Channel dim, the dims statistics reduce over, and the broadcast shape of per-channel tensors.
         let (c, reduce, count) =
-            if ctx.channels_last { (d3, [0, 1, 2], n * d1 * d2) } else { (d1, [0, 2, 3], n * d2 * d3) };
-        let pshape = if ctx.channels_last { (1, 1, 1, c) } else { (1, c, 1, 1) };
+            if ctx.channels_last() { (d3, [0, 1, 2], n * d1 * d2) } else { (d1, [0, 2, 3], n * d2 * d3) };
+        let pshape = if ctx.channels_last() { (1, 1, 1, c) } else { (1, c, 1, 1) };
         let w = self.weight.tensor().reshape(pshape)?;
         let b = self.bias.tensor().reshape(pshape)?;
         let use_batch = ctx.train && !self.stats_frozen.load(Ordering::Relaxed);
@@ -228,7 +231,7 @@ impl BatchNorm2d {
         y.to_dtype(out_dtype)
     }
 
-    fn update_running(&self, mean: &Tensor, var: &Tensor, count: usize) -> Result<()> {
+    pub(crate) fn update_running(&self, mean: &Tensor, var: &Tensor, count: usize) -> Result<()> {
         let m = self.momentum;
         let mean = mean.flatten_all()?;
         let unbiased = (var.flatten_all()? * (count as f64 / (count - 1) as f64))?;
@@ -260,7 +263,7 @@ impl Linear {
         let w = operand(&self.weight.tensor(), ctx.act)?;
         let x = operand(x, ctx.act)?;
         let b = operand(&self.bias.tensor(), ctx.act)?;
-        finish(&kernels::linear(&x, &w, &b)?, ctx.act)
+        finish(&kernels::linear(&x, &w, &b, &ctx.kernels)?, ctx.act)
     }
 }
 
@@ -273,7 +276,7 @@ pub fn global_avg_pool(x: &Tensor) -> Result<Tensor> {
 /// [`global_avg_pool`] in the layout of `ctx`: channels-last x [n, h, w, c] goes through
 /// [`kernels::global_avg_pool_nhwc`] (FP32 accumulation, output in x's dtype).
 pub fn global_avg_pool_ctx(x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
-    if ctx.channels_last {
+    if ctx.channels_last() {
         kernels::global_avg_pool_nhwc(x)
     } else {
         global_avg_pool(x)
@@ -282,7 +285,7 @@ pub fn global_avg_pool_ctx(x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
 
 /// 2D max-pool with backward in the layout of `ctx` ([`kernels::max_pool2d`] or [`kernels::max_pool2d_nhwc`]).
 pub fn max_pool2d(x: &Tensor, ctx: &Ctx, kernel: usize, stride: usize, padding: usize) -> Result<Tensor> {
-    if ctx.channels_last {
+    if ctx.channels_last() {
         kernels::max_pool2d_nhwc(x, kernel, stride, padding)
     } else {
         kernels::max_pool2d(x, kernel, stride, padding)

@@ -3,6 +3,7 @@
 pub mod autocast;
 pub mod layers;
 pub mod model;
+pub mod step;
 pub mod store;
 pub mod weights;
 

@@ -5,9 +5,12 @@ use crate::layers::{global_avg_pool_ctx, max_pool2d, BatchNorm2d, Builder, Conv2
 use crate::store::ParamStore;
 use crate::{ModelError, Precision};
 use candle_core::{Device, Result, Tensor};
+use kernels::{conv_out_size, KernelPolicy};
 use std::sync::atomic::Ordering;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// A ResNet depth; in configs by its lowercase name (`resnet152`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Arch {
     ResNet18,
     ResNet34,
@@ -60,7 +63,15 @@ impl Arch {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The stem; in configs `imagenet` or `cifar`.
+impl std::fmt::Display for Arch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Stem {
     /// 7x7 stride-2 conv, BN, ReLU, 3x3 stride-2 max-pool.
     ImageNet,
@@ -84,6 +95,12 @@ impl Stem {
     }
 }
 
+impl std::fmt::Display for Stem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct ResNetConfig {
     pub arch: Arch,
@@ -93,11 +110,9 @@ pub struct ResNetConfig {
     pub zero_init_residual: bool,
     /// Seed of the parameter initialisation.
     pub seed: u64,
-    /// Run channels-last (NHWC): the (n, 3, h, w) input is permuted to (n, h, w, 3) once, every activation is
-    /// (n, h, w, c), convs run [`kernels::conv2d_nhwc`] on a (k, r, s, c) copy of the low-precision weight, and
-    /// the pooled (n, c) features feed `fc`. Master weights stay torchvision-shaped (k, c, r, s) FP32, so weight
-    /// files and checkpoints do not depend on the layout.
-    pub channels_last: bool,
+    /// Which kernels run (see [`kernels::KernelPolicy`]). The custom convolutions make the model channels-last
+    /// ([`ResNetConfig::channels_last`]).
+    pub kernels: KernelPolicy,
 }
 
 impl Default for ResNetConfig {
@@ -108,23 +123,33 @@ impl Default for ResNetConfig {
             stem: Stem::ImageNet,
             zero_init_residual: false,
             seed: 0,
-            channels_last: false,
+            kernels: KernelPolicy::default(),
         }
     }
 }
 
+impl ResNetConfig {
+    /// Run channels-last (NHWC): the (n, 3, h, w) input is permuted to (n, h, w, 3) once, every activation is
+    /// (n, h, w, c), convs run [`kernels::conv2d_nhwc`] on a (k, r, s, c) copy of the low-precision weight, and
+    /// the pooled (n, c) features feed `fc`. Master weights stay torchvision-shaped (k, c, r, s) FP32, so weight
+    /// files and checkpoints do not depend on the layout.
+    pub fn channels_last(&self) -> bool {
+        self.kernels.channels_last()
+    }
+}
+
 #[derive(Debug, Clone)]
-struct Downsample {
-    conv: Conv2d,
-    bn: BatchNorm2d,
+pub(crate) struct Downsample {
+    pub(crate) conv: Conv2d,
+    pub(crate) bn: BatchNorm2d,
 }
 
 /// BasicBlock (two 3x3 convs) or Bottleneck (1x1, 3x3 with the stride, 1x1 x4).
 #[derive(Debug, Clone)]
-struct Block {
-    convs: Vec<Conv2d>,
-    bns: Vec<BatchNorm2d>,
-    downsample: Option<Downsample>,
+pub(crate) struct Block {
+    pub(crate) convs: Vec<Conv2d>,
+    pub(crate) bns: Vec<BatchNorm2d>,
+    pub(crate) downsample: Option<Downsample>,
 }
 
 impl Block {
@@ -189,10 +214,10 @@ impl Block {
 pub struct ResNet {
     pub config: ResNetConfig,
     store: ParamStore,
-    conv1: Conv2d,
-    bn1: BatchNorm2d,
-    stages: Vec<Vec<Block>>,
-    fc: Linear,
+    pub(crate) conv1: Conv2d,
+    pub(crate) bn1: BatchNorm2d,
+    pub(crate) stages: Vec<Vec<Block>>,
+    pub(crate) fc: Linear,
 }
 
 /// Output shape of each stage for one input, as printed by `trainer info`.
@@ -252,9 +277,9 @@ impl ResNet {
     // x: [n, 3, h, w] (any float dtype) -> logits [n, num_classes] in the activation dtype.
     // The shape comments below are NCHW; with `channels_last` each 4D activation is (n, h, w, c) instead.
     pub fn forward(&self, x: &Tensor, train: bool, precision: Precision) -> Result<Tensor> {
-        let ctx = Ctx { train, act: precision.act_dtype(), channels_last: self.config.channels_last };
+        let ctx = Ctx { train, act: precision.act_dtype(), kernels: self.config.kernels.clone() };
         let mut x = x.to_dtype(ctx.act)?;
-        if ctx.channels_last {
+        if ctx.channels_last() {
             x = x.permute((0, 2, 3, 1))?.contiguous()?; // [n, h, w, 3], the only layout conversion
         }
         let mut x = self.bn1.forward_relu(&self.conv1.forward(&x, &ctx)?, &ctx)?; // [n, 64, h/2, w/2]
@@ -273,18 +298,17 @@ impl ResNet {
     /// Output shape after the stem and each stage for an input of `image_size`, batch `n` (computed, not run).
     /// Always described as (n, c, h, w), whatever the layout the model runs in (see [`ResNetConfig::channels_last`]).
     pub fn stage_shapes(&self, n: usize, image_size: usize) -> Vec<StageShape> {
-        let conv_out = |s: usize, k: usize, st: usize, p: usize| (s + 2 * p - k) / st + 1;
         let mut s = match self.config.stem {
             Stem::ImageNet => {
-                let s = conv_out(image_size, 7, 2, 3);
-                conv_out(s, 3, 2, 1)
+                let s = conv_out_size(image_size, 7, 2, 3);
+                conv_out_size(s, 3, 2, 1)
             }
             Stem::Cifar => image_size,
         };
         let mut out = vec![StageShape { name: "stem".into(), shape: vec![n, 64, s, s] }];
         for i in 0..4 {
             if i > 0 {
-                s = conv_out(s, 3, 2, 1);
+                s = conv_out_size(s, 3, 2, 1);
             }
             out.push(StageShape {
                 name: format!("layer{}", i + 1),
@@ -297,7 +321,7 @@ impl ResNet {
     }
 
     /// Every BatchNorm layer with its name prefix.
-    fn batchnorms(&self) -> Vec<&BatchNorm2d> {
+    pub(crate) fn batchnorms(&self) -> Vec<&BatchNorm2d> {
         let mut v = vec![&self.bn1];
         for stage in &self.stages {
             for block in stage {

@@ -76,7 +76,7 @@ pub fn load_tensors(
         };
         if !mismatched.is_empty() {
             let hint = if mismatched.iter().any(|m| m.starts_with("fc.")) && !new_head {
-                " (a different number of classes needs a new head: set model.new_head = true / fine-tune)"
+                " (a different number of classes needs a new head: start from these weights with model.init_from, which replaces an fc of another size)"
             } else {
                 ""
             };

@@ -4,6 +4,7 @@
 use crate::config::Config;
 use crate::train::{build_model, select_device, synthetic_batch, StepRunner};
 use anyhow::{Context, Result};
+use resnet::Precision;
 use serde::Serialize;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -69,9 +70,9 @@ fn is_oom(e: &anyhow::Error) -> bool {
 /// Builds the model, runs `warmup` then `steps` timed training steps at batch `bs` in `dtype`.
 ///
 /// With `phases`, the timed steps synchronize the device between phases and the result carries each phase's time.
-pub fn bench_one(cfg: &Config, dtype: &str, bs: usize, warmup: usize, steps: usize, phases: bool) -> BenchResult {
+pub fn bench_one(cfg: &Config, dtype: Precision, bs: usize, warmup: usize, steps: usize, phases: bool) -> BenchResult {
     let mut r = BenchResult {
-        arch: cfg.model.arch.clone(),
+        arch: cfg.model.arch.name().to_string(),
         dtype: dtype.to_string(),
         batch_size: bs,
         img_per_s: None,
@@ -82,7 +83,7 @@ pub fn bench_one(cfg: &Config, dtype: &str, bs: usize, warmup: usize, steps: usi
         phases_ms: None,
     };
     let mut cfg = cfg.clone();
-    cfg.amp.dtype = dtype.to_string();
+    cfg.amp.dtype = dtype;
     cfg.train.batch_size = bs;
     let mut phase_ms = None;
     let mut run = || -> Result<(f64, Option<f64>)> {
@@ -160,7 +161,7 @@ pub fn print_row(r: &BenchResult) {
 /// Batch sizes to try with `--max`: doubling from `start` until one fails, then bisection to `granularity`.
 pub fn sweep_max(
     cfg: &Config,
-    dtype: &str,
+    dtype: Precision,
     start: usize,
     granularity: usize,
     warmup: usize,

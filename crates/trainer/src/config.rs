@@ -2,6 +2,8 @@
 //! Every default lives here, in the `Default` impls.
 
 use anyhow::{anyhow, bail, Context, Result};
+pub use kernels::{ConvChoice, MatmulChoice};
+pub use resnet::{Arch, Precision, Stem};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -45,14 +47,42 @@ impl Default for Config {
     }
 }
 
+/// `optim.name`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimName {
+    Sgd,
+    AdamW,
+}
+
+/// `sched.name`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SchedName {
+    Cosine,
+    Step,
+    MultiStep,
+    Constant,
+}
+
+/// `amp.loss_scaling`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LossScaling {
+    /// On for fp16 only.
+    Auto,
+    On,
+    Off,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelSection {
     /// resnet18 | resnet34 | resnet50 | resnet101 | resnet152
-    pub arch: String,
+    pub arch: Arch,
     pub num_classes: usize,
     /// "imagenet" (7x7/2 conv + max-pool) | "cifar" (3x3/1 conv, no pool)
-    pub stem: String,
+    pub stem: Stem,
     /// torchvision-format safetensors (or a checkpoint's model.safetensors) to start from; "" for none.
     pub init_from: String,
     pub zero_init_residual: bool,
@@ -61,23 +91,70 @@ pub struct ModelSection {
 impl Default for ModelSection {
     fn default() -> Self {
         Self {
-            arch: "resnet50".into(),
+            arch: Arch::ResNet50,
             num_classes: 1000,
-            stem: "imagenet".into(),
+            stem: Stem::ImageNet,
             init_from: String::new(),
             zero_init_residual: false,
         }
     }
 }
 
+/// `data.kind`: where images come from.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum DataKind {
+    /// Deterministic random images and labels (benchmarks).
+    Synthetic,
+    /// A built-in generated, learnable data set.
+    Shapes,
+    /// The CIFAR-10 binary version in `data.dir`.
+    Cifar10,
+    /// torchvision's ImageFolder layout in `data.train_dir` / `data.val_dir`.
+    Imagefolder,
+    /// Shards written by `trainer prepare` in `data.dir`.
+    Packed,
+}
+
+impl DataKind {
+    /// The config spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            DataKind::Synthetic => "synthetic",
+            DataKind::Shapes => "shapes",
+            DataKind::Cifar10 => "cifar10",
+            DataKind::Imagefolder => "imagefolder",
+            DataKind::Packed => "packed",
+        }
+    }
+}
+
+/// `data.augment`: training-time augmentation.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Augment {
+    None,
+    /// RandomResizedCrop + flip (> 64 px), pad-4 random crop + flip (small images).
+    Standard,
+}
+
+/// `data.on_corrupt`: what an unreadable image does.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum OnCorrupt {
+    /// Stop, naming the file.
+    Error,
+    /// Warn, naming the file, and use another sample.
+    Skip,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataSection {
-    /// "synthetic" | "shapes" (generated, learnable) | "cifar10" | "imagefolder"
-    pub kind: String,
-    /// cifar10: folder with data_batch_1..5.bin and test_batch.bin
+    pub kind: DataKind,
+    /// cifar10: folder with data_batch_1..5.bin and test_batch.bin; packed: the folder `trainer prepare` wrote
     pub dir: String,
-    /// imagefolder: one sub-folder per class
+    /// imagefolder (and `trainer prepare`'s input): one sub-folder per class
     pub train_dir: String,
     pub val_dir: String,
     /// synthetic / shapes: number of training samples (validation: num_samples / 5)
@@ -85,30 +162,34 @@ pub struct DataSection {
     pub image_size: usize,
     /// Validation: shorter side resized to this, then center-cropped to image_size.
     pub val_resize: usize,
-    /// "none" | "standard"
-    pub augment: String,
+    pub augment: Augment,
     /// Loader threads (0: one per core).
     pub workers: usize,
     /// Batches prepared ahead of the training step.
     pub prefetch: usize,
-    /// "error" (stop, naming the file) | "skip" (warn, naming the file, and use another sample)
-    pub on_corrupt: String,
+    pub on_corrupt: OnCorrupt,
+    /// `trainer prepare`: longest side of the packed images (larger ones are shrunk and re-encoded).
+    pub pack_max_side: usize,
+    /// `trainer prepare`: JPEG quality of re-encoded images.
+    pub pack_quality: usize,
 }
 
 impl Default for DataSection {
     fn default() -> Self {
         Self {
-            kind: "synthetic".into(),
+            kind: DataKind::Synthetic,
             dir: String::new(),
             train_dir: String::new(),
             val_dir: String::new(),
             num_samples: 1024,
             image_size: 224,
             val_resize: 256,
-            augment: "standard".into(),
+            augment: Augment::Standard,
             workers: 0,
             prefetch: 4,
-            on_corrupt: "error".into(),
+            on_corrupt: OnCorrupt::Error,
+            pack_max_side: 320,
+            pack_quality: 90,
         }
     }
 }
@@ -147,7 +228,7 @@ impl Default for TrainSection {
 #[serde(deny_unknown_fields, default)]
 pub struct OptimSection {
     /// "sgd" | "adamw"
-    pub name: String,
+    pub name: OptimName,
     pub lr: f64,
     pub momentum: f64,
     pub nesterov: bool,
@@ -163,7 +244,7 @@ pub struct OptimSection {
 impl Default for OptimSection {
     fn default() -> Self {
         Self {
-            name: "sgd".into(),
+            name: OptimName::Sgd,
             lr: 0.1,
             momentum: 0.9,
             nesterov: false,
@@ -180,7 +261,7 @@ impl Default for OptimSection {
 #[serde(deny_unknown_fields, default)]
 pub struct SchedSection {
     /// "cosine" | "step" | "multistep" | "constant"
-    pub name: String,
+    pub name: SchedName,
     /// Linear warm-up from warmup_start_factor * lr (fractional epochs allowed).
     pub warmup_epochs: f64,
     pub warmup_start_factor: f64,
@@ -196,7 +277,7 @@ pub struct SchedSection {
 impl Default for SchedSection {
     fn default() -> Self {
         Self {
-            name: "cosine".into(),
+            name: SchedName::Cosine,
             warmup_epochs: 0.0,
             warmup_start_factor: 0.01,
             step_epochs: 30,
@@ -211,9 +292,9 @@ impl Default for SchedSection {
 #[serde(deny_unknown_fields, default)]
 pub struct AmpSection {
     /// "fp32" | "bf16" | "fp16"
-    pub dtype: String,
+    pub dtype: Precision,
     /// Dynamic loss scaling: "auto" (on for fp16 only) | "on" | "off"
-    pub loss_scaling: String,
+    pub loss_scaling: LossScaling,
     pub init_scale: f64,
     pub growth_factor: f64,
     pub backoff_factor: f64,
@@ -226,8 +307,8 @@ pub struct AmpSection {
 impl Default for AmpSection {
     fn default() -> Self {
         Self {
-            dtype: "fp32".into(),
-            loss_scaling: "auto".into(),
+            dtype: Precision::F32,
+            loss_scaling: LossScaling::Auto,
             init_scale: 1024.0,
             growth_factor: 2.0,
             backoff_factor: 0.5,
@@ -290,38 +371,137 @@ impl Default for FinetuneSection {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct KernelsSection {
-    /// "fwdconv" (candle's conv2d forward, backward through forward convs) | "candle" (candle's conv2d and its
-    /// conv_transpose2d backward) | "custom" (channels-last implicit-GEMM tensor-core convs on CUDA for bf16/fp16,
-    /// candle's conv through permutes on the CPU and in fp32; the whole model then runs NHWC)
-    pub conv: String,
-    /// "cublas" (candle's built-in matmul) | "custom" (our tensor-core GEMM for `fc` on CUDA in bf16/fp16, with
-    /// the bias add fused; candle's matmul otherwise)
-    pub matmul: String,
+    /// "auto" (custom on CUDA in bf16/fp16, fwdconv elsewhere) | "fwdconv" (candle's conv2d forward, backward
+    /// through forward convs) | "candle" (candle's conv2d and its conv_transpose2d backward) | "custom"
+    /// (channels-last implicit-GEMM tensor-core convs on CUDA for bf16/fp16, candle's conv through permutes on the
+    /// CPU and in fp32; the whole model then runs NHWC)
+    pub conv: ConvChoice,
+    /// "auto" (custom on CUDA in bf16/fp16, cublas elsewhere) | "cublas" (candle's built-in matmul) | "custom"
+    /// (our tensor-core GEMM for `fc` on CUDA in bf16/fp16, with the bias add fused; candle's matmul otherwise)
+    pub matmul: MatmulChoice,
     /// Time every tile variant of the custom kernels on the first launch of each shape and keep the fastest
     /// (false: a fixed heuristic picks the tile)
     pub autotune: bool,
     /// Where autotuned choices persist across runs: "auto" (`$XDG_CACHE_HOME` or `~/.cache`,
     /// `resnet-train/kernels-autotune.tsv`), "off" (memory only), or a file path
     pub autotune_cache: String,
+    /// "auto" (the explicit step on CUDA in bf16/fp16 where the config allows it, autograd elsewhere, with a
+    /// one-line note naming the setting that forced autograd) | "fused" (the explicit, fused training step of
+    /// `resnet::step`; needs the channels-last model, and f32 on the CPU) | "autograd" (candle's backward over
+    /// the model's forward: the reference)
+    pub step: StepChoice,
 }
 
 impl Default for KernelsSection {
     fn default() -> Self {
-        Self { conv: "fwdconv".into(), matmul: "cublas".into(), autotune: true, autotune_cache: "auto".into() }
+        Self {
+            conv: ConvChoice::Auto,
+            matmul: MatmulChoice::Auto,
+            autotune: true,
+            autotune_cache: "auto".into(),
+            step: StepChoice::Auto,
+        }
+    }
+}
+
+/// `kernels.step`: which engine runs the training step's forward and backward.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum StepChoice {
+    Auto,
+    Fused,
+    Autograd,
+}
+
+/// The engine a run's training steps take (`kernels.step` resolved).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepEngine {
+    /// `resnet::step`: explicit forward and backward, fused element-wise kernels.
+    Fused,
+    /// candle's autograd over `ResNet::forward`.
+    Autograd,
+}
+
+impl std::fmt::Display for StepEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Fused => "fused",
+            Self::Autograd => "autograd",
+        })
     }
 }
 
 impl KernelsSection {
     /// The autotune file `autotune_cache` names (None for "off", or for "auto" without a home directory).
-    pub fn autotune_cache_path(&self) -> Option<std::path::PathBuf> {
+    pub fn autotune_cache_path(&self) -> Option<PathBuf> {
+        self.autotune_cache_path_in(|k| std::env::var_os(k))
+    }
+
+    /// [`Self::autotune_cache_path`] with the environment given (`XDG_CACHE_HOME`, `HOME`).
+    fn autotune_cache_path_in(&self, env: impl Fn(&str) -> Option<std::ffi::OsString>) -> Option<PathBuf> {
         match self.autotune_cache.as_str() {
             "off" => None,
-            "auto" => std::env::var_os("XDG_CACHE_HOME")
-                .map(std::path::PathBuf::from)
-                .or_else(|| std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".cache")))
+            "auto" => env("XDG_CACHE_HOME")
+                .map(PathBuf::from)
+                .or_else(|| env("HOME").map(|h| Path::new(&h).join(".cache")))
                 .map(|d| d.join("resnet-train").join("kernels-autotune.tsv")),
-            p => Some(std::path::PathBuf::from(p)),
+            p => Some(PathBuf::from(p)),
         }
+    }
+
+    /// The step engine for a model running channels-last or not (`channels_last`, from [`Self::policy`]) in
+    /// `precision` on a CUDA device (`cuda`) or the CPU, and under "auto" the note saying which setting kept it on autograd (None when "auto" took the fused
+    /// step, or autograd was asked for). "fused" where it cannot run is an error naming the key.
+    pub fn step_engine(
+        &self,
+        channels_last: bool,
+        precision: Precision,
+        cuda: bool,
+        bn_frozen: bool,
+    ) -> Result<(StepEngine, Option<String>)> {
+        let why = if bn_frozen {
+            Some("finetune.bn_frozen = true (it needs BatchNorm batch statistics)".to_string())
+        } else {
+            resnet::step::unsupported_for(channels_last, cuda, precision)
+        };
+        Ok(match (self.step, why) {
+            (StepChoice::Autograd, _) => (StepEngine::Autograd, None),
+            (StepChoice::Fused, None) => (StepEngine::Fused, None),
+            (StepChoice::Fused, Some(why)) => bail!("kernels.step = \"fused\" cannot run this config: {why}"),
+            (StepChoice::Auto, Some(why)) => {
+                (StepEngine::Autograd, Some(format!("kernels.step = \"auto\" runs autograd: {why}")))
+            }
+            (StepChoice::Auto, None) if cuda && precision != Precision::F32 => (StepEngine::Fused, None),
+            (StepChoice::Auto, None) => (
+                StepEngine::Autograd,
+                Some(format!(
+                    "kernels.step = \"auto\" runs autograd: the fused step is taken on CUDA in bf16/fp16, this run is {} on {}",
+                    precision.as_str(),
+                    if cuda { "cuda" } else { "cpu" }
+                )),
+            ),
+        })
+    }
+
+    /// The kernel policy for a model on a CUDA device (`cuda`) or the CPU computing in `precision`: "auto"
+    /// resolved, and the autotuner with its cache file (or the heuristic when `autotune` is off).
+    pub fn policy(&self, cuda: bool, precision: Precision) -> Result<kernels::KernelPolicy> {
+        let act = precision.act_dtype();
+        let tuning = if !self.autotune {
+            kernels::Tuning::Heuristic
+        } else {
+            let tuner = match self.autotune_cache_path() {
+                Some(p) => kernels::Autotuner::with_file(&p).map_err(|e| anyhow!("kernels.autotune_cache: {e}"))?,
+                None => kernels::Autotuner::in_memory(),
+            };
+            kernels::Tuning::Autotune(std::sync::Arc::new(tuner))
+        };
+        Ok(kernels::KernelPolicy {
+            conv: self.conv.resolve(cuda, act),
+            matmul: self.matmul.resolve(cuda, act),
+            tuning,
+            ..Default::default()
+        })
     }
 }
 
@@ -438,7 +618,7 @@ impl Config {
             apply_override(&mut table, &schema, o)?;
         }
         let cfg: Config = Config::deserialize(toml::Value::Table(table.clone()))
-            .map_err(|e| anyhow!("{origin}: {}", one_line(&e.to_string())))?;
+            .map_err(|e| anyhow!("{origin}: {}", value_error(&e)))?;
         cfg.validate().with_context(|| origin.to_string())?;
         Ok(cfg)
     }
@@ -455,27 +635,9 @@ impl Config {
 
     /// Checks values that types alone do not (names from fixed sets, positive sizes).
     pub fn validate(&self) -> Result<()> {
-        fn one_of(key: &str, v: &str, allowed: &[&str]) -> Result<()> {
-            if allowed.contains(&v) {
-                Ok(())
-            } else {
-                bail!("{key} = \"{v}\" is not one of {}", allowed.join(", "))
-            }
-        }
-        one_of("model.arch", &self.model.arch, &["resnet18", "resnet34", "resnet50", "resnet101", "resnet152"])?;
-        one_of("model.stem", &self.model.stem, &["imagenet", "cifar"])?;
-        one_of("data.kind", &self.data.kind, &["synthetic", "shapes", "cifar10", "imagefolder"])?;
-        one_of("data.augment", &self.data.augment, &["none", "standard"])?;
-        one_of("data.on_corrupt", &self.data.on_corrupt, &["error", "skip"])?;
-        one_of("optim.name", &self.optim.name, &["sgd", "adamw"])?;
-        one_of("sched.name", &self.sched.name, &["cosine", "step", "multistep", "constant"])?;
-        one_of("amp.dtype", &self.amp.dtype, &["fp32", "bf16", "fp16"])?;
-        one_of("amp.loss_scaling", &self.amp.loss_scaling, &["auto", "on", "off"])?;
-        one_of("kernels.conv", &self.kernels.conv, &["fwdconv", "candle", "custom"])?;
         if self.kernels.autotune_cache.is_empty() {
             bail!("kernels.autotune_cache is empty (\"auto\", \"off\" or a file path)");
         }
-        one_of("kernels.matmul", &self.kernels.matmul, &["cublas", "custom"])?;
         if parse_device(&self.device).is_none() {
             bail!("device = \"{}\" is not one of cpu, cuda, cuda:N", self.device);
         }
@@ -495,6 +657,12 @@ impl Config {
                 bail!("{k} must be at least 1");
             }
         }
+        if !(16..=65535).contains(&self.data.pack_max_side) {
+            bail!("data.pack_max_side must be in 16..=65535, got {}", self.data.pack_max_side);
+        }
+        if !(1..=100).contains(&self.data.pack_quality) {
+            bail!("data.pack_quality must be in 1..=100, got {}", self.data.pack_quality);
+        }
         if self.data.val_resize < self.data.image_size {
             bail!(
                 "data.val_resize ({}) must be at least data.image_size ({})",
@@ -502,7 +670,7 @@ impl Config {
                 self.data.image_size
             );
         }
-        if self.model.stem == "imagenet" && self.data.image_size < 32 {
+        if self.model.stem == Stem::ImageNet && self.data.image_size < 32 {
             bail!(
                 "data.image_size = {} is too small for the imagenet stem (at least 32; use model.stem = \"cifar\")",
                 self.data.image_size
@@ -538,7 +706,7 @@ impl Config {
         if self.optim.nesterov && self.optim.momentum == 0.0 {
             bail!("optim.nesterov = true needs optim.momentum > 0");
         }
-        if self.sched.name == "step" && self.sched.step_epochs == 0 {
+        if self.sched.name == SchedName::Step && self.sched.step_epochs == 0 {
             bail!("sched.step_epochs must be at least 1 for sched.name = \"step\"");
         }
         Ok(())
@@ -556,6 +724,23 @@ fn coerce_floats(t: &mut toml::Table, schema: &toml::Table) {
             }
             _ => {}
         }
+    }
+}
+
+/// A deserialisation error as one line naming the key: `model.arch = "resnet19" is not one of resnet18, ...` for an
+/// unknown name, `key: message` otherwise.
+fn value_error(e: &toml::de::Error) -> String {
+    let text = e.to_string();
+    let key = text.lines().rev().find_map(|l| l.trim().strip_prefix("in `")?.strip_suffix('`').map(str::to_string));
+    let msg = e.message().trim();
+    match (key, msg.strip_prefix("unknown variant `")) {
+        (Some(key), Some(rest)) => {
+            let (value, expected) = rest.split_once('`').unwrap_or((rest, ""));
+            let allowed: Vec<&str> = expected.split('`').skip(1).step_by(2).collect();
+            format!("{key} = \"{value}\" is not one of {}", allowed.join(", "))
+        }
+        (Some(key), None) => format!("{key}: {}", one_line(msg)),
+        (None, _) => one_line(&text),
     }
 }
 
@@ -578,8 +763,53 @@ mod tests {
         let k = |v: &str| KernelsSection { autotune_cache: v.into(), ..Default::default() };
         assert_eq!(k("off").autotune_cache_path(), None);
         assert_eq!(k("/tmp/x.tsv").autotune_cache_path(), Some(PathBuf::from("/tmp/x.tsv")));
-        if let Some(p) = k("auto").autotune_cache_path() {
-            assert!(p.ends_with("resnet-train/kernels-autotune.tsv"), "{}", p.display());
+        let env = |vars: &'static [(&'static str, &'static str)]| {
+            move |key: &str| vars.iter().find(|(k, _)| *k == key).map(|(_, v)| std::ffi::OsString::from(v))
+        };
+        let auto = k("auto");
+        let both = env(&[("XDG_CACHE_HOME", "/xdg"), ("HOME", "/home/u")]);
+        assert_eq!(auto.autotune_cache_path_in(both), Some(PathBuf::from("/xdg/resnet-train/kernels-autotune.tsv")));
+        let home = env(&[("HOME", "/home/u")]);
+        let want = PathBuf::from("/home/u/.cache/resnet-train/kernels-autotune.tsv");
+        assert_eq!(auto.autotune_cache_path_in(home), Some(want));
+        assert_eq!(auto.autotune_cache_path_in(env(&[])), None);
+    }
+
+    #[test]
+    fn kernel_choices_resolve_by_device_and_dtype() {
+        use kernels::{ConvImpl, MatmulImpl};
+        use resnet::Precision;
+        let k = KernelsSection { autotune: false, ..Default::default() };
+        let p = k.policy(true, Precision::Bf16).unwrap();
+        assert_eq!((p.conv, p.matmul), (ConvImpl::Custom, MatmulImpl::Custom));
+        assert!(matches!(p.tuning, kernels::Tuning::Heuristic));
+        let p = k.policy(false, Precision::Bf16).unwrap();
+        assert_eq!((p.conv, p.matmul), (ConvImpl::FwdConv, MatmulImpl::Cublas));
+        let p = k.policy(true, Precision::F32).unwrap();
+        assert_eq!((p.conv, p.matmul), (ConvImpl::FwdConv, MatmulImpl::Cublas));
+        let off = KernelsSection { autotune_cache: "off".into(), ..Default::default() };
+        let p = off.policy(true, Precision::F16).unwrap();
+        assert!(matches!(&p.tuning, kernels::Tuning::Autotune(a) if a.file().is_none()));
+    }
+
+    #[test]
+    fn unknown_names_give_one_line_naming_key_and_choices() {
+        for (key, allowed) in [
+            ("model.arch", "resnet18, resnet34, resnet50, resnet101, resnet152"),
+            ("model.stem", "imagenet, cifar"),
+            ("optim.name", "sgd, adamw"),
+            ("sched.name", "cosine, step, multistep, constant"),
+            ("amp.dtype", "fp32, bf16, fp16"),
+            ("amp.loss_scaling", "auto, on, off"),
+            ("kernels.conv", "auto, fwdconv, candle, custom"),
+            ("kernels.matmul", "auto, cublas, custom"),
+        ] {
+            let e = super::Config::from_str_with("", "x.toml", &[format!("{key}=\"nope\"")]).unwrap_err();
+            let e = format!("{e:#}");
+            assert_eq!(e, format!("x.toml: {key} = \"nope\" is not one of {allowed}"));
         }
+        let e = super::Config::from_str_with("[model]\narch = 3\n", "y.toml", &[]).unwrap_err();
+        let e = format!("{e:#}");
+        assert!(e.starts_with("y.toml: model.arch: ") && !e.contains('\n'), "{e}");
     }
 }

@@ -4,6 +4,10 @@ pub mod bench;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
+pub mod databench;
+pub mod dist;
+#[cfg(feature = "cuda")]
+pub mod feed;
 pub mod metrics;
 pub mod optim;
 pub mod plot;

@@ -95,17 +95,109 @@ enum Command {
         warmup: usize,
         #[arg(long, default_value_t = 5)]
         steps: usize,
-        /// Folder for sweep.csv and sweep.png (default: runs/sweep-<config name>).
+        /// Folder for sweep.csv, sweep.png and sweep.svg (default: runs/sweep-<config name>).
         #[arg(long)]
         out: Option<PathBuf>,
     },
+    /// Input pipeline throughput: img/s of decode, augment, collate, host-to-device (CUDA) and in total.
+    DataBench {
+        #[command(flatten)]
+        cfg: ConfigArgs,
+        /// Loader threads (default: data.workers; 0 = one per core).
+        #[arg(long)]
+        workers: Option<usize>,
+        /// Batches to load (0: one epoch).
+        #[arg(long, default_value_t = 20)]
+        batches: usize,
+    },
+    /// Pack data.train_dir (and data.val_dir) into shards for data.kind = "packed" (data.dir = OUT).
+    Prepare {
+        #[command(flatten)]
+        cfg: ConfigArgs,
+        #[arg(long)]
+        out: PathBuf,
+        /// Longest side of the stored images (default: data.pack_max_side).
+        #[arg(long)]
+        max_side: Option<usize>,
+        /// JPEG quality of re-encoded images (default: data.pack_quality).
+        #[arg(long)]
+        quality: Option<usize>,
+        /// Shard size in MiB.
+        #[arg(long, default_value_t = 1024)]
+        shard_mib: u64,
+    },
+    /// Start one process per GPU with torchrun's environment: trainer launch --nproc-per-node 8 -- --config F.
+    Launch(LaunchArgs),
+    /// Diagnostic: rendezvous with the other ranks (from torchrun/Slurm/launch variables), print what this rank
+    /// received, barrier, and exit.
+    #[command(hide = true)]
+    DistCheck(DistCheckArgs),
+}
+
+#[derive(Args)]
+struct LaunchArgs {
+    /// Processes (GPUs) on this node.
+    #[arg(long, default_value_t = 1)]
+    nproc_per_node: usize,
+    /// Nodes in the job (run `trainer launch` once on each).
+    #[arg(long, default_value_t = 1)]
+    nnodes: usize,
+    /// Index of this node, 0..nnodes; node 0 hosts rank 0.
+    #[arg(long, default_value_t = 0)]
+    node_rank: usize,
+    /// Address of node 0, reachable from every node.
+    #[arg(long, default_value = "127.0.0.1")]
+    master_addr: String,
+    /// Rendezvous port on node 0 (0: a free port, one node only).
+    #[arg(long, default_value_t = trainer::dist::env::DEFAULT_MASTER_PORT)]
+    master_port: u16,
+    /// Seconds the other ranks get to exit on their own after one fails, before they are killed.
+    #[arg(long, default_value_t = 10.0)]
+    grace: f64,
+    /// Kill every rank after this many seconds (0: no limit).
+    #[arg(long, default_value_t = 0.0)]
+    timeout: f64,
+    /// Arguments of each rank's `trainer` (after `--`).
+    #[arg(last = true, required = true, value_name = "TRAINER_ARGS")]
+    args: Vec<std::ffi::OsString>,
+}
+
+#[derive(Args)]
+struct DistCheckArgs {
+    /// Rendezvous and barrier timeout in seconds.
+    #[arg(long, default_value_t = 60.0)]
+    timeout: f64,
+    /// Seconds to watch for failed ranks between the two barriers.
+    #[arg(long, default_value_t = 0.0)]
+    hold: f64,
+    /// This rank exits right after the first barrier with --exit-code, as a crash would.
+    #[arg(long)]
+    fail_rank: Option<usize>,
+    #[arg(long, default_value_t = 3)]
+    exit_code: i32,
+    /// These ranks hang after the first barrier (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    hang_ranks: Vec<usize>,
+}
+
+/// Seconds from a flag, checked.
+fn seconds(flag: &str, s: f64) -> Result<std::time::Duration> {
+    std::time::Duration::try_from_secs_f64(s).map_err(|_| anyhow::anyhow!("{flag} {s}: not a number of seconds >= 0"))
 }
 
 fn main() {
+    // Rust ignores SIGPIPE, so printing into a closed pipe (`trainer info | head -3`) would panic; a command-line
+    // tool should end quietly instead, as with the default action.
+    #[cfg(unix)]
+    // SAFETY: called before any other thread exists; SIG_DFL is a valid disposition for SIGPIPE.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     if let Err(e) = run() {
         // One line: the chain of contexts, outermost first.
         eprintln!("error: {}", trainer::one_line(&e));
-        std::process::exit(1);
+        // 75 when this rank stopped because another failed (trainer launch then names the other).
+        std::process::exit(trainer::dist::exit_code(&e));
     }
 }
 
@@ -122,11 +214,76 @@ fn run() -> Result<()> {
         Some(Command::Sweep { cfg, batch_sizes, max, granularity, warmup, steps, out }) => {
             sweep(cfg, batch_sizes, max, granularity, warmup, steps, out)
         }
+        Some(Command::Launch(a)) => launch(a),
+        Some(Command::DistCheck(a)) => trainer::dist::check(&trainer::dist::CheckOptions {
+            timeout: seconds("--timeout", a.timeout)?,
+            hold: seconds("--hold", a.hold)?,
+            fail_rank: a.fail_rank,
+            exit_code: a.exit_code,
+            hang_ranks: a.hang_ranks,
+        }),
+        Some(Command::DataBench { cfg, workers, batches }) => data_bench(cfg, workers, batches),
+        Some(Command::Prepare { cfg, out, max_side, quality, shard_mib }) => {
+            prepare(cfg, out, max_side, quality, shard_mib)
+        }
     }
+}
+
+fn data_bench(c: ConfigArgs, workers: Option<usize>, batches: usize) -> Result<()> {
+    let (cfg, _) = c.load()?;
+    let r = trainer::databench::data_bench(&cfg, workers, batches)?;
+    trainer::databench::print_result(&r);
+    println!("DATA_BENCH_JSON {}", serde_json::to_string(&r)?);
+    Ok(())
+}
+
+fn prepare(c: ConfigArgs, out: PathBuf, max_side: Option<usize>, quality: Option<usize>, shard_mib: u64) -> Result<()> {
+    let (mut cfg, _) = c.load()?;
+    // The flags go through the same checks as the config keys.
+    if let Some(m) = max_side {
+        cfg.data.pack_max_side = m;
+    }
+    if let Some(q) = quality {
+        cfg.data.pack_quality = q;
+    }
+    cfg.validate().context("prepare")?;
+    if shard_mib == 0 {
+        bail!("--shard-mib must be at least 1");
+    }
+    let opts = trainer::databench::pack_options(&cfg, shard_mib);
+    trainer::databench::prepare(&cfg, &out, &opts)?;
+    println!("packed into {}: set data.kind = \"packed\" and data.dir = \"{}\"", out.display(), out.display());
+    Ok(())
+}
+
+fn launch(a: LaunchArgs) -> Result<()> {
+    let program = std::env::current_exe().context("cannot find the trainer executable to launch")?;
+    let timeout = seconds("--timeout", a.timeout)?;
+    trainer::dist::launch(&trainer::dist::LaunchOptions {
+        nproc_per_node: a.nproc_per_node,
+        nnodes: a.nnodes,
+        node_rank: a.node_rank,
+        master_addr: a.master_addr,
+        master_port: a.master_port,
+        grace: seconds("--grace", a.grace)?,
+        timeout: (!timeout.is_zero()).then_some(timeout),
+        program,
+        args: a.args,
+    })?;
+    Ok(())
 }
 
 fn train(a: TrainArgs) -> Result<()> {
     let (cfg, path) = a.cfg.load()?;
+    // Until the NCCL all-reduce is wired in, N ranks would train N independent copies into one run directory.
+    let dist = trainer::dist::DistEnv::from_process_env()?;
+    if dist.is_distributed() {
+        bail!(
+            "{}: data-parallel training is not wired into the train loop yet (run one process, or `trainer \
+             dist-check` to test the launch)",
+            dist.describe()
+        );
+    }
     let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("run").to_string();
     let run_dir = a.run_dir.unwrap_or_else(|| PathBuf::from("runs").join(stem));
     if !a.resume && trainer::checkpoint::latest(&run_dir.join("checkpoints")).is_some() {
@@ -188,7 +345,20 @@ fn info(c: ConfigArgs) -> Result<()> {
         "model: {} ({} stem, {} classes) at {}x{}",
         cfg.model.arch, cfg.model.stem, cfg.model.num_classes, cfg.data.image_size, cfg.data.image_size
     );
-    if model.config.channels_last {
+    // The kernels as they resolve on the configured device (info itself opens none).
+    let cuda = config::parse_device(&cfg.device).is_some_and(|d| d.is_some());
+    let policy = cfg.kernels.policy(cuda, cfg.amp.dtype)?;
+    println!("kernels on {} in {}: {}", cfg.device, cfg.amp.dtype, policy.describe());
+    if cuda && !cfg!(feature = "cuda") {
+        println!("note: this trainer was built without CUDA; a run on {} needs `--features cuda`", cfg.device);
+    }
+    let (engine, note) =
+        cfg.kernels.step_engine(policy.channels_last(), cfg.amp.dtype, cuda, cfg.finetune.bn_frozen)?;
+    match note {
+        Some(note) => println!("step: {engine} ({note})"),
+        None => println!("step: {engine}"),
+    }
+    if policy.channels_last() {
         println!("layout: channels-last (kernels.conv = \"custom\"); shapes below are (n, c, h, w)");
     }
     for s in model.stage_shapes(cfg.train.batch_size, cfg.data.image_size) {
@@ -209,25 +379,37 @@ fn bench(
     phases: bool,
 ) -> Result<()> {
     let (cfg, _) = c.load()?;
-    let dtypes = if dtypes.is_empty() { vec![cfg.amp.dtype.clone()] } else { dtypes };
-    for d in &dtypes {
-        if resnet::Precision::parse(d).is_none() {
-            bail!("--dtypes: `{d}` is not one of fp32, bf16, fp16");
-        }
-    }
+    let dtypes = if dtypes.is_empty() {
+        vec![cfg.amp.dtype]
+    } else {
+        let parse = |d: &String| resnet::Precision::ALL.into_iter().find(|p| p.as_str() == d);
+        dtypes
+            .iter()
+            .map(|d| parse(d).ok_or_else(|| anyhow::anyhow!("--dtypes: `{d}` is not one of fp32, bf16, fp16")))
+            .collect::<Result<Vec<_>>>()?
+    };
     let sizes = if batch_sizes.is_empty() { vec![cfg.train.batch_size] } else { batch_sizes };
     if sizes.contains(&0) || steps == 0 {
         bail!("--batch-sizes and --steps must be at least 1");
     }
+    let cuda = config::parse_device(&cfg.device).is_some_and(|d| d.is_some());
+    let kernels: Vec<String> = dtypes
+        .iter()
+        .map(|&d| Ok(format!("{d}: {}", cfg.kernels.policy(cuda, d)?.describe())))
+        .collect::<Result<_>>()?;
     eprintln!(
-        "bench: {} at {}x{} on {}, kernels.conv = {:?}, kernels.matmul = {:?}, {warmup} warm-up + {steps} timed steps",
-        cfg.model.arch, cfg.data.image_size, cfg.data.image_size, cfg.device, cfg.kernels.conv, cfg.kernels.matmul
+        "bench: {} at {}x{} on {}, {warmup} warm-up + {steps} timed steps; kernels {}",
+        cfg.model.arch,
+        cfg.data.image_size,
+        cfg.data.image_size,
+        cfg.device,
+        kernels.join("; ")
     );
     trainer::bench::print_header();
     let mut failed = 0;
     for d in &dtypes {
         for &bs in &sizes {
-            let r = trainer::bench::bench_one(&cfg, d, bs, warmup, steps, phases);
+            let r = trainer::bench::bench_one(&cfg, *d, bs, warmup, steps, phases);
             trainer::bench::print_row(&r);
             println!("BENCH_JSON {}", serde_json::to_string(&r)?);
             failed += usize::from(r.error.is_some() && !r.oom);
@@ -262,12 +444,12 @@ fn sweep(
     let show = |r: &trainer::bench::BenchResult| trainer::bench::print_row(r);
     let mut rows: Vec<trainer::bench::BenchResult> = if max {
         let start = batch_sizes.first().copied().unwrap_or(cfg.train.batch_size);
-        trainer::bench::sweep_max(&cfg, &cfg.amp.dtype, start, granularity, warmup, steps, show)
+        trainer::bench::sweep_max(&cfg, cfg.amp.dtype, start, granularity, warmup, steps, show)
     } else {
         batch_sizes
             .iter()
             .map(|&bs| {
-                let r = trainer::bench::bench_one(&cfg, &cfg.amp.dtype, bs, warmup, steps, false);
+                let r = trainer::bench::bench_one(&cfg, cfg.amp.dtype, bs, warmup, steps, false);
                 show(&r);
                 r
             })
@@ -287,10 +469,13 @@ fn sweep(
             oom: r.oom,
         })
         .collect();
-    let title = format!("{} {} on {}", cfg.model.arch, cfg.amp.dtype, cfg.device);
-    if let Err(e) = trainer::plot::sweep_plot(&plot_rows, &title, &out.join("sweep.png")) {
-        eprintln!("warning: no sweep plot: {e:#}");
+    let title = format!("batch-size sweep: {} {} on {}", cfg.model.arch, cfg.amp.dtype, cfg.device);
+    match trainer::plot::sweep_plot(&plot_rows, &title, &out.join("sweep.png")) {
+        Ok(_) => println!("wrote {}/sweep.csv, sweep.png and sweep.svg", out.display()),
+        Err(e) => {
+            println!("wrote {}/sweep.csv", out.display());
+            eprintln!("warning: no sweep plot: {e:#}");
+        }
     }
-    println!("wrote {}/sweep.csv and sweep.png", out.display());
     Ok(())
 }

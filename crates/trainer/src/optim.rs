@@ -110,14 +110,14 @@ impl Optimizer {
         let params: Vec<_> = self
             .slots
             .iter()
-            .map(|s| kernels::multi_tensor::SgdParam {
+            .map(|s| kernels::cuda::optim::SgdParam {
                 tensor: s.var.as_tensor(),
                 weight_decay: s.weight_decay as f32,
                 lr_mult: s.lr_mult as f32,
             })
             .collect();
         let mom = self.flat_momentum.as_ref().unwrap_or(flat);
-        kernels::multi_tensor::sgd_step(&params, flat, mom, coef as f32, lr as f32, momentum as f32, nesterov, first)?;
+        kernels::cuda::optim::sgd_step(&params, flat, mom, coef as f32, lr as f32, momentum as f32, nesterov, first)?;
         self.steps += 1;
         Ok(())
     }

@@ -1,6 +1,6 @@
 //! Learning-rate schedules, evaluated per optimizer step: linear warm-up, then cosine, step, multistep or constant.
 
-use crate::config::SchedSection;
+use crate::config::{SchedName, SchedSection};
 
 #[derive(Debug, Clone)]
 pub struct Schedule {
@@ -24,15 +24,17 @@ impl Schedule {
             return self.base_lr * f;
         }
         let epoch = step / self.steps_per_epoch;
-        match c.name.as_str() {
-            "cosine" => {
+        match c.name {
+            SchedName::Cosine => {
                 let span = self.total_steps.saturating_sub(warmup).max(1) as f64;
                 let t = ((step - warmup) as f64 / span).min(1.0);
                 c.min_lr + (self.base_lr - c.min_lr) * 0.5 * (1.0 + (std::f64::consts::PI * t).cos())
             }
-            "step" => self.base_lr * c.gamma.powi((epoch / c.step_epochs.max(1)) as i32),
-            "multistep" => self.base_lr * c.gamma.powi(c.milestones.iter().filter(|&&m| epoch >= m).count() as i32),
-            _ => self.base_lr,
+            SchedName::Step => self.base_lr * c.gamma.powi((epoch / c.step_epochs.max(1)) as i32),
+            SchedName::MultiStep => {
+                self.base_lr * c.gamma.powi(c.milestones.iter().filter(|&&m| epoch >= m).count() as i32)
+            }
+            SchedName::Constant => self.base_lr,
         }
     }
 }
@@ -41,14 +43,14 @@ impl Schedule {
 mod tests {
     use super::*;
 
-    fn sched(name: &str) -> SchedSection {
-        SchedSection { name: name.into(), ..Default::default() }
+    fn sched(name: SchedName) -> SchedSection {
+        SchedSection { name, ..Default::default() }
     }
 
     #[test]
     fn warmup_then_cosine() {
         let s = Schedule::new(
-            &SchedSection { warmup_epochs: 1.0, warmup_start_factor: 0.1, ..sched("cosine") },
+            &SchedSection { warmup_epochs: 1.0, warmup_start_factor: 0.1, ..sched(SchedName::Cosine) },
             1.0,
             10,
             110,
@@ -62,12 +64,17 @@ mod tests {
 
     #[test]
     fn step_and_multistep() {
-        let s = Schedule::new(&SchedSection { step_epochs: 2, gamma: 0.5, ..sched("step") }, 1.0, 10, 100);
+        let s = Schedule::new(&SchedSection { step_epochs: 2, gamma: 0.5, ..sched(SchedName::Step) }, 1.0, 10, 100);
         assert_eq!((s.lr(19), s.lr(20), s.lr(45)), (1.0, 0.5, 0.25));
-        let s = Schedule::new(&SchedSection { milestones: vec![3, 5], gamma: 0.1, ..sched("multistep") }, 1.0, 10, 100);
+        let s = Schedule::new(
+            &SchedSection { milestones: vec![3, 5], gamma: 0.1, ..sched(SchedName::MultiStep) },
+            1.0,
+            10,
+            100,
+        );
         assert_eq!(s.lr(29), 1.0);
         assert!((s.lr(30) - 0.1).abs() < 1e-12 && (s.lr(55) - 0.01).abs() < 1e-12);
-        let s = Schedule::new(&sched("constant"), 0.3, 10, 100);
+        let s = Schedule::new(&sched(SchedName::Constant), 0.3, 10, 100);
         assert_eq!(s.lr(99), 0.3);
     }
 }

@@ -2,7 +2,7 @@
 //! accumulation and clipping, checkpoints and resume, fine-tuning.
 
 use crate::checkpoint::{self, EpochMeters, TrainState};
-use crate::config::Config;
+use crate::config::{Config, DataKind, LossScaling, OnCorrupt, OptimName, StepEngine};
 use crate::data::{self, Dataset, HostBatch, Loader, LoaderOptions, Split};
 use crate::metrics::MetricsWriter;
 use crate::optim::{OptimKind, Optimizer, ParamOptions};
@@ -11,7 +11,7 @@ use crate::sched::Schedule;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device, Tensor, D};
 use indicatif::{ProgressBar, ProgressStyle};
-use resnet::{weights, Arch, Precision, ResNet, ResNetConfig, Stem};
+use resnet::{weights, Precision, ResNet, ResNetConfig};
 use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -42,46 +42,29 @@ pub fn select_device(spec: &str) -> Result<Device> {
 }
 
 pub fn precision(cfg: &Config) -> Precision {
-    Precision::parse(&cfg.amp.dtype).unwrap_or(Precision::F32)
+    cfg.amp.dtype
 }
 
 /// Whether dynamic loss scaling is on: amp.loss_scaling = "on"/"off", or "auto" (fp16 only).
 pub fn scaling_enabled(cfg: &Config) -> bool {
-    match cfg.amp.loss_scaling.as_str() {
-        "on" => true,
-        "off" => false,
-        _ => cfg.amp.dtype == "fp16",
+    match cfg.amp.loss_scaling {
+        LossScaling::On => true,
+        LossScaling::Off => false,
+        LossScaling::Auto => cfg.amp.dtype == Precision::F16,
     }
 }
 
-/// Builds the model of the config: kernel choice (`kernels.conv`, `kernels.matmul`; "custom" convs make the model
-/// channels-last), initialisation, `model.init_from` (head replaced when the class count differs), frozen modules
-/// and BatchNorm statistics.
+/// Builds the model of the config: kernel policy (`kernels.*`, "auto" resolved for the device and dtype; the
+/// custom convs make the model channels-last), initialisation, `model.init_from` (head replaced when the class
+/// count differs), frozen modules and BatchNorm statistics.
 pub fn build_model(cfg: &Config, device: &Device) -> Result<ResNet> {
-    let conv = match cfg.kernels.conv.as_str() {
-        "candle" => kernels::ConvImpl::Candle,
-        "custom" => kernels::ConvImpl::Custom,
-        _ => kernels::ConvImpl::FwdConv,
-    };
-    kernels::set_conv_impl(conv);
-    kernels::set_matmul_impl(match cfg.kernels.matmul.as_str() {
-        "custom" => kernels::MatmulImpl::Custom,
-        _ => kernels::MatmulImpl::Cublas,
-    });
-    #[cfg(feature = "cuda")]
-    {
-        kernels::cuda_gemm::set_autotune(cfg.kernels.autotune);
-        kernels::cuda_gemm::set_autotune_cache(cfg.kernels.autotune_cache_path())
-            .map_err(|e| anyhow::anyhow!("kernels.autotune_cache: {e}"))?;
-    }
     let mc = ResNetConfig {
-        arch: Arch::parse(&cfg.model.arch)?,
+        arch: cfg.model.arch,
         num_classes: cfg.model.num_classes,
-        stem: Stem::parse(&cfg.model.stem)?,
+        stem: cfg.model.stem,
         zero_init_residual: cfg.model.zero_init_residual,
         seed: cfg.seed,
-        // The custom convs are channels-last: the whole model runs NHWC (the layout is the model's, not global).
-        channels_last: conv == kernels::ConvImpl::Custom,
+        kernels: cfg.kernels.policy(device.is_cuda(), cfg.amp.dtype)?,
     };
     let model = ResNet::new(mc, device)?;
     if !cfg.model.init_from.is_empty() {
@@ -138,9 +121,24 @@ pub struct Batch {
     pub n: usize,
 }
 
-pub fn to_device(b: HostBatch, device: &Device) -> Result<Batch> {
-    let images = Tensor::from_vec(b.images, (b.n, 3, b.size, b.size), device)?;
-    let labels = Tensor::from_vec(b.labels, b.n, device)?;
+/// The dtype and memory layout the model takes its input in: the activation dtype of `prec`, NHWC for a
+/// channels-last model (the tensor is then a (n, 3, h, w) view of NHWC memory, see `kernels::input`).
+pub fn input_format(model: &ResNet, prec: Precision) -> (DType, kernels::input::InputLayout) {
+    let layout = if model.config.channels_last() {
+        kernels::input::InputLayout::Nhwc
+    } else {
+        kernels::input::InputLayout::Nchw
+    };
+    (prec.act_dtype(), layout)
+}
+
+/// A uint8 host batch as the model's input on `device`: the bytes are copied as they are and converted,
+/// normalised and flipped there (one CUDA kernel, or the same arithmetic in Rust on the CPU).
+pub fn to_device(b: &HostBatch, device: &Device, dtype: DType, layout: kernels::input::InputLayout) -> Result<Batch> {
+    let images = Tensor::from_slice(b.images.as_slice(), (b.n, b.size, b.size, 3), device)?;
+    let flips = Tensor::from_slice(&b.flips, b.n, device)?;
+    let images = kernels::input::u8_to_input(&images, &flips, dtype, layout)?;
+    let labels = Tensor::from_slice(&b.labels, b.n, device)?;
     Ok(Batch { images, labels, n: b.n })
 }
 
@@ -163,6 +161,8 @@ pub struct StepRunner {
     pub precision: Precision,
     pub label_smoothing: f64,
     pub clip_grad_norm: f64,
+    /// Which engine runs forward and backward (`kernels.step` resolved).
+    pub engine: StepEngine,
     /// When set, `step` synchronizes the device between phases and adds each phase's wall time here
     /// (`trainer bench --phases`); the synchronizations themselves slow the step a little.
     pub phases: Option<PhaseTimes>,
@@ -198,9 +198,9 @@ impl PhaseTimes {
 
 impl StepRunner {
     pub fn new(cfg: &Config, model: ResNet) -> Result<Self> {
-        let kind = match cfg.optim.name.as_str() {
-            "adamw" => OptimKind::AdamW { beta1: cfg.optim.beta1, beta2: cfg.optim.beta2, eps: cfg.optim.eps },
-            _ => OptimKind::Sgd { momentum: cfg.optim.momentum, nesterov: cfg.optim.nesterov },
+        let kind = match cfg.optim.name {
+            OptimName::AdamW => OptimKind::AdamW { beta1: cfg.optim.beta1, beta2: cfg.optim.beta2, eps: cfg.optim.eps },
+            OptimName::Sgd => OptimKind::Sgd { momentum: cfg.optim.momentum, nesterov: cfg.optim.nesterov },
         };
         let params = model
             .store()
@@ -216,7 +216,15 @@ impl StepRunner {
         if params.is_empty() {
             bail!("finetune.freeze leaves nothing to train");
         }
+        let cuda = model.device().is_cuda();
+        let (engine, note) =
+            cfg.kernels.step_engine(model.config.channels_last(), precision(cfg), cuda, cfg.finetune.bn_frozen)?;
+        // On the CPU autograd is the expected engine: the note is for CUDA runs that miss the fused step.
+        if let (Some(note), true) = (note, cuda) {
+            eprintln!("note: {note}");
+        }
         Ok(Self {
+            engine,
             opt: Optimizer::new(kind, params),
             scaler: LossScaler::new(&cfg.amp, scaling_enabled(cfg)),
             precision: precision(cfg),
@@ -254,14 +262,32 @@ impl StepRunner {
         let mut correct_sum: Option<Tensor> = None;
         let mut samples = 0;
         for b in micro {
-            let logits = self.model.forward(&b.images, true, self.precision)?;
-            let loss = cross_entropy(&logits, &b.labels, self.label_smoothing)?;
+            // The loss and every trainable parameter's gradient of loss * scale / accum (None: no gradient).
+            let (logits, loss, grads): (Tensor, Tensor, Vec<Option<Tensor>>) = match self.engine {
+                StepEngine::Autograd => {
+                    let logits = self.model.forward(&b.images, true, self.precision)?;
+                    let loss = cross_entropy(&logits, &b.labels, self.label_smoothing)?;
+                    times.forward += lap(timing)?;
+                    let store = (&loss * (scale / accum))?.backward()?;
+                    (logits, loss, vars.iter().map(|v| store.get(v.as_tensor()).cloned()).collect())
+                }
+                StepEngine::Fused => {
+                    // Forward and backward in one call: its time is booked as backward.
+                    let mut o = self.model.train_step_explicit(
+                        &b.images,
+                        &b.labels,
+                        self.label_smoothing,
+                        scale / accum,
+                        self.precision,
+                    )?;
+                    let grads = vars.iter().map(|v| o.grads.remove(&v.as_tensor().id())).collect();
+                    (o.logits, o.loss, grads)
+                }
+            };
             let correct = topk_correct(&logits.detach(), &b.labels, 1)?;
-            times.forward += lap(timing)?;
-            let grads = (&loss * (scale / accum))?.backward()?;
             times.backward += lap(timing)?;
-            for (slot, v) in acc.iter_mut().zip(&vars) {
-                if let Some(g) = grads.get(v.as_tensor()) {
+            for (slot, g) in acc.iter_mut().zip(grads) {
+                if let Some(g) = g {
                     let g = g.to_dtype(DType::F32)?;
                     *slot = Some(match slot.take() {
                         None => g,
@@ -329,7 +355,7 @@ fn gather_unscaled(flat: &[Tensor], scale: f64) -> Result<(Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
     if flat.first().is_some_and(|t| t.device().is_cuda()) {
         let ts = flat.iter().map(|t| t.contiguous()).collect::<candle_core::Result<Vec<_>>>()?;
-        return Ok(kernels::multi_tensor::gather_scaled(&ts, scale as f32)?);
+        return Ok(kernels::cuda::optim::gather_scaled(&ts, scale as f32)?);
     }
     let all = (Tensor::cat(flat, 0)? * scale)?;
     let sq = all.sqr()?.sum_all()?;
@@ -350,10 +376,11 @@ pub struct EvalResult {
 pub fn validate(model: &ResNet, ds: Arc<dyn Dataset>, cfg: &Config, prec: Precision) -> Result<EvalResult> {
     let bs = if cfg.train.eval_batch_size > 0 { cfg.train.eval_batch_size } else { cfg.train.batch_size };
     let loader = Loader::new(ds, loader_options(cfg, bs, false, 0, 0));
+    let (dtype, layout) = input_format(model, prec);
     let (mut loss, mut c1, mut c5, mut n) = (0f64, 0f64, 0f64, 0usize);
     let t0 = Instant::now();
     for b in loader {
-        let b = to_device(b?, model.device())?;
+        let b = to_device(&b?, model.device(), dtype, layout)?;
         let v: Vec<f32> = resnet::no_grad(|| -> Result<Vec<f32>> {
             let logits = model.forward(&b.images, false, prec)?;
             let l = (cross_entropy(&logits, &b.labels, 0.0)? * b.n as f64)?;
@@ -390,16 +417,41 @@ pub fn synthetic_batch(device: &Device, n: usize, size: usize, classes: usize, s
     Ok(Batch { images, labels, n })
 }
 
-/// Where training batches come from: the host loader, or (synthetic data on a GPU) random tensors made on the device.
-enum BatchSource {
-    Host(Loader, Device),
-    Device { device: Device, seed: u64, n: usize, size: usize, classes: usize, next: usize, batches: usize, t: f64 },
+/// Where training batches come from: the host loader (on CUDA through the pinned, asynchronous device feed), or
+/// (synthetic data on a GPU) random tensors made on the device.
+pub enum BatchSource {
+    Host {
+        loader: Loader,
+        device: Device,
+        dtype: DType,
+        layout: kernels::input::InputLayout,
+    },
+    #[cfg(feature = "cuda")]
+    Fed(crate::feed::DeviceFeed),
+    Device {
+        device: Device,
+        seed: u64,
+        n: usize,
+        size: usize,
+        classes: usize,
+        next: usize,
+        batches: usize,
+        t: f64,
+    },
 }
 
 impl BatchSource {
-    fn new(cfg: &Config, ds: &Arc<dyn Dataset>, device: &Device, epoch: usize, skip: usize) -> Result<Self> {
+    /// The training batches of `epoch` from batch `skip` on, as `model` takes them at `prec`.
+    pub fn new(
+        cfg: &Config,
+        ds: &Arc<dyn Dataset>,
+        device: &Device,
+        (dtype, layout): (DType, kernels::input::InputLayout),
+        epoch: usize,
+        skip: usize,
+    ) -> Result<Self> {
         let batches = data::num_batches(ds.len(), cfg.train.batch_size);
-        if cfg.data.kind == "synthetic" && device.is_cuda() {
+        if cfg.data.kind == DataKind::Synthetic && device.is_cuda() {
             let seed = cfg.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(epoch as u64);
             return Ok(Self::Device {
                 device: device.clone(),
@@ -412,15 +464,22 @@ impl BatchSource {
                 t: 0.0,
             });
         }
-        Ok(Self::Host(
-            Loader::new(ds.clone(), loader_options(cfg, cfg.train.batch_size, true, epoch, skip)),
-            device.clone(),
-        ))
+        let loader = Loader::new(ds.clone(), loader_options(cfg, cfg.train.batch_size, true, epoch, skip));
+        #[cfg(feature = "cuda")]
+        if device.is_cuda() {
+            let feed =
+                crate::feed::DeviceFeed::new(loader, device, cfg.train.batch_size, ds.image_size(), dtype, layout)?;
+            return Ok(Self::Fed(feed));
+        }
+        Ok(Self::Host { loader, device: device.clone(), dtype, layout })
     }
 
-    fn images_per_sec(&self) -> f64 {
+    /// The loader's own rate (decode + augment + collate, per second of its producer's time).
+    pub fn images_per_sec(&self) -> f64 {
         match self {
-            Self::Host(l, _) => l.images_per_sec(),
+            Self::Host { loader, .. } => loader.images_per_sec(),
+            #[cfg(feature = "cuda")]
+            Self::Fed(f) => f.loader_images_per_sec(),
             Self::Device { n, next, t, .. } => (*n * *next) as f64 / t.max(1e-9),
         }
     }
@@ -430,7 +489,11 @@ impl Iterator for BatchSource {
     type Item = Result<Batch>;
     fn next(&mut self) -> Option<Result<Batch>> {
         match self {
-            Self::Host(l, dev) => l.next().map(|b| to_device(b?, dev)),
+            Self::Host { loader, device, dtype, layout } => {
+                loader.next().map(|b| to_device(&b?, device, *dtype, *layout))
+            }
+            #[cfg(feature = "cuda")]
+            Self::Fed(f) => f.next(),
             Self::Device { device, seed, n, size, classes, next, batches, t } => {
                 if *next >= *batches {
                     return None;
@@ -445,7 +508,13 @@ impl Iterator for BatchSource {
     }
 }
 
-fn loader_options(cfg: &Config, batch_size: usize, shuffle: bool, epoch: usize, skip_batches: usize) -> LoaderOptions {
+pub fn loader_options(
+    cfg: &Config,
+    batch_size: usize,
+    shuffle: bool,
+    epoch: usize,
+    skip_batches: usize,
+) -> LoaderOptions {
     LoaderOptions {
         batch_size,
         shuffle,
@@ -453,7 +522,10 @@ fn loader_options(cfg: &Config, batch_size: usize, shuffle: bool, epoch: usize, 
         epoch,
         workers: cfg.data.workers,
         prefetch: cfg.data.prefetch,
-        skip_corrupt: cfg.data.on_corrupt == "skip",
+        skip_corrupt: match cfg.data.on_corrupt {
+            OnCorrupt::Skip => true,
+            OnCorrupt::Error => false,
+        },
         skip_batches,
     }
 }
@@ -477,7 +549,7 @@ pub fn open_data(cfg: &Config) -> Result<(Arc<dyn Dataset>, Arc<dyn Dataset>)> {
         bail!(
             "model.num_classes = {} but data.kind = \"{}\" has {} classes (set model.num_classes = {})",
             cfg.model.num_classes,
-            cfg.data.kind,
+            cfg.data.kind.name(),
             train.num_classes(),
             train.num_classes()
         );
@@ -509,7 +581,7 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
 
     let mut state = TrainState {
         format: checkpoint::FORMAT.into(),
-        arch: cfg.model.arch.clone(),
+        arch: cfg.model.arch.name().to_string(),
         num_classes: cfg.model.num_classes,
         epoch: 0,
         batch_in_epoch: 0,
@@ -526,7 +598,7 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
         let path = checkpoint::latest(&ckpt_dir)
             .ok_or_else(|| anyhow!("--resume: no checkpoint in {}", ckpt_dir.display()))?;
         let loaded = checkpoint::load(&path)?;
-        if loaded.state.arch != cfg.model.arch || loaded.state.num_classes != cfg.model.num_classes {
+        if loaded.state.arch != cfg.model.arch.name() || loaded.state.num_classes != cfg.model.num_classes {
             bail!(
                 "{}: checkpoint is {} with {} classes, the config asks for {} with {}",
                 path.display(),
@@ -572,7 +644,8 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
             break;
         }
         let epoch = state.epoch;
-        let mut loader = BatchSource::new(cfg, &train_ds, &device, epoch, state.batch_in_epoch)?;
+        let input = input_format(&runner.model, runner.precision);
+        let mut loader = BatchSource::new(cfg, &train_ds, &device, input, epoch, state.batch_in_epoch)?;
         let bar = if show_progress { ProgressBar::new(steps_per_epoch as u64) } else { ProgressBar::hidden() };
         bar.set_style(
             ProgressStyle::with_template("epoch {prefix} [{bar:30}] {pos}/{len} {msg} eta {eta}")
@@ -717,10 +790,9 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
     }
     weights::save(&runner.model, &run_dir.join("model.safetensors"))?;
     drop(telemetry);
-    match crate::plot::training_curves(metrics.path(), &run_dir.join("curves.png")) {
-        Ok(Some(note)) => eprintln!("note: {note}"),
-        Ok(None) => {}
-        Err(e) => eprintln!("warning: no training-curve plot: {e:#}"),
+    // curves.png and curves.svg (same plot; the SVG's text is real text).
+    if let Err(e) = crate::plot::training_curves(metrics.path(), &run_dir.join("curves.png")) {
+        eprintln!("warning: no training-curve plot: {e:#}");
     }
     Ok(Summary {
         steps: state.step,

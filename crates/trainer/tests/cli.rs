@@ -232,13 +232,35 @@ fn info_prints_stages_and_parameter_count() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(text.contains("parameters: 60192808"), "{text}");
     assert!(text.contains("layer4   [2, 2048, 7, 7]"), "{text}");
-    assert!(!text.contains("channels-last"), "{text}");
+    assert!(!text.contains("layout: channels-last"), "{text}");
     // Channels-last: same (n, c, h, w) description, and the layout is said.
     let out = trainer(&["info", "--config", &cfg, "--set", "kernels.conv=\"custom\""]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(text.contains("layout: channels-last"), "{text}");
     assert!(text.contains("layer4   [16, 512, 1, 1]"), "{text}");
+    // The kernels "auto" resolves to, for the configured device and dtype (info opens no device).
+    let out = trainer(&["info", "--config", &cfg]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("kernels on cpu in fp32: conv fwdconv, matmul cublas, "), "{text}");
+    let out = trainer(&[
+        "info",
+        "--config",
+        &cfg,
+        "--set",
+        "device=\"cuda:0\"",
+        "--set",
+        "amp.dtype=\"bf16\"",
+        "--set",
+        "kernels.autotune_cache=\"off\"",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        text.contains("kernels on cuda:0 in bf16: conv custom, matmul custom, tiles autotuned (in memory)"),
+        "{text}"
+    );
+    assert!(text.contains("layout: channels-last"), "{text}");
 }
 
 #[test]
@@ -282,7 +304,8 @@ fn bench_and_sweep_on_the_cpu() {
     ]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("kernels.conv = \"custom\""));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(": conv custom, matmul custom, "), "{err}");
     let json = text.lines().find_map(|l| l.strip_prefix("BENCH_JSON ")).expect("BENCH_JSON line");
     assert!(json.contains("\"img_per_s\":") && !json.contains("\"img_per_s\":null"), "{json}");
     // --phases: four phase times per step, each positive, together no more than the measured step time.
@@ -315,5 +338,93 @@ fn bench_and_sweep_on_the_cpu() {
     assert_eq!(csv.lines().count(), 3, "{csv}");
     assert!(csv.starts_with("arch,dtype,batch_size,img_per_s"));
     assert!(sweep.join("sweep.png").is_file());
+    assert!(text.contains("sweep.png and sweep.svg"), "{text}");
+    let svg = std::fs::read_to_string(sweep.join("sweep.svg")).expect("sweep.svg next to sweep.png");
+    assert!(svg.contains("throughput (img/s)") && svg.contains("peak device memory (GiB)"), "axis labels missing");
     assert_error(&trainer(&["sweep", "--config", &cfg]), &["--batch-sizes"]);
+}
+
+/// A small JPEG folder (2 classes, `n` images each, train and val) for the input-pipeline commands.
+fn jpeg_folder(root: &Path, n: u32) {
+    for split in ["train", "val"] {
+        for (c, class) in ["cat", "dog"].iter().enumerate() {
+            let d = root.join(split).join(class);
+            std::fs::create_dir_all(&d).unwrap();
+            for i in 0..n {
+                let img = image::RgbImage::from_fn(40 + i, 30, |x, y| {
+                    image::Rgb([(x * 6) as u8, (y * 8 + i * 9) as u8, if c == 0 { 20 } else { 230 }])
+                });
+                img.save(d.join(format!("{i}.jpg"))).unwrap();
+            }
+        }
+    }
+}
+
+#[test]
+fn data_bench_prepare_and_packed_training() {
+    let dir = TempDir::new("databench");
+    jpeg_folder(dir.path(), 6);
+    let cfg = write_config(dir.path(), "");
+    let td = format!("data.train_dir=\"{}\"", dir.path().join("train").display());
+    let vd = format!("data.val_dir=\"{}\"", dir.path().join("val").display());
+    let folder = ["--set", "data.kind=\"imagefolder\"", "--set", "model.num_classes=2", "--set", &td, "--set", &vd];
+    let augment = ["--set", "data.augment=\"standard\"", "--set", "train.batch_size=4"];
+
+    let mut args = vec!["data-bench", "--config", cfg.as_str(), "--workers", "2", "--batches", "5"];
+    args.extend(folder);
+    args.extend(augment);
+    let out = trainer(&args);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for want in ["decode", "augment", "collate", "normalise", "total", "cores"] {
+        assert!(stdout.contains(want), "`{want}` not in {stdout}");
+    }
+    let json = stdout.lines().find_map(|l| l.strip_prefix("DATA_BENCH_JSON ")).expect("DATA_BENCH_JSON line");
+    let r: serde_json::Value = serde_json::from_str(json).unwrap();
+    // 5 batches of 4 over a 12-image epoch: the next epoch continues.
+    assert_eq!((r["images"].as_u64(), r["batches"].as_u64(), r["workers"].as_u64()), (Some(20), Some(5), Some(2)));
+    assert!(r["total_img_per_s"].as_f64().unwrap() > 0.0 && r["decode_img_per_s"].as_f64().unwrap() > 0.0);
+    assert!(r["h2d_img_per_s"].is_null(), "no host-to-device figure on the CPU");
+
+    // Pack, bench the pack, train from it.
+    let packed = dir.path().join("packed");
+    let mut args = vec!["prepare", "--config", cfg.as_str(), "--out", packed.to_str().unwrap(), "--max-side", "32"];
+    args.extend(folder);
+    let out = trainer(&args);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(packed.join("train/index.bin").is_file() && packed.join("val/shard-00000.bin").is_file());
+    let pd = format!("data.dir=\"{}\"", packed.display());
+    let pk = ["--set", "data.kind=\"packed\"", "--set", &pd, "--set", "model.num_classes=2"];
+    let mut args = vec!["data-bench", "--config", cfg.as_str(), "--batches", "3"];
+    args.extend(pk);
+    args.extend(augment);
+    let out = trainer(&args);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let run = dir.path().join("run");
+    let mut args = vec!["--config", cfg.as_str(), "--run-dir", run.to_str().unwrap(), "--set", "train.epochs=1"];
+    args.extend(pk);
+    args.extend(augment);
+    let out = trainer(&args);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(run.join("model.safetensors").is_file());
+
+    // A truncated shard: one error line naming it.
+    let shard = packed.join("train/shard-00000.bin");
+    let bytes = std::fs::read(&shard).unwrap();
+    std::fs::write(&shard, &bytes[..bytes.len() / 2]).unwrap();
+    let mut args = vec!["data-bench", "--config", cfg.as_str()];
+    args.extend(pk);
+    assert_error(&trainer(&args), &["shard-00000.bin", "truncated"]);
+    // Bad values of the data keys name the key and the allowed values.
+    let cases: [(&str, &[&str]); 5] = [
+        ("data.kind=\"foo\"", &["data.kind = \"foo\" is not one of synthetic, shapes, cifar10, imagefolder, packed"]),
+        ("data.augment=\"heavy\"", &["data.augment = \"heavy\" is not one of none, standard"]),
+        ("data.on_corrupt=\"ignore\"", &["data.on_corrupt = \"ignore\" is not one of error, skip"]),
+        ("data.kind=3", &["data.kind"]),
+        ("data.pack_quality=0", &["data.pack_quality"]),
+    ];
+    for (set, needles) in cases {
+        assert_error(&trainer(&["data-bench", "--config", &cfg, "--set", set]), needles);
+    }
+    assert_error(&trainer(&["prepare", "--config", &cfg, "--out", "/tmp/x"]), &["data.train_dir"]);
 }

@@ -54,6 +54,10 @@ fn learns_generated_data_and_writes_run_folder() {
     assert_eq!(trainer::checkpoint::list(&dir.path().join("checkpoints")).len(), 2, "keep_last = 2");
     assert!(dir.path().join("model.safetensors").is_file());
     assert!(dir.path().join("curves.png").is_file());
+    let svg = std::fs::read_to_string(dir.path().join("curves.svg")).expect("curves.svg next to curves.png");
+    for label in ["cross-entropy loss (nats)", "accuracy (%)", "top-1", "validation"] {
+        assert!(svg.contains(&format!("{label}\n</text>")), "curves.svg lacks the text {label:?}");
+    }
 }
 
 #[test]
@@ -168,10 +172,13 @@ fn nan_loss_stops_and_keeps_the_last_good_checkpoint() {
 #[test]
 fn custom_kernels_train_channels_last_on_cpu() {
     let custom = tiny(&["kernels.conv=\"custom\"", "kernels.matmul=\"custom\"", "train.max_steps=4"]);
-    assert_eq!((custom.kernels.conv.as_str(), custom.kernels.matmul.as_str()), ("custom", "custom"));
-    assert!(train::build_model(&custom, &candle_core::Device::Cpu).unwrap().config.channels_last);
+    use trainer::config::{ConvChoice, MatmulChoice};
+    assert_eq!((custom.kernels.conv, custom.kernels.matmul), (ConvChoice::Custom, MatmulChoice::Custom));
+    assert!(train::build_model(&custom, &candle_core::Device::Cpu).unwrap().config.channels_last());
+    // "auto" (the default) on the CPU: candle's convolution, NCHW.
     let plain = tiny(&["train.max_steps=4"]);
-    assert!(!train::build_model(&plain, &candle_core::Device::Cpu).unwrap().config.channels_last);
+    assert_eq!((plain.kernels.conv, plain.kernels.matmul), (ConvChoice::Auto, MatmulChoice::Auto));
+    assert!(!train::build_model(&plain, &candle_core::Device::Cpu).unwrap().config.channels_last());
     for bad in ["kernels.conv=\"winograd\"", "kernels.matmul=\"cutlass\""] {
         let e = format!(
             "{:#}",
@@ -190,4 +197,46 @@ fn custom_kernels_train_channels_last_on_cpu() {
         assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0), "channels-last losses {:?} vs NCHW {:?}", s.losses, r.losses);
     }
     assert!(d1.path().join("model.safetensors").is_file());
+}
+
+/// `kernels.step = "fused"` (the explicit step of resnet::step, here on the CPU in fp32) trains as autograd does:
+/// the same losses over the first steps (same seed, data and order), and it learns the generated data. A config
+/// it cannot run is refused naming the key, and bad values name the allowed ones.
+#[test]
+fn fused_step_trains_like_autograd() {
+    let common_args = [
+        "kernels.conv=\"custom\"",
+        "data.num_samples=160",
+        "train.epochs=3",
+        "sched.name=\"cosine\"",
+        "sched.warmup_epochs=0.5",
+        "train.label_smoothing=0.1",
+        "checkpoint.every_epochs=0",
+    ];
+    let with = |step: &str| tiny(&[&common_args[..], &[step]].concat());
+    let (fused, autograd) = (with("kernels.step=\"fused\""), with("kernels.step=\"autograd\""));
+    let (d1, d2) = (TempDir::new("step-fused"), TempDir::new("step-autograd"));
+    let f = train::train(&fused, d1.path(), false).unwrap();
+    let a = train::train(&autograd, d2.path(), false).unwrap();
+    assert_eq!(f.steps, a.steps);
+    for (i, (x, y)) in f.losses.iter().zip(&a.losses).take(4).enumerate() {
+        assert!((x - y).abs() <= 1e-3 * y.abs().max(1.0), "step {i}: fused {:?} vs autograd {:?}", f.losses, a.losses);
+    }
+    let (fv, av) = (f.val.unwrap(), a.val.unwrap());
+    eprintln!("val top1: fused {:.1}%, autograd {:.1}%", fv.top1, av.top1);
+    assert!(fv.top1 > 45.0, "fused val top1 {} (chance 25%)", fv.top1);
+    assert!(d1.path().join("model.safetensors").is_file());
+
+    // "fused" on the NCHW model, or in bf16 on the CPU: refused, naming the key.
+    for args in [&["kernels.step=\"fused\""][..], &["kernels.step=\"fused\"", "kernels.conv=\"custom\"", "amp.dtype=\"bf16\""]] {
+        let cfg = tiny(args);
+        let e = format!("{:#}", train::train(&cfg, TempDir::new("step-bad").path(), false).unwrap_err());
+        assert!(e.contains("kernels.step") && !e.contains('\n'), "{e}");
+    }
+    let e = format!(
+        "{:#}",
+        trainer::config::Config::from_str_with(common::TINY, "tiny.toml", &["kernels.step=\"turbo\"".into()])
+            .unwrap_err()
+    );
+    assert!(e.contains("kernels.step = \"turbo\" is not one of auto, fused, autograd"), "{e}");
 }

@@ -1,6 +1,6 @@
 //! "cifar10": the CIFAR-10 binary version (data_batch_1..5.bin, test_batch.bin), read once into memory.
 
-use super::{DataError, Dataset, Split, Transform};
+use super::{DataError, Dataset, Sample, Split, StageNanos, Transform};
 use image::{Rgb, RgbImage};
 use rand_chacha::ChaCha8Rng;
 use std::path::Path;
@@ -79,11 +79,23 @@ impl Dataset for Cifar10 {
         10
     }
 
-    fn get(&self, index: usize, rng: &mut ChaCha8Rng) -> Result<(Vec<f32>, u32), DataError> {
+    fn image_size(&self) -> usize {
+        self.transform.size as usize
+    }
+
+    fn get(&self, index: usize, rng: &mut ChaCha8Rng, out: &mut [u8], t: &mut StageNanos) -> Result<Sample, DataError> {
+        let t0 = std::time::Instant::now();
         let (img, label) = self
             .raw(index)
             .ok_or_else(|| DataError::Loader(format!("cifar10 index {index} is out of range (len {})", self.len())))?;
-        Ok((self.transform.apply(img, rng), label))
+        let t1 = std::time::Instant::now();
+        let flip = self
+            .transform
+            .apply_into(&img, rng, out)
+            .map_err(|m| DataError::Loader(format!("{}: {m}", self.describe(index))))?;
+        t.decode += (t1 - t0).as_nanos() as u64;
+        t.augment += t1.elapsed().as_nanos() as u64;
+        Ok(Sample { label, flip })
     }
 
     fn describe(&self, index: usize) -> String {
@@ -101,8 +113,7 @@ impl Dataset for Cifar10 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::data::test_util::{denormalize, TempDir};
-    use rand::SeedableRng;
+    use crate::data::test_util::{get_one, planes, TempDir};
 
     /// Record `i` of a file: label `(i + salt) % 10`, pixel (x, y) of channel c = (c * 80 + y * 3 + x + i + salt) % 256.
     fn record(i: usize, salt: usize) -> Vec<u8> {
@@ -148,20 +159,19 @@ mod tests {
         assert_eq!(train.describe(4), "cifar10 data_batch_2.bin #2");
         assert_eq!(train.describe(9), "cifar10 data_batch_5.bin #1");
         assert_eq!(val.describe(3), "cifar10 test_batch.bin #3");
-        let mut rng = ChaCha8Rng::seed_from_u64(0);
         // Train index 4 is record 2 of data_batch_2 (salt 10).
-        let (x, label) = train.get(4, &mut rng).unwrap();
-        assert_eq!(label, 2);
+        let (x, s) = get_one(&train, 4, 0).unwrap();
+        assert_eq!((s.label, s.flip), (2, false));
         let want = record(2, 10);
-        assert_eq!(denormalize(&x), want[1..]);
+        assert_eq!(planes(&x), want[1..]);
         let (img, _) = train.raw(4).unwrap();
         assert_eq!(img.get_pixel(5, 1).0, [want[1 + 32 + 5], want[1 + 1024 + 32 + 5], want[1 + 2048 + 32 + 5]]);
-        let (x, label) = val.get(3, &mut rng).unwrap();
-        assert_eq!((label, denormalize(&x)), (((3 + 50) % 10) as u32, record(3, 50)[1..].to_vec()));
+        let (x, s) = get_one(&val, 3, 0).unwrap();
+        assert_eq!((s.label, planes(&x)), (((3 + 50) % 10) as u32, record(3, 50)[1..].to_vec()));
         // Augmented and resized: right shape, label unchanged.
         let big = Cifar10::open(dir, Split::Train, Transform { size: 48, val_resize: 48, augment: true }).unwrap();
-        let (x, label) = big.get(4, &mut rng).unwrap();
-        assert_eq!((x.len(), label), (3 * 48 * 48, 2));
+        let (x, s) = get_one(&big, 4, 0).unwrap();
+        assert_eq!((x.len(), s.label), (3 * 48 * 48, 2));
     }
 
     #[test]

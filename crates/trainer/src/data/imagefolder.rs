@@ -1,6 +1,6 @@
 //! "imagefolder": train_dir / val_dir with one sub-folder per class (sorted names give labels) of JPEG/PNG files.
 
-use super::{one_line, DataError, Dataset, Split, Transform};
+use super::{decode, DataError, Dataset, Sample, Split, StageNanos, Transform};
 use rand_chacha::ChaCha8Rng;
 use std::path::{Path, PathBuf};
 
@@ -111,6 +111,11 @@ impl ImageFolder {
     pub fn path(&self, index: usize) -> Option<&Path> {
         self.samples.get(index).map(|(p, _)| p.as_path())
     }
+
+    /// File and label of sample `index`.
+    pub fn sample(&self, index: usize) -> Option<(&Path, u32)> {
+        self.samples.get(index).map(|(p, l)| (p.as_path(), *l))
+    }
 }
 
 impl Dataset for ImageFolder {
@@ -122,15 +127,19 @@ impl Dataset for ImageFolder {
         self.classes.len()
     }
 
-    fn get(&self, index: usize, rng: &mut ChaCha8Rng) -> Result<(Vec<f32>, u32), DataError> {
+    fn image_size(&self) -> usize {
+        self.transform.size as usize
+    }
+
+    fn get(&self, index: usize, rng: &mut ChaCha8Rng, out: &mut [u8], t: &mut StageNanos) -> Result<Sample, DataError> {
         let (path, label) = self.samples.get(index).ok_or_else(|| {
             DataError::Loader(format!("imagefolder index {index} is out of range (len {})", self.len()))
         })?;
+        let t0 = std::time::Instant::now();
         let bytes = std::fs::read(path).map_err(|e| DataError::io(path, e))?;
-        let img = image::load_from_memory(&bytes)
-            .map_err(|e| DataError::Decode { path: path.display().to_string(), msg: one_line(&e.to_string()) })?
-            .into_rgb8();
-        Ok((self.transform.apply(img, rng), *label))
+        t.decode += t0.elapsed().as_nanos() as u64;
+        let flip = decode::load_into(&bytes, &|| path.display().to_string(), &self.transform, rng, out, t)?;
+        Ok(Sample { label: *label, flip })
     }
 
     fn describe(&self, index: usize) -> String {
@@ -186,11 +195,10 @@ pub(crate) mod tests {
         let ds = ImageFolder::open(&train, &val, Split::Train, transform()).unwrap();
         assert_eq!(ds.class_names(), ["cat", "dog", "emu"]);
         assert_eq!(ds.len(), 9);
-        let mut rng = ChaCha8Rng::seed_from_u64(0);
         for i in 0..ds.len() {
-            let (x, label) = ds.get(i, &mut rng).unwrap();
+            let (x, s) = crate::data::test_util::get_one(&ds, i, 0).unwrap();
             assert_eq!(x.len(), 3 * 8 * 8);
-            let name = ["cat", "dog", "emu"][label as usize];
+            let name = ["cat", "dog", "emu"][s.label as usize];
             assert!(ds.describe(i).contains(&format!("/train/{name}/")), "{}", ds.describe(i));
         }
         assert!(ds.describe(2).ends_with("nested/c.jpeg"));

@@ -1,20 +1,24 @@
-//! Datasets (synthetic, shapes, CIFAR-10, image folders), their transforms and the multi-threaded batch loader.
+//! Datasets (synthetic, shapes, CIFAR-10, image folders, packed shards), their transforms and the multi-threaded
+//! batch loader, which emits uint8 HWC batches (normalisation happens with the upload: `kernels::input`).
 
 pub mod cifar;
+pub mod decode;
 pub mod imagefolder;
 pub mod loader;
+pub mod packed;
 pub mod shapes;
 pub mod synthetic;
 pub mod transforms;
 
-use crate::config::DataSection;
+use crate::config::{DataKind, DataSection};
 use rand_chacha::ChaCha8Rng;
 use std::path::Path;
 use std::sync::Arc;
 
 pub use cifar::Cifar10;
 pub use imagefolder::ImageFolder;
-pub use loader::{epoch_order, num_batches, sample_rng, HostBatch, Loader, LoaderOptions};
+pub use loader::{epoch_order, num_batches, sample_rng, HostBatch, Loader, LoaderOptions, LoaderStats, StatsHandle};
+pub use packed::Packed;
 pub use shapes::Shapes;
 pub use synthetic::Synthetic;
 pub use transforms::Transform;
@@ -70,6 +74,23 @@ pub(crate) fn one_line(s: &str) -> String {
     s.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
+/// Thread time a sample spent per stage, in nanoseconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StageNanos {
+    /// Reading and decoding (generating, for generated datasets).
+    pub decode: u64,
+    /// Crop and resize into the batch buffer.
+    pub augment: u64,
+}
+
+/// What a loaded sample says besides its pixels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sample {
+    pub label: u32,
+    /// The network sees the image mirrored horizontally (applied with the normalisation).
+    pub flip: bool,
+}
+
 /// A random-access dataset of labelled images, shared by the loader's worker threads.
 pub trait Dataset: Send + Sync {
     fn len(&self) -> usize;
@@ -80,9 +101,13 @@ pub trait Dataset: Send + Sync {
 
     fn num_classes(&self) -> usize;
 
-    /// Loads sample `index` as a normalised CHW f32 image of image_size x image_size (pixels scaled to [0, 1], then
-    /// ImageNet mean/std) and its label. `rng` drives augmentation; only Split::Train with augment = "standard" augments.
-    fn get(&self, index: usize, rng: &mut ChaCha8Rng) -> Result<(Vec<f32>, u32), DataError>;
+    /// Side of the square images `get` writes.
+    fn image_size(&self) -> usize;
+
+    /// Writes sample `index` into `out` (image_size x image_size x 3 bytes: HWC RGB, not normalised) and returns
+    /// its label and flip. `rng` drives augmentation (only Split::Train with augment = "standard" augments); `t`
+    /// collects the time spent decoding and augmenting.
+    fn get(&self, index: usize, rng: &mut ChaCha8Rng, out: &mut [u8], t: &mut StageNanos) -> Result<Sample, DataError>;
 
     /// Human-readable name of sample `index` (file path, or "cifar10 data_batch_3.bin #17"), for messages.
     fn describe(&self, index: usize) -> String;
@@ -102,21 +127,16 @@ pub fn open(cfg: &DataSection, split: Split, seed: u64, num_classes: usize) -> R
         Split::Train => cfg.num_samples,
         Split::Val => (cfg.num_samples / 5).max(1),
     };
-    let generated = matches!(cfg.kind.as_str(), "synthetic" | "shapes");
+    let generated = matches!(cfg.kind, DataKind::Synthetic | DataKind::Shapes);
     if generated && num_classes == 0 {
         return Err(DataError::config("model.num_classes", "must be at least 1"));
     }
-    Ok(match cfg.kind.as_str() {
-        "synthetic" => Arc::new(Synthetic::new(generated_len, num_classes, cfg.image_size, seed, split)),
-        "shapes" => Arc::new(Shapes::new(generated_len, num_classes, transform, seed, split)),
-        "cifar10" => Arc::new(Cifar10::open(&cfg.dir, split, transform)?),
-        "imagefolder" => Arc::new(ImageFolder::open(&cfg.train_dir, &cfg.val_dir, split, transform)?),
-        other => {
-            return Err(DataError::config(
-                "data.kind",
-                format!("\"{other}\" is not one of synthetic, shapes, cifar10, imagefolder"),
-            ))
-        }
+    Ok(match cfg.kind {
+        DataKind::Synthetic => Arc::new(Synthetic::new(generated_len, num_classes, cfg.image_size, seed, split)),
+        DataKind::Shapes => Arc::new(Shapes::new(generated_len, num_classes, transform, seed, split)),
+        DataKind::Cifar10 => Arc::new(Cifar10::open(&cfg.dir, split, transform)?),
+        DataKind::Imagefolder => Arc::new(ImageFolder::open(&cfg.train_dir, &cfg.val_dir, split, transform)?),
+        DataKind::Packed => Arc::new(Packed::open_split(&cfg.dir, split, transform)?),
     })
 }
 
@@ -161,16 +181,23 @@ pub(crate) mod test_util {
         }
     }
 
-    /// Inverts the ImageNet normalisation back to u8 pixels (CHW in, per-channel planes out).
-    pub fn denormalize(x: &[f32]) -> Vec<u8> {
-        let n = x.len() / 3;
-        x.iter()
-            .enumerate()
-            .map(|(i, v)| {
-                let c = i / n;
-                ((v * super::transforms::STD[c] + super::transforms::MEAN[c]) * 255.0).round() as u8
-            })
-            .collect()
+    /// HWC u8 pixels as per-channel planes (CHW), the layout CIFAR-10 stores.
+    pub fn planes(x: &[u8]) -> Vec<u8> {
+        (0..3).flat_map(|c| x.iter().skip(c).step_by(3).copied()).collect()
+    }
+
+    /// Sample `index` of `ds` into a fresh buffer, with a fixed RNG.
+    pub fn get_one(
+        ds: &dyn super::Dataset,
+        index: usize,
+        seed: u64,
+    ) -> Result<(Vec<u8>, super::Sample), super::DataError> {
+        use rand::SeedableRng;
+        let s = ds.image_size();
+        let mut out = vec![0u8; s * s * 3];
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let sample = ds.get(index, &mut rng, &mut out, &mut Default::default())?;
+        Ok((out, sample))
     }
 }
 
@@ -179,9 +206,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn open_generated_sizes_and_unknown_kind() {
+    fn open_generated_sizes() {
         let cfg = DataSection {
-            kind: "shapes".into(),
+            kind: DataKind::Shapes,
             num_samples: 50,
             image_size: 16,
             val_resize: 16,
@@ -191,8 +218,6 @@ mod tests {
         assert_eq!(open(&cfg, Split::Val, 0, 10).unwrap().len(), 10);
         let tiny = DataSection { num_samples: 3, ..cfg.clone() };
         assert_eq!(open(&tiny, Split::Val, 0, 10).unwrap().len(), 1);
-        let bad = DataSection { kind: "mnist".into(), ..cfg };
-        let e = open(&bad, Split::Train, 0, 10).err().unwrap().to_string();
-        assert!(e.contains("data.kind") && e.contains("mnist"), "{e}");
+        assert_eq!(open(&tiny, Split::Val, 0, 10).unwrap().image_size(), 16);
     }
 }

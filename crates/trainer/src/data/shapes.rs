@@ -1,6 +1,6 @@
 //! "shapes": a generated, learnable dataset: one striped disc per image, colour and stripe angle set by the class.
 
-use super::{mix_seed, DataError, Dataset, Split, Transform};
+use super::{mix_seed, DataError, Dataset, Sample, Split, StageNanos, Transform};
 use image::{Rgb, RgbImage};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -71,12 +71,25 @@ impl Dataset for Shapes {
         self.num_classes
     }
 
-    fn get(&self, index: usize, rng: &mut ChaCha8Rng) -> Result<(Vec<f32>, u32), DataError> {
+    fn image_size(&self) -> usize {
+        self.transform.size as usize
+    }
+
+    fn get(&self, index: usize, rng: &mut ChaCha8Rng, out: &mut [u8], t: &mut StageNanos) -> Result<Sample, DataError> {
         if index >= self.len {
             return Err(DataError::Loader(format!("{} is out of range (len {})", self.describe(index), self.len)));
         }
         let label = (index % self.num_classes) as u32;
-        Ok((self.transform.apply(self.render(index), rng), label))
+        let t0 = std::time::Instant::now();
+        let img = self.render(index);
+        let t1 = std::time::Instant::now();
+        let flip = self
+            .transform
+            .apply_into(&img, rng, out)
+            .map_err(|m| DataError::Loader(format!("{}: {m}", self.describe(index))))?;
+        t.decode += (t1 - t0).as_nanos() as u64;
+        t.augment += t1.elapsed().as_nanos() as u64;
+        Ok(Sample { label, flip })
     }
 
     fn describe(&self, index: usize) -> String {
@@ -101,17 +114,17 @@ mod tests {
 
     #[test]
     fn deterministic_balanced_and_split_dependent() {
+        use crate::data::test_util::get_one;
         let ds = shapes(100, Split::Train, true);
-        let rng = |s| ChaCha8Rng::seed_from_u64(s);
-        let (a, la) = ds.get(13, &mut rng(1)).unwrap();
-        let (b, lb) = ds.get(13, &mut rng(1)).unwrap();
-        assert_eq!((a.len(), la), (3 * 32 * 32, 3));
+        let (a, la) = get_one(&ds, 13, 1).unwrap();
+        let (b, lb) = get_one(&ds, 13, 1).unwrap();
+        assert_eq!((a.len(), la.label), (3 * 32 * 32, 3));
         assert!(a == b && la == lb);
         assert_eq!(ds.render(13), shapes(100, Split::Train, false).render(13));
         assert_ne!(ds.render(13), shapes(100, Split::Val, false).render(13));
         let mut counts = [0usize; 10];
         for i in 0..ds.len() {
-            counts[ds.get(i, &mut rng(0)).unwrap().1 as usize] += 1;
+            counts[get_one(&ds, i, 0).unwrap().1.label as usize] += 1;
         }
         assert_eq!(counts, [10; 10]);
     }

@@ -1,7 +1,6 @@
 //! "synthetic": pseudo-random noise images, deterministic from (seed, split, index), for throughput runs.
 
-use super::{mix_seed, transforms, DataError, Dataset, Split};
-use image::RgbImage;
+use super::{mix_seed, DataError, Dataset, Sample, Split, StageNanos};
 use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -30,14 +29,25 @@ impl Dataset for Synthetic {
         self.num_classes
     }
 
-    fn get(&self, index: usize, _rng: &mut ChaCha8Rng) -> Result<(Vec<f32>, u32), DataError> {
+    fn image_size(&self) -> usize {
+        self.size as usize
+    }
+
+    fn get(
+        &self,
+        index: usize,
+        _rng: &mut ChaCha8Rng,
+        out: &mut [u8],
+        t: &mut StageNanos,
+    ) -> Result<Sample, DataError> {
         if index >= self.len {
             return Err(DataError::Loader(format!("{} is out of range (len {})", self.describe(index), self.len)));
         }
+        let t0 = std::time::Instant::now();
         let mut rng = ChaCha8Rng::seed_from_u64(mix_seed(&[self.seed, self.split as u64, index as u64, 0x5157]));
-        let mut img = RgbImage::new(self.size, self.size);
-        rng.fill_bytes(&mut img);
-        Ok((transforms::normalize(&img), (index % self.num_classes) as u32))
+        rng.fill_bytes(out);
+        t.decode += t0.elapsed().as_nanos() as u64;
+        Ok(Sample { label: (index % self.num_classes) as u32, flip: false })
     }
 
     fn describe(&self, index: usize) -> String {
@@ -49,15 +59,16 @@ impl Dataset for Synthetic {
 mod tests {
     use super::*;
 
+    use crate::data::test_util::get_one;
+
     #[test]
     fn deterministic_and_split_dependent() {
-        let rng = &mut ChaCha8Rng::seed_from_u64(0);
         let a = Synthetic::new(10, 4, 8, 7, Split::Train);
-        let (x, y) = a.get(5, rng).unwrap();
-        assert_eq!((x.len(), y), (3 * 64, 1));
-        assert_eq!(a.get(5, rng).unwrap().0, x);
-        assert_ne!(a.get(6, rng).unwrap().0, x);
-        assert_ne!(Synthetic::new(10, 4, 8, 7, Split::Val).get(5, rng).unwrap().0, x);
-        assert!(a.get(10, rng).is_err());
+        let (x, s) = get_one(&a, 5, 0).unwrap();
+        assert_eq!((x.len(), s.label, s.flip), (3 * 64, 1, false));
+        assert_eq!(get_one(&a, 5, 1).unwrap().0, x);
+        assert_ne!(get_one(&a, 6, 0).unwrap().0, x);
+        assert_ne!(get_one(&Synthetic::new(10, 4, 8, 7, Split::Val), 5, 0).unwrap().0, x);
+        assert!(get_one(&a, 10, 0).is_err());
     }
 }

@@ -15,9 +15,9 @@
 //! Ops: [`BnStats`] (x -> (3, c) = [mean, var, invstd]), [`BnApply`] (x, weight, bias -> y, differentiable),
 //! [`BnGrad`] (x, dy -> (2, c) = [dbias, dweight], then x, dy -> dx). The per-channel tensors an op needs besides
 //! its arguments are fields of the op. The CUDA kernels are in
-//! `kernels/batchnorm/01_nhwc.cu` (launchers in `cuda_bn.rs`).
+//! `kernels/batchnorm/01_nhwc.cu` (launchers in `cuda/bn.rs`).
 
-use crate::maxpool::round_f32;
+use super::round_f32;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType};
 use half::{bf16, f16};
@@ -209,7 +209,7 @@ impl CustomOp1 for BnStats {
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
         let (rows, c) = rows_c(l.dims())?;
-        Ok((crate::cuda_bn::stats(s, l, rows, c, self.eps)?, Shape::from((3, c))))
+        Ok((crate::cuda::bn::stats(s, l, rows, c, self.eps)?, Shape::from((3, c))))
     }
 }
 
@@ -269,7 +269,7 @@ impl CustomOp3 for BnApply {
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (rows, c) = rows_c(l1.dims())?;
-        let y = crate::cuda_bn::apply(s1, l1, s2, l2, s3, l3, &self.stats, rows, c, self.relu)?;
+        let y = crate::cuda::bn::apply(s1, l1, s2, l2, s3, l3, &self.stats, rows, c, self.relu)?;
         Ok((y, l1.shape().clone()))
     }
 
@@ -378,7 +378,14 @@ impl CustomOp2 for BnGrad {
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (rows, c) = check_same(l1, l2, self.name())?;
-        let out = crate::cuda_bn::grad((s1, l1), (s2, l2), self, rows, c)?;
+        let args = crate::cuda::bn::GradArgs {
+            relu: self.relu,
+            stats: &self.stats,
+            weight: &self.weight,
+            bias: &self.bias,
+            sums: self.sums.as_ref(),
+        };
+        let out = crate::cuda::bn::grad((s1, l1), (s2, l2), &args, rows, c)?;
         Ok((out, if self.sums.is_some() { l1.shape().clone() } else { Shape::from((2, c)) }))
     }
 }

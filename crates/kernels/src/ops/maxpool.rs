@@ -4,37 +4,11 @@
 //! cannot train with it. The backward recomputes each window's argmax (first maximum, as PyTorch) from the
 //! input instead of storing indices, so no extra activation memory is kept.
 
+use super::round_f32;
+pub use crate::geom::MaxPool2d;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, WithDType};
 use half::{bf16, f16};
-
-/// Max-pool parameters: square kernel, stride and padding (padded cells never win).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MaxPool2d {
-    pub kernel: usize,
-    pub stride: usize,
-    pub padding: usize,
-}
-
-impl MaxPool2d {
-    /// Output size of one spatial dimension (floor mode, as PyTorch's default).
-    pub fn out_size(&self, input: usize) -> usize {
-        (input + 2 * self.padding - self.kernel) / self.stride + 1
-    }
-
-    fn check(&self, dims: &[usize]) -> Result<(usize, usize, usize, usize)> {
-        if dims.len() != 4 {
-            candle_core::bail!("max_pool2d expects a (n, c, h, w) tensor, got shape {dims:?}");
-        }
-        if self.kernel == 0 || self.stride == 0 || 2 * self.padding > self.kernel {
-            candle_core::bail!("max_pool2d: invalid parameters {self:?} (padding must be at most half the kernel)");
-        }
-        if dims[2] + 2 * self.padding < self.kernel || dims[3] + 2 * self.padding < self.kernel {
-            candle_core::bail!("max_pool2d: input {dims:?} is smaller than the {}x{} window", self.kernel, self.kernel);
-        }
-        Ok((dims[0], dims[1], dims[2], dims[3]))
-    }
-}
 
 /// Applies max-pooling with backward support. `x`: (n, c, h, w).
 pub fn max_pool2d(x: &Tensor, kernel: usize, stride: usize, padding: usize) -> Result<Tensor> {
@@ -100,17 +74,6 @@ fn bwd_t<T: WithDType>(p: &MaxPool2d, x: &[T], g: &[T], dims: (usize, usize, usi
     acc.into_iter().map(round_f32).collect()
 }
 
-/// Rounds an FP32 value to `T` to nearest even, as the CUDA kernels' `__float2bfloat16_rn`/`__float2half_rn` do.
-/// (`T::from_f64` is not enough: half's f64 -> bf16 conversion drops the low 32 mantissa bits before rounding, so
-/// an FP32 value just above a tie, e.g. 0x3f808001, rounds down to even.)
-pub(crate) fn round_f32<T: WithDType>(v: f32) -> T {
-    match T::DTYPE {
-        candle_core::DType::BF16 => T::from_f64(bf16::from_f32(v).to_f64()),
-        candle_core::DType::F16 => T::from_f64(f16::from_f32(v).to_f64()),
-        _ => T::from_f64(v as f64),
-    }
-}
-
 fn contiguous_slice<'a, T>(data: &'a [T], l: &Layout, what: &str) -> Result<&'a [T]> {
     match l.contiguous_offsets() {
         Some((a, b)) => Ok(&data[a..b]),
@@ -139,7 +102,7 @@ impl CustomOp1 for MaxPool2d {
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
         let dims = self.check(l.dims())?;
-        crate::cuda::maxpool_fwd(self, s, l, dims)
+        crate::cuda::pool::maxpool_fwd(self, s, l, dims)
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
@@ -191,40 +154,13 @@ impl CustomOp2 for MaxPool2dBackward {
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let dims = self.0.check(l1.dims())?;
-        crate::cuda::maxpool_bwd(&self.0, s1, l1, s2, l2, dims)
+        crate::cuda::pool::maxpool_bwd(&self.0, s1, l1, s2, l2, dims)
     }
 }
 
 // ---------------------------------------------------------------------------------------------------------------
 // Channels-last (NHWC) max-pool: the same op over (n, h, w, c) tensors.
 // ---------------------------------------------------------------------------------------------------------------
-
-impl MaxPool2d {
-    /// Checks an (n, h, w, c) input; returns its dims as (n, h, w, c).
-    pub fn check_nhwc(&self, dims: &[usize]) -> Result<(usize, usize, usize, usize)> {
-        if dims.len() != 4 {
-            candle_core::bail!("max_pool2d_nhwc expects a (n, h, w, c) tensor, got shape {dims:?}");
-        }
-        if self.kernel == 0 || self.stride == 0 || 2 * self.padding > self.kernel {
-            candle_core::bail!(
-                "max_pool2d_nhwc: invalid parameters {self:?} (padding must be at most half the kernel)"
-            );
-        }
-        if dims[1] + 2 * self.padding < self.kernel || dims[2] + 2 * self.padding < self.kernel {
-            candle_core::bail!(
-                "max_pool2d_nhwc: input {dims:?} is smaller than the {}x{} window",
-                self.kernel,
-                self.kernel
-            );
-        }
-        Ok((dims[0], dims[1], dims[2], dims[3]))
-    }
-
-    /// Output shape (n, oh, ow, c) of an (n, h, w, c) input.
-    pub fn out_shape_nhwc(&self, dims: (usize, usize, usize, usize)) -> (usize, usize, usize, usize) {
-        (dims.0, self.out_size(dims.1), self.out_size(dims.2), dims.3)
-    }
-}
 
 /// Max-pooling over a channels-last tensor with backward support. `x`: (n, h, w, c) -> (n, oh, ow, c).
 ///
@@ -329,7 +265,7 @@ impl CustomOp1 for MaxPool2dNhwc {
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
         let dims = self.0.check_nhwc(l.dims())?;
-        crate::cuda::maxpool_nhwc_fwd(&self.0, s, l, dims)
+        crate::cuda::pool::maxpool_nhwc_fwd(&self.0, s, l, dims)
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
@@ -383,25 +319,6 @@ impl CustomOp2 for MaxPool2dNhwcBackward {
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let dims = self.0.check_nhwc(l1.dims())?;
-        crate::cuda::maxpool_nhwc_bwd(&self.0, s1, l1, s2, l2, dims)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::round_f32;
-    use half::{bf16, f16};
-
-    /// FP32 values just above a bf16/f16 rounding tie by their lowest mantissa bits: `round_f32` rounds them up,
-    /// as `__float2bfloat16_rn`/`__float2half_rn` do (half 2.7's `bf16::from_f64` returned 0x3f80 for the first).
-    #[test]
-    fn round_f32_is_round_to_nearest_even() {
-        let v = f32::from_bits(0x3f80_8001); // 1 + 2^-8 + 2^-23: above the tie between two bf16 values
-        assert_eq!(round_f32::<bf16>(v), bf16::from_f32(v));
-        assert_eq!(round_f32::<bf16>(v).to_bits(), 0x3f81);
-        let v = f32::from_bits(0x3f80_1001); // 1 + 2^-11 + 2^-23: above the tie between two f16 values
-        assert_eq!(round_f32::<f16>(v), f16::from_f32(v));
-        assert_eq!(round_f32::<f16>(v).to_bits(), 0x3c01);
-        assert_eq!(round_f32::<f32>(v), v);
+        crate::cuda::pool::maxpool_nhwc_bwd(&self.0, s1, l1, s2, l2, dims)
     }
 }

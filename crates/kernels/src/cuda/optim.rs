@@ -6,7 +6,7 @@
 //! tensors of their `Var`s), contiguous, on one CUDA device, and nothing else may hold views of them that expect
 //! the old values.
 
-use crate::cuda::ptx;
+use super::ptx;
 use candle_core::cuda_backend::cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::{DType, Result, Storage, Tensor};

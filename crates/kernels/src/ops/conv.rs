@@ -6,9 +6,9 @@
 //! gradient (as candle does). The forward result is computed by candle's conv2d outside the graph and attached
 //! to (x, w) by a custom op, so the backward is ours.
 
+use crate::policy::ConvImpl;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
-use std::sync::atomic::{AtomicU8, Ordering};
 
 /// Stride and symmetric zero padding of a square-kernel convolution (dilation 1, one group).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -17,39 +17,13 @@ pub struct Conv2dParams {
     pub padding: usize,
 }
 
-/// Which convolution the model runs (`kernels.conv` in the trainer's config).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ConvImpl {
-    /// candle's conv2d with the backward of this module (forward convs only). The default.
-    FwdConv = 0,
-    /// candle's conv2d with candle's own backward (conv_transpose2d for grad-input): the baseline.
-    Candle = 1,
-    /// Our implicit-GEMM tensor-core kernels over channels-last activations ([`conv2d_nhwc`]); the model runs
-    /// NHWC end to end. On the CPU (and for FP32) the same op is computed by candle's conv through permutes.
-    Custom = 2,
-}
-
-static CONV_IMPL: AtomicU8 = AtomicU8::new(ConvImpl::FwdConv as u8);
-
-/// Selects the convolution for every later [`conv2d`] call in this process.
-pub fn set_conv_impl(c: ConvImpl) {
-    CONV_IMPL.store(c as u8, Ordering::Relaxed);
-}
-
-pub fn conv_impl() -> ConvImpl {
-    match CONV_IMPL.load(Ordering::Relaxed) {
-        1 => ConvImpl::Candle,
-        2 => ConvImpl::Custom,
-        _ => ConvImpl::FwdConv,
-    }
-}
-
-/// Convolution with the backward described above (or candle's, see [`set_conv_impl`]).
-/// x: (n, c_in, h, w), w: (c_out, c_in, k, k). NCHW always: [`ConvImpl::Custom`] is used through
-/// [`conv2d_nhwc`], which the model calls when it runs channels-last.
-pub fn conv2d(x: &Tensor, w: &Tensor, stride: usize, padding: usize) -> Result<Tensor> {
-    if conv_impl() == ConvImpl::Candle {
-        return x.conv2d(w, padding, stride, 1, 1);
+/// Convolution with the backward described above, or candle's own under [`ConvImpl::Candle`].
+/// x: (n, c_in, h, w), w: (c_out, c_in, k, k). NCHW always: a model under [`ConvImpl::Custom`] runs channels-last
+/// through [`super::conv_nhwc::conv2d_nhwc`], whose CPU reference comes here with the forward-conv backward.
+pub fn conv2d(x: &Tensor, w: &Tensor, stride: usize, padding: usize, imp: ConvImpl) -> Result<Tensor> {
+    match imp {
+        ConvImpl::Candle => return x.conv2d(w, padding, stride, 1, 1),
+        ConvImpl::FwdConv | ConvImpl::Custom => {}
     }
     let y = x.detach().conv2d(&w.detach(), padding, stride, 1, 1)?;
     if !(x.track_op() || w.track_op()) {

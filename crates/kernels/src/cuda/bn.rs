@@ -1,12 +1,15 @@
-//! CUDA launchers of the channels-last BatchNorm ops (crates/kernels/src/batchnorm.rs) on the kernels of
-//! `kernels/batchnorm/01_nhwc.cu`, loaded through candle's device as the other PTX modules (cuda.rs).
+//! CUDA launchers of the channels-last BatchNorm ops (`ops/batchnorm.rs`) on the kernels of
+//! `kernels/batchnorm/02_nhwc_vec.cu` (8 channels per thread, 16-byte accesses) where the channel count and the
+//! alignment allow ([`v8_applies`]: every ResNet BatchNorm), else `kernels/batchnorm/01_nhwc.cu`; both write the same
+//! partial sums, reduced by 01's finalisers.
 //!
+//! Launch shape of 02's reductions: 256 threads, grid (chunks), about 1056 blocks (132 SMs x 8) with at least four
+//! rows per thread; its element-wise passes: one thread per 8 elements, grid-stride. 01:
 //! Launch shape of the row passes: block (32, 8), grid (ceil(c / 32), chunks), chunks chosen for about 2048 blocks
 //! with at least 64 rows each; the finalisers run one block (32, 8) per 32 channels. Workspaces are FP32
 //! (chunks x c partial sums), fully written by the partial-sum kernels before the finaliser reads them.
 
-use crate::batchnorm::BnGrad;
-use crate::cuda::{alloc_out, ptx, suffix};
+use super::{alloc_out, ptx, suffix};
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::cuda_backend::cudarc::driver::{CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
@@ -15,6 +18,21 @@ use half::{bf16, f16};
 
 /// Module name under which candle caches the BatchNorm PTX.
 const MODULE: &str = "batchnorm/01_nhwc";
+/// The 8-channel variant's module.
+const MODULE_V8: &str = "batchnorm/02_nhwc_vec";
+/// Threads of a 02 reduction block; blocks 02's reductions aim for.
+const V8_THREADS: usize = 256;
+const V8_TARGET_BLOCKS: usize = 1056;
+
+/// Whether 02 (8 channels per thread) runs a (rows, c) problem: c a multiple of 8 whose 8-channel groups divide
+/// 256, every activation operand (`elems`) starting on a 16-byte boundary (8 elements: 32 bytes for f32) and every
+/// per-channel f32 tensor (`chans`) on a 16-byte boundary.
+pub(crate) fn v8_applies(c: usize, elems: &[&Layout], chans: &[&Layout]) -> bool {
+    c % 8 == 0
+        && V8_THREADS % (c / 8) == 0
+        && elems.iter().all(|l| l.start_offset() % 8 == 0)
+        && chans.iter().all(|l| l.start_offset() % 4 == 0)
+}
 const TX: usize = 32;
 const TY: u32 = 8;
 /// Blocks the row passes aim for (H100/H200: 132 SMs x up to 8 resident blocks of 256 threads, about 2 waves).
@@ -24,6 +42,17 @@ const MIN_ROWS_PER_CHUNK: usize = 64;
 
 /// A (storage, layout) argument of an op.
 pub type Arg<'a> = (&'a CudaStorage, &'a Layout);
+
+/// The per-channel tensors of a backward pass (the op's fields): forward statistics (3, c), weight and bias (c),
+/// all f32, and with `sums` ((2, c) from the first pass) the grad-input pass instead of the sums pass.
+#[derive(Debug, Clone, Copy)]
+pub struct GradArgs<'a> {
+    pub relu: bool,
+    pub stats: &'a Tensor,
+    pub weight: &'a Tensor,
+    pub bias: &'a Tensor,
+    pub sums: Option<&'a Tensor>,
+}
 
 /// Row split of a (rows, c) problem.
 #[derive(Debug, Clone, Copy)]
@@ -44,6 +73,22 @@ impl Split {
         let chunks = rows.div_ceil(rows_per_chunk);
         Ok(Self { rows: rows as i64, c: c32, ctiles: ctiles as u32, chunks, rows_per_chunk: rows_per_chunk as i64 })
     }
+    /// 02's row split: about [`V8_TARGET_BLOCKS`] chunks, each thread stepping over at least four rows.
+    fn v8(rows: usize, c: usize, op: &str) -> Result<Self> {
+        let base = Self::new(rows, c, op)?;
+        let rstep = V8_THREADS / (c / 8);
+        let chunks = V8_TARGET_BLOCKS.clamp(1, rows.div_ceil(4 * rstep).max(1));
+        let rows_per_chunk = rows.div_ceil(chunks);
+        let chunks = rows.div_ceil(rows_per_chunk);
+        Ok(Self { chunks, rows_per_chunk: rows_per_chunk as i64, ..base })
+    }
+    fn v8_rows_cfg(&self) -> LaunchConfig {
+        LaunchConfig { grid_dim: (self.chunks as u32, 1, 1), block_dim: (V8_THREADS as u32, 1, 1), shared_mem_bytes: 0 }
+    }
+    /// 02's element-wise passes: one thread per 8 elements.
+    fn v8_elems_cfg(&self) -> LaunchConfig {
+        super::grid_for(self.rows as usize * self.c as usize / 8)
+    }
     fn rows_cfg(&self) -> LaunchConfig {
         LaunchConfig {
             grid_dim: (self.ctiles, self.chunks as u32, 1),
@@ -60,7 +105,7 @@ impl Split {
     }
 }
 
-fn view<'a, T: CudaDType + DeviceRepr>(
+pub(crate) fn view<'a, T: CudaDType + DeviceRepr>(
     a: Arg<'a>,
     len: usize,
     dev: &CudaDevice,
@@ -81,11 +126,11 @@ fn view<'a, T: CudaDType + DeviceRepr>(
 }
 
 /// The storage of a per-channel f32 tensor held by an op; read it with [`held_view`] while the guard lives.
-fn held(t: &Tensor) -> (candle_core::StorageRef<'_>, &Layout) {
+pub(crate) fn held(t: &Tensor) -> (candle_core::StorageRef<'_>, &Layout) {
     t.storage_and_layout()
 }
 
-fn held_view<'a>(
+pub(crate) fn held_view<'a>(
     s: &'a Storage,
     l: &'a Layout,
     len: usize,
@@ -101,7 +146,7 @@ fn held_view<'a>(
 
 // ----- forward statistics ------------------------------------------------------------------------------------
 
-fn stats_t<T: CudaDType + DeviceRepr + WithDType + 'static>(x: Arg, sp: Split, eps: f64) -> Result<CudaStorage> {
+fn stats_t<T: CudaDType + DeviceRepr + WithDType + 'static>(x: Arg, sp: Split, eps: f64, v8: bool) -> Result<CudaStorage> {
     const OP: &str = "batch_norm_nhwc_stats";
     let dev = &x.0.device;
     let c = sp.c as usize;
@@ -112,11 +157,17 @@ fn stats_t<T: CudaDType + DeviceRepr + WithDType + 'static>(x: Arg, sp: Split, e
     let sfx = suffix(T::DTYPE, OP)?;
     let (chunks, count, eps) = (sp.chunks as i32, sp.count(), eps as f32);
 
-    let f = dev.get_or_load_custom_func(&format!("bn_nhwc_sum_{sfx}"), MODULE, ptx::BATCHNORM_01_NHWC)?;
+    let (f, cfg) = if v8 {
+        let f = dev.get_or_load_custom_func(&format!("bn_nhwc_sum_v8_{sfx}"), MODULE_V8, ptx::BATCHNORM_02_NHWC_VEC)?;
+        (f, sp.v8_rows_cfg())
+    } else {
+        (dev.get_or_load_custom_func(&format!("bn_nhwc_sum_{sfx}"), MODULE, ptx::BATCHNORM_01_NHWC)?, sp.rows_cfg())
+    };
     let mut b = f.builder();
     b.arg(&xv).arg(&part).arg(&sp.rows).arg(&sp.c).arg(&sp.rows_per_chunk);
-    // SAFETY: matches bn_nhwc_sum_* (x, part, rows, c, rpc); x holds rows*c elements, part chunks*c.
-    unsafe { b.launch(sp.rows_cfg()) }.w()?;
+    // SAFETY: matches bn_nhwc_sum_*[_v8] (x, part, rows, c, rpc); x holds rows*c elements, part chunks*c (the grid
+    // has `chunks` row chunks; with v8, c % 8 == 0, 256 % (c / 8) == 0 and x is 16-byte aligned).
+    unsafe { b.launch(cfg) }.w()?;
 
     let f = dev.get_or_load_custom_func("bn_nhwc_mean", MODULE, ptx::BATCHNORM_01_NHWC)?;
     let mut b = f.builder();
@@ -124,11 +175,18 @@ fn stats_t<T: CudaDType + DeviceRepr + WithDType + 'static>(x: Arg, sp: Split, e
     // SAFETY: matches bn_nhwc_mean (part, stats, chunks, c, count); stats holds 3*c elements.
     unsafe { b.launch(sp.final_cfg()) }.w()?;
 
-    let f = dev.get_or_load_custom_func(&format!("bn_nhwc_sqdev_{sfx}"), MODULE, ptx::BATCHNORM_01_NHWC)?;
+    let (f, cfg) = if v8 {
+        let f =
+            dev.get_or_load_custom_func(&format!("bn_nhwc_sqdev_v8_{sfx}"), MODULE_V8, ptx::BATCHNORM_02_NHWC_VEC)?;
+        (f, sp.v8_rows_cfg())
+    } else {
+        (dev.get_or_load_custom_func(&format!("bn_nhwc_sqdev_{sfx}"), MODULE, ptx::BATCHNORM_01_NHWC)?, sp.rows_cfg())
+    };
     let mut b = f.builder();
     b.arg(&xv).arg(&stats).arg(&part).arg(&sp.rows).arg(&sp.c).arg(&sp.rows_per_chunk);
-    // SAFETY: matches bn_nhwc_sqdev_* (x, stats, part, rows, c, rpc).
-    unsafe { b.launch(sp.rows_cfg()) }.w()?;
+    // SAFETY: matches bn_nhwc_sqdev_*[_v8] (x, stats, part, rows, c, rpc); stats is a fresh 16-byte aligned
+    // allocation.
+    unsafe { b.launch(cfg) }.w()?;
 
     let f = dev.get_or_load_custom_func("bn_nhwc_var", MODULE, ptx::BATCHNORM_01_NHWC)?;
     let mut b = f.builder();
@@ -141,11 +199,12 @@ fn stats_t<T: CudaDType + DeviceRepr + WithDType + 'static>(x: Arg, sp: Split, e
 /// Batch statistics on CUDA: x (rows, c) contiguous -> (3, c) f32 = [mean, var, invstd].
 pub fn stats(s: &CudaStorage, l: &Layout, rows: usize, c: usize, eps: f64) -> Result<CudaStorage> {
     const OP: &str = "batch_norm_nhwc_stats";
-    let sp = Split::new(rows, c, OP)?;
+    let v8 = v8_applies(c, &[l], &[]);
+    let sp = if v8 { Split::v8(rows, c, OP)? } else { Split::new(rows, c, OP)? };
     match s.dtype() {
-        DType::F32 => stats_t::<f32>((s, l), sp, eps),
-        DType::BF16 => stats_t::<bf16>((s, l), sp, eps),
-        DType::F16 => stats_t::<f16>((s, l), sp, eps),
+        DType::F32 => stats_t::<f32>((s, l), sp, eps, v8),
+        DType::BF16 => stats_t::<bf16>((s, l), sp, eps, v8),
+        DType::F16 => stats_t::<f16>((s, l), sp, eps, v8),
         other => candle_core::bail!("{OP} (cuda): unsupported dtype {other:?} (f32, bf16, f16 only)"),
     }
 }
@@ -171,11 +230,18 @@ fn apply_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     let sv = held_view(&st, sl, 3 * c, dev, OP, "stats")?;
     let y = alloc_out::<T>(dev, len)?;
     let relu = relu as i32;
-    let f = dev.get_or_load_custom_func(
-        &format!("bn_nhwc_apply_{}", suffix(T::DTYPE, OP)?),
-        MODULE,
-        ptx::BATCHNORM_01_NHWC,
-    )?;
+    let sfx = suffix(T::DTYPE, OP)?;
+    if v8_applies(c, &[x.1], &[w.1, b.1, sl]) {
+        let f = dev.get_or_load_custom_func(&format!("bn_nhwc_apply_v8_{sfx}"), MODULE_V8, ptx::BATCHNORM_02_NHWC_VEC)?;
+        let mut bld = f.builder();
+        bld.arg(&xv).arg(&sv).arg(&wv).arg(&bv).arg(&y).arg(&sp.rows).arg(&sp.c).arg(&relu);
+        // SAFETY: matches bn_nhwc_apply_v8_* (x, stats, weight, bias, y, rows, c, relu); x and y hold rows*c
+        // elements (c % 8 == 0, x 16-byte aligned, y fresh), stats 3*c, weight and bias c (16-byte aligned).
+        // The grid-stride loop covers every group of 8 elements.
+        unsafe { bld.launch(sp.v8_elems_cfg()) }.w()?;
+        return Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()));
+    }
+    let f = dev.get_or_load_custom_func(&format!("bn_nhwc_apply_{sfx}"), MODULE, ptx::BATCHNORM_01_NHWC)?;
     let mut bld = f.builder();
     bld.arg(&xv).arg(&sv).arg(&wv).arg(&bv).arg(&y).arg(&sp.rows).arg(&sp.c).arg(&sp.rows_per_chunk).arg(&relu);
     // SAFETY: matches bn_nhwc_apply_* (x, stats, weight, bias, y, rows, c, rpc, relu); x and y hold rows*c
@@ -214,7 +280,7 @@ pub fn apply(
 fn grad_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     x: Arg,
     dy: Arg,
-    op: &BnGrad,
+    op: &GradArgs,
     sp: Split,
 ) -> Result<CudaStorage> {
     let name = if op.sums.is_some() { "batch_norm_nhwc_grad_input" } else { "batch_norm_nhwc_grad_sums" };
@@ -222,14 +288,60 @@ fn grad_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     let c = sp.c as usize;
     let len = sp.rows as usize * c;
     let (xv, gv) = (view::<T>(x, len, dev, name, "x")?, view::<T>(dy, len, dev, name, "dy")?);
-    let (st, sl) = held(&op.stats);
+    let (st, sl) = held(op.stats);
     let sv = held_view(&st, sl, 3 * c, dev, name, "stats")?;
-    let (wt, wl) = held(&op.weight);
+    let (wt, wl) = held(op.weight);
     let wv = held_view(&wt, wl, c, dev, name, "weight")?;
-    let (bt, bl) = held(&op.bias);
+    let (bt, bl) = held(op.bias);
     let bv = held_view(&bt, bl, c, dev, name, "bias")?;
     let (relu, sfx) = (op.relu as i32, suffix(T::DTYPE, name)?);
-    match &op.sums {
+    let sums_layout = op.sums.map(|t| t.layout());
+    let v8 = v8_applies(c, &[x.1, dy.1], &[sl, wl, bl]) && sums_layout.is_none_or(|l| l.start_offset() % 4 == 0);
+    let sp = if v8 { Split::v8(sp.rows as usize, c, name)? } else { sp };
+    match op.sums {
+        None if v8 => {
+            // SAFETY: bn_nhwc_bwd_sum_v8_* writes every (2, chunk, channel) element.
+            let part = unsafe { dev.alloc::<f32>(2 * sp.chunks * c)? };
+            let sums = alloc_out::<f32>(dev, 2 * c)?;
+            let chunks = sp.chunks as i32;
+            let f = dev.get_or_load_custom_func(
+                &format!("bn_nhwc_bwd_sum_v8_{sfx}"),
+                MODULE_V8,
+                ptx::BATCHNORM_02_NHWC_VEC,
+            )?;
+            let mut b = f.builder();
+            b.arg(&xv).arg(&gv).arg(&sv).arg(&wv).arg(&bv).arg(&part);
+            b.arg(&sp.rows).arg(&sp.c).arg(&sp.rows_per_chunk).arg(&relu);
+            // SAFETY: matches bn_nhwc_bwd_sum_v8_* (x, dy, stats, weight, bias, part, rows, c, rpc, relu); as the
+            // 01 launch below, with c % 8 == 0, 256 % (c / 8) == 0 and 16-byte aligned operands (v8_applies);
+            // gridDim.x = chunks.
+            unsafe { b.launch(sp.v8_rows_cfg()) }.w()?;
+            let f = dev.get_or_load_custom_func("bn_nhwc_bwd_final", MODULE, ptx::BATCHNORM_01_NHWC)?;
+            let mut b = f.builder();
+            b.arg(&part).arg(&sums).arg(&chunks).arg(&sp.c);
+            // SAFETY: matches bn_nhwc_bwd_final (part, sums, chunks, c); sums holds 2*c elements.
+            unsafe { b.launch(sp.final_cfg()) }.w()?;
+            Ok(CudaStorage::wrap_cuda_slice(sums, dev.clone()))
+        }
+        Some(sums) if v8 => {
+            let (ut, ul) = held(sums);
+            let uv = held_view(&ut, ul, 2 * c, dev, name, "sums")?;
+            let dx = alloc_out::<T>(dev, len)?;
+            let count = sp.count();
+            let f = dev.get_or_load_custom_func(
+                &format!("bn_nhwc_bwd_dx_v8_{sfx}"),
+                MODULE_V8,
+                ptx::BATCHNORM_02_NHWC_VEC,
+            )?;
+            let mut b = f.builder();
+            b.arg(&xv).arg(&gv).arg(&sv).arg(&wv).arg(&bv).arg(&uv).arg(&dx);
+            b.arg(&sp.rows).arg(&sp.c).arg(&count).arg(&relu);
+            // SAFETY: matches bn_nhwc_bwd_dx_v8_* (x, dy, stats, weight, bias, sums, dx, rows, c, count, relu);
+            // x, dy and dx hold rows*c elements, stats 3*c, weight and bias c, sums 2*c, all 16-byte aligned
+            // (v8_applies; dx fresh). The grid-stride loop covers every group of 8 elements.
+            unsafe { b.launch(sp.v8_elems_cfg()) }.w()?;
+            Ok(CudaStorage::wrap_cuda_slice(dx, dev.clone()))
+        }
         None => {
             // SAFETY: bn_nhwc_bwd_sum_* writes every (2, chunk, channel) element.
             let part = unsafe { dev.alloc::<f32>(2 * sp.chunks * c)? };
@@ -270,7 +382,7 @@ fn grad_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
 
 /// The backward passes of the BatchNorm on CUDA: (x, dy) (rows, c) -> (2, c) f32 sums [sum g, sum g * xhat]
 /// (`op.sums` unset) or dx like x (`op.sums` set).
-pub fn grad(x: Arg, dy: Arg, op: &BnGrad, rows: usize, c: usize) -> Result<CudaStorage> {
+pub fn grad(x: Arg, dy: Arg, op: &GradArgs, rows: usize, c: usize) -> Result<CudaStorage> {
     const OP: &str = "batch_norm_nhwc_grad";
     if x.0.dtype() != dy.0.dtype() {
         candle_core::bail!("{OP} (cuda): x is {:?} but dy is {:?}", x.0.dtype(), dy.0.dtype());

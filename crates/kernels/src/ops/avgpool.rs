@@ -32,7 +32,7 @@ fn contiguous_slice<'a, T>(data: &'a [T], l: &Layout, op: &str) -> Result<&'a [T
 /// `v` (an `A` value) rounded once to `T`: to nearest even for bf16/f16 (as the CUDA kernels), exact otherwise.
 fn round<T: WithDType, A: WithDType>(v: A) -> T {
     if A::DTYPE == DType::F32 {
-        crate::maxpool::round_f32(v.to_f64() as f32)
+        super::round_f32(v.to_f64() as f32)
     } else {
         T::from_f64(v.to_f64())
     }
@@ -95,7 +95,7 @@ impl CustomOp1 for GlobalAvgPoolNhwc {
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
         let dims = check(l.dims())?;
-        crate::cuda::avgpool_nhwc_fwd(s, l, dims)
+        crate::cuda::pool::avgpool_nhwc_fwd(s, l, dims)
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
@@ -147,6 +147,6 @@ impl CustomOp1 for GlobalAvgPoolNhwcBackward {
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
         let dims = self.dims(l)?;
-        crate::cuda::avgpool_nhwc_bwd(s, l, dims)
+        crate::cuda::pool::avgpool_nhwc_bwd(s, l, dims)
     }
 }

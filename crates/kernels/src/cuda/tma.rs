@@ -1,0 +1,234 @@
+//! The TMA kernels (tiles x256 / x128 / x64: `kernels/gemm/05_tma_wgmma.cu`, `kernels/conv/05_tma_wgmma.cu`):
+//! tensor maps (tiled and im2col, encoded by the driver), the persistent launch with split-K, and the GEMM on
+//! them. sm_90a only.
+
+use super::common::{splitk_reduce, splitk_workspace, GemmShape};
+use super::i32_of;
+use super::loader::{function, sm_count};
+use crate::geom::GemmLayout;
+use crate::variants::Tile;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaFunction, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
+use candle_core::{DType, Result, WithDType};
+
+/// A CUtensorMap as the kernels take it: 128 opaque bytes by value (`ig::TmaDesc`, a `__grid_constant__`).
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+pub(crate) struct TmaDesc([u64; 16]);
+
+// SAFETY: plain bytes, laid out as the CUtensorMap the driver encoded.
+unsafe impl DeviceRepr for TmaDesc {}
+
+fn tma_dtype(dt: DType, op: &str) -> Result<candle_core::cuda_backend::cudarc::driver::sys::CUtensorMapDataType> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUtensorMapDataType as D;
+    match dt {
+        DType::BF16 => Ok(D::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16),
+        DType::F16 => Ok(D::CU_TENSOR_MAP_DATA_TYPE_FLOAT16),
+        other => candle_core::bail!("{op} (cuda): no TMA path for {other:?}"),
+    }
+}
+
+/// Tensor map of a row-major `outer` x `inner` matrix at device address `ptr` (row stride `inner` elements):
+/// boxes of 64 x `box_outer` elements into 128-byte-swizzled shared memory, zero fill out of bounds.
+pub(crate) fn tma_map(ptr: u64, dt: DType, inner: usize, outer: usize, box_outer: u32, op: &str) -> Result<TmaDesc> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let dtype = tma_dtype(dt, op)?;
+    if (inner * 2) % 16 != 0 || ptr % 16 != 0 {
+        candle_core::bail!("{op} (cuda): TMA operand rows of {inner} elements are not 16-byte aligned");
+    }
+    let dims = [inner.max(1) as u64, outer.max(1) as u64];
+    let strides = [(inner.max(8) * 2) as u64];
+    let boxes = [64u32, box_outer];
+    let elem_strides = [1u32, 1];
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+    // SAFETY: every pointer argument points at an array of the rank (2) the call says, or rank - 1 for strides;
+    // the map is written by the driver before it is read.
+    let r = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            dtype,
+            2,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elem_strides.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        candle_core::bail!("{op} (cuda): cuTensorMapEncodeTiled failed ({r:?}) for a {outer}x{inner} operand");
+    }
+    // SAFETY: initialised by the successful call above.
+    Ok(TmaDesc(unsafe { map.assume_init() }.opaque))
+}
+
+/// Im2col tensor map over the channels-last tensor `dims` = (n, h, w, c) at `ptr`: each copy is a column of
+/// `pixels` output pixels x 64 channels; the windows' top-left corners walk the box [lower, size - 1 + upper]
+/// (per (h, w)) at `stride`, and the filter tap comes with each copy as its im2col offset. For an r x r
+/// convolution with `pad`: lower = -pad, upper = pad - (r - 1). Zero fill outside the tensor.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn tma_im2col_map(
+    ptr: u64,
+    dt: DType,
+    (n, h, w, c): (usize, usize, usize, usize),
+    lower: (i32, i32),
+    upper: (i32, i32),
+    stride: usize,
+    pixels: u32,
+    op: &str,
+) -> Result<TmaDesc> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let dtype = tma_dtype(dt, op)?;
+    if c % 64 != 0 || ptr % 16 != 0 || stride == 0 || stride > 8 {
+        candle_core::bail!("{op} (cuda): no im2col tensor map for c={c} stride={stride}");
+    }
+    let dims = [c as u64, w as u64, h as u64, n as u64];
+    let strides = [(c * 2) as u64, (w * c * 2) as u64, (h * w * c * 2) as u64];
+    let (lower, upper) = ([lower.1, lower.0], [upper.1, upper.0]); // (w, h) order
+    let elem_strides = [1u32, stride as u32, stride as u32, 1];
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+    // SAFETY: dims / elem_strides have rank (4) entries, strides rank - 1, the corners rank - 2; the map is
+    // written by the driver before it is read.
+    let res = unsafe {
+        sys::cuTensorMapEncodeIm2col(
+            map.as_mut_ptr(),
+            dtype,
+            4,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            lower.as_ptr(),
+            upper.as_ptr(),
+            64,
+            pixels,
+            elem_strides.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if res != sys::CUresult::CUDA_SUCCESS {
+        candle_core::bail!("{op} (cuda): cuTensorMapEncodeIm2col failed ({res:?}) for a {n}x{h}x{w}x{c} tensor");
+    }
+    // SAFETY: initialised by the successful call above.
+    Ok(TmaDesc(unsafe { map.assume_init() }.opaque))
+}
+
+/// The im2col corners (lower, upper) of an r x r convolution with `pad` (same for h and w).
+pub(crate) fn conv_corners(r: usize, pad: usize) -> ((i32, i32), (i32, i32)) {
+    let (lo, up) = (-(pad as i32), pad as i32 - (r as i32 - 1));
+    ((lo, lo), (up, up))
+}
+
+/// Split-K of the TMA kernels: one k-split while the tiles alone give half a wave of blocks, else as many splits
+/// as fit the SMs in one wave, each at least 2 k-tiles deep (4 left the FC layer's grad-input, 1 x 32 tiles of
+/// 128 x 64 with K = 1000, at 3 splits on 96 of 132 SMs). Returns (k_split, splits).
+fn tma_split(tile: Tile, m: usize, n: usize, k: usize, sms: usize) -> (usize, usize) {
+    let tiles = m.div_ceil(tile.bm) * n.div_ceil(tile.bn);
+    let want = if 2 * tiles >= sms { 1 } else { (sms / tiles.max(1)).min(k / (2 * tile.bk)).max(1) };
+    let k_split = k.div_ceil(want).div_ceil(tile.bk).max(1) * tile.bk;
+    (k_split, k.div_ceil(k_split).max(1))
+}
+
+/// One launch of a TMA kernel `f` (tile x256, x128 or x64) over the m x n x k problem described by the tensor maps:
+/// the persistent grid, split-K through an FP32 workspace and gemm_splitk_reduce (which then adds the bias).
+/// `base` carries the convolution geometry (zero for matmuls); c is m x n row-major when `plain_c` (else the
+/// kernel places the rows itself, without split-K).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
+    dev: &CudaDevice,
+    tile: Tile,
+    f: &CudaFunction,
+    (ma, mb): (&TmaDesc, &TmaDesc),
+    (m, n, k): (usize, usize, usize),
+    base: GemmShape,
+    c: &CudaView<T>,
+    bias: Option<&CudaView<T>>,
+    plain_c: bool,
+    op: &str,
+) -> Result<()> {
+    let sms = sm_count(dev)?;
+    // Split-K and the TMA store need C to be the plain row-major m x n matrix (not the strided grad-input's
+    // scattered rows).
+    let (k_split, splits) =
+        if plain_c { tma_split(tile, m, n, k, sms) } else { (k.div_ceil(tile.bk).max(1) * tile.bk, 1) };
+    let split = splits > 1;
+    if split {
+        i32_of(splits * m * n, op, "split-K workspace")?;
+    }
+    let stream = dev.cuda_stream();
+    let (pc, gc) = c.device_ptr(&stream);
+    // Without split-K the kernel stores a plain C through a tensor map (16-byte rows needed: N % 8 == 0).
+    let tma_c = plain_c && !split && n % 8 == 0 && pc % 16 == 0;
+    let mc = if tma_c { tma_map(pc, T::DTYPE, n, m, 64, op)? } else { TmaDesc([0; 16]) };
+    drop(gc);
+    let sh = GemmShape {
+        m: i32_of(m, op, "M")?,
+        n: i32_of(n, op, "N")?,
+        k: i32_of(k, op, "K")?,
+        ldc: i32_of(n, op, "N")?,
+        k_split: i32_of(k_split, op, "k_split")?,
+        has_bias: bias.is_some() as i32,
+        tma_c: tma_c as i32,
+        ..base
+    };
+    let units = m.div_ceil(tile.bm) * n.div_ceil(tile.bn) * splits;
+    let cfg = LaunchConfig {
+        grid_dim: (units.min(sms).max(1) as u32, 1, 1),
+        block_dim: (tile.threads, 1, 1),
+        shared_mem_bytes: tile.smem,
+    };
+    let ws = splitk_workspace(dev, split.then_some(splits * m * n))?;
+    let mut bld = stream.launch_builder(f);
+    bld.arg(ma).arg(mb).arg(&mc).arg(c).arg(&*ws);
+    match bias {
+        Some(v) => bld.arg(v),
+        None => bld.arg(c), // never read: has_bias = 0
+    };
+    bld.arg(&sh);
+    // SAFETY: (map A, map B, map C, c, ws, bias, shape) as the x256 / x128 / x64 kernels take them; the maps cover exactly
+    // the operands of the m x n x k problem and c (read by the kernel only when tma_c), c holds m*n elements, ws
+    // splits*m*n when split.
+    unsafe { bld.launch(cfg) }.w()?;
+    if split {
+        splitk_reduce(dev, &ws, c, bias, (m, n, splits), op)?;
+    }
+    Ok(())
+}
+
+/// C (m x n) = A B in `layout` on a TMA tile, plus `bias` (length n) when given. The operands must be contiguous
+/// and 16-byte aligned with rows of a multiple of 8 elements (the `vec` condition of the other kernels).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn tma_gemm<T: CudaDType + DeviceRepr + WithDType>(
+    dev: &CudaDevice,
+    tile: Tile,
+    layout: GemmLayout,
+    (m, n, k): (usize, usize, usize),
+    a: &CudaView<T>,
+    b: &CudaView<T>,
+    c: &CudaView<T>,
+    bias: Option<&CudaView<T>>,
+    op: &str,
+) -> Result<()> {
+    let sfx = super::suffix(T::DTYPE, op)?;
+    let stream = dev.cuda_stream();
+    let (pa, ga) = a.device_ptr(&stream);
+    let (pb, gb) = b.device_ptr(&stream);
+    let (dt, bn) = (T::DTYPE, tile.bn as u32);
+    let (ma, mb, tag) = match layout {
+        GemmLayout::Nt => (tma_map(pa, dt, k, m, 128, op)?, tma_map(pb, dt, k, n, bn, op)?, "nt"),
+        GemmLayout::Nn => (tma_map(pa, dt, k, m, 128, op)?, tma_map(pb, dt, n, k, 64, op)?, "nn"),
+        GemmLayout::Tn => (tma_map(pa, dt, m, k, 64, op)?, tma_map(pb, dt, n, k, 64, op)?, "tn"),
+    };
+    let f = function(dev, tile.gemm_module, &format!("gemm_{tag}_{}_vec_{sfx}", tile.name), tile.smem)?;
+    tma_run(dev, tile, &f, (&ma, &mb), (m, n, k), GemmShape::default(), c, bias, true, op)?;
+    drop((ga, gb));
+    Ok(())
+}

@@ -1,0 +1,343 @@
+//! Channels-last (NHWC) convolution: implicit-GEMM tensor-core kernels on CUDA for BF16/FP16 (forward,
+//! grad-input and grad-weight, launchers in [`crate::cuda::conv`]), candle's convolution through permutes
+//! elsewhere (CPU, FP32): that path is also the reference the kernels are tested against.
+//!
+//! Layouts: activations x (n, h, w, c), weights (k, r, s, c) ("KRSC": output channel, kernel row, kernel column,
+//! input channel), outputs (n, p, q, k). The model keeps its FP32 master weights in torchvision's (k, c, r, s)
+//! order and permutes the low-precision copy it makes each step.
+
+use super::conv::conv2d;
+#[cfg(feature = "cuda")]
+use super::conv::{conv2d_grad_input, Conv2dParams};
+#[cfg(feature = "cuda")]
+use crate::geom::ConvGeom;
+use crate::policy::{ConvImpl, KernelPolicy};
+use candle_core::{DType, Result, Tensor};
+
+fn check_nhwc(x: &Tensor, w: &Tensor, stride: usize, padding: usize) -> Result<()> {
+    let (_, h, wd, c) = x.dims4()?;
+    let (_, r, s, wc) = w.dims4()?;
+    if wc != c || r != s {
+        candle_core::bail!(
+            "conv2d_nhwc: weight {:?} does not match input {:?} (expected (k, r, r, {c}))",
+            w.dims(),
+            x.dims()
+        );
+    }
+    if stride == 0 || h + 2 * padding < r || wd + 2 * padding < s {
+        candle_core::bail!(
+            "conv2d_nhwc: input {:?} too small for a {r}x{s} kernel (stride {stride}, padding {padding})",
+            x.dims()
+        );
+    }
+    if x.dtype() != w.dtype() {
+        candle_core::bail!("conv2d_nhwc: input is {:?} but weight is {:?}", x.dtype(), w.dtype());
+    }
+    Ok(())
+}
+
+/// Whether our kernels run this input (CUDA, BF16/FP16).
+pub fn kernels_apply(x: &Tensor) -> bool {
+    x.device().is_cuda() && matches!(x.dtype(), DType::BF16 | DType::F16)
+}
+
+/// Convolution over channels-last tensors with backward. x: (n, h, w, c), w: (k, r, r, c) -> (n, p, q, k).
+/// Our kernels on CUDA in BF16/FP16 (tiles as `policy.tuning` picks), the reference elsewhere.
+pub fn conv2d_nhwc(x: &Tensor, w: &Tensor, stride: usize, padding: usize, policy: &KernelPolicy) -> Result<Tensor> {
+    check_nhwc(x, w, stride, padding)?;
+    #[cfg(feature = "cuda")]
+    if kernels_apply(x) {
+        return cuda_ops::conv2d_nhwc(x, w, stride, padding, policy);
+    }
+    let _ = policy;
+    conv2d_nhwc_reference(x, w, stride, padding)
+}
+
+/// The same convolution through candle's NCHW conv2d and permutes (differentiable): the CPU path and the
+/// reference the CUDA kernels are tested against.
+pub fn conv2d_nhwc_reference(x: &Tensor, w: &Tensor, stride: usize, padding: usize) -> Result<Tensor> {
+    let xn = x.permute((0, 3, 1, 2))?.contiguous()?;
+    let wn = w.permute((0, 3, 1, 2))?.contiguous()?;
+    conv2d(&xn, &wn, stride, padding, ConvImpl::FwdConv)?.permute((0, 2, 3, 1))?.contiguous()
+}
+
+/// Forward pass without an autograd graph (the explicit training step): our kernels on CUDA in BF16/FP16, the
+/// reference elsewhere. x: (n, h, w, c), w: (k, r, r, c) -> (n, p, q, k).
+pub fn conv2d_nhwc_forward(x: &Tensor, w: &Tensor, stride: usize, pad: usize, policy: &KernelPolicy) -> Result<Tensor> {
+    check_nhwc(x, w, stride, pad)?;
+    #[cfg(feature = "cuda")]
+    if kernels_apply(x) {
+        return cuda_ops::conv_nhwc_fwd(x, w, stride, pad, policy);
+    }
+    let _ = policy;
+    conv2d_nhwc_reference(&x.detach(), &w.detach(), stride, pad)
+}
+
+/// Grad-input of [`conv2d_nhwc_forward`]: dy (n, p, q, k), w (k, r, r, c) -> dx (n, h, w, c) for an input of
+/// `in_hw`. Our kernels on CUDA in BF16/FP16; elsewhere candle's forward convolutions
+/// ([`super::conv::conv2d_grad_input`]) through permutes.
+pub fn conv2d_nhwc_grad_input(
+    dy: &Tensor,
+    w: &Tensor,
+    stride: usize,
+    pad: usize,
+    in_hw: (usize, usize),
+    policy: &KernelPolicy,
+) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if kernels_apply(dy) {
+        return cuda_ops::conv_nhwc_dgrad(dy, w, stride, pad, in_hw, policy);
+    }
+    let _ = policy;
+    let dyn_ = dy.detach().permute((0, 3, 1, 2))?.contiguous()?;
+    let wn = w.detach().permute((0, 3, 1, 2))?.contiguous()?;
+    let p = super::conv::Conv2dParams { stride, padding: pad };
+    super::conv::conv2d_grad_input(&dyn_, &wn, p, in_hw)?.permute((0, 2, 3, 1))?.contiguous()
+}
+
+/// Grad-weight of [`conv2d_nhwc_forward`]: dy (n, p, q, k), x (n, h, w, c) -> dw (k, r, r, c). Our kernels on
+/// CUDA in BF16/FP16; elsewhere candle's forward convolutions ([`super::conv::conv2d_grad_weight`]).
+pub fn conv2d_nhwc_grad_weight(
+    dy: &Tensor,
+    x: &Tensor,
+    r: usize,
+    stride: usize,
+    pad: usize,
+    policy: &KernelPolicy,
+) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if kernels_apply(dy) {
+        return cuda_ops::conv_nhwc_wgrad(dy, x, r, stride, pad, policy);
+    }
+    let _ = policy;
+    let dyn_ = dy.detach().permute((0, 3, 1, 2))?.contiguous()?;
+    let xn = x.detach().permute((0, 3, 1, 2))?.contiguous()?;
+    let p = super::conv::Conv2dParams { stride, padding: pad };
+    super::conv::conv2d_grad_weight(&xn, &dyn_, p, r)?.permute((0, 2, 3, 1))?.contiguous()
+}
+
+/// Grad-input through candle's NCHW convolutions and permutes: channel counts the vectorised kernels cannot take
+/// (the 3-channel stem, whose input needs no gradient in a model).
+#[cfg(feature = "cuda")]
+fn dgrad_reference(dy: &Tensor, w: &Tensor, g: ConvGeom) -> Result<Tensor> {
+    let dyn_ = dy.permute((0, 3, 1, 2))?.contiguous()?;
+    let wn = w.permute((0, 3, 1, 2))?.contiguous()?;
+    let p = Conv2dParams { stride: g.stride, padding: g.pad };
+    conv2d_grad_input(&dyn_, &wn, p, (g.h, g.w))?.permute((0, 2, 3, 1))?.contiguous()
+}
+
+#[cfg(feature = "cuda")]
+pub use cuda_ops::{conv_nhwc_dgrad, conv_nhwc_fwd, conv_nhwc_wgrad};
+
+/// The candle ops over the CUDA launchers.
+#[cfg(feature = "cuda")]
+mod cuda_ops {
+    use super::{dgrad_reference, kernels_apply};
+    use crate::cuda::conv::{conv_storage, wgrad_transposed, ConvLaunch};
+    use crate::cuda::im2col::im2col_applies;
+    use crate::geom::{ConvGeom, ConvPass};
+    use crate::ops::aligned;
+    use crate::policy::{KernelPolicy, Tuning};
+    use candle_core::{CpuStorage, CudaStorage, CustomOp2, Layout, Result, Shape, Tensor};
+
+    /// One pass of a channels-last convolution as a candle op (no backward of its own; [`ConvNhwc`] has the
+    /// backward of the forward pass). Fwd: (x, w) -> y. Dgrad: (dy, w) -> dx. Wgrad: (dy, x) -> dw.
+    #[derive(Debug, Clone)]
+    struct ConvOp {
+        geom: ConvGeom,
+        pass: ConvPass,
+        /// Grad-weight only: compute dw^T, shape (r, r, c, ko) (see [`wgrad_transposed`]).
+        transposed: bool,
+        tuning: Tuning,
+        im2col_budget: usize,
+    }
+
+    impl ConvOp {
+        fn new(geom: ConvGeom, pass: ConvPass, policy: &KernelPolicy) -> Self {
+            Self { geom, pass, transposed: false, tuning: policy.tuning.clone(), im2col_budget: policy.im2col_budget }
+        }
+        fn launch(&self) -> ConvLaunch<'_> {
+            ConvLaunch {
+                geom: self.geom,
+                pass: self.pass,
+                transposed: self.transposed,
+                tuning: &self.tuning,
+                im2col_budget: self.im2col_budget,
+            }
+        }
+    }
+
+    impl CustomOp2 for ConvOp {
+        fn name(&self) -> &'static str {
+            self.launch().op_name()
+        }
+        fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+            candle_core::bail!("{} runs on CUDA only (the CPU path is conv2d_nhwc_reference)", self.name())
+        }
+        fn cuda_fwd(
+            &self,
+            s1: &CudaStorage,
+            l1: &Layout,
+            s2: &CudaStorage,
+            l2: &Layout,
+        ) -> Result<(CudaStorage, Shape)> {
+            conv_storage(&self.launch(), s1, l1, s2, l2)
+        }
+    }
+
+    /// The differentiable forward op: (x, w) -> y, backward through the grad-input and grad-weight passes.
+    #[derive(Debug, Clone)]
+    struct ConvNhwc {
+        fwd: ConvOp,
+        policy: KernelPolicy,
+    }
+
+    impl CustomOp2 for ConvNhwc {
+        fn name(&self) -> &'static str {
+            "conv2d_nhwc"
+        }
+        fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+            self.fwd.cpu_fwd(s1, l1, s2, l2)
+        }
+        fn cuda_fwd(
+            &self,
+            s1: &CudaStorage,
+            l1: &Layout,
+            s2: &CudaStorage,
+            l2: &Layout,
+        ) -> Result<(CudaStorage, Shape)> {
+            self.fwd.cuda_fwd(s1, l1, s2, l2)
+        }
+        fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+            let dy = aligned(&dy.to_dtype(x.dtype())?)?;
+            let g = self.fwd.geom;
+            let dx = if x.track_op() { Some(dgrad_geom(&dy, w, g, &self.policy)?) } else { None };
+            let dw = if w.track_op() { Some(wgrad_geom(&dy, x, g, &self.policy)?) } else { None };
+            Ok((dx, dw))
+        }
+    }
+
+    fn geom_of(x: &Tensor, w: &Tensor, stride: usize, pad: usize) -> Result<ConvGeom> {
+        let (n, h, wd, c) = x.dims4()?;
+        let (ko, r, _, _) = w.dims4()?;
+        Ok(ConvGeom { n, h, w: wd, c, ko, r, stride, pad })
+    }
+
+    fn dgrad_geom(dy: &Tensor, w: &Tensor, g: ConvGeom, policy: &KernelPolicy) -> Result<Tensor> {
+        if g.c % 8 != 0 || g.ko % 8 != 0 {
+            return dgrad_reference(dy, w, g);
+        }
+        dy.apply_op2_no_bwd(&aligned(w)?, &ConvOp::new(g, ConvPass::Dgrad, policy))
+    }
+
+    fn wgrad_geom(dy: &Tensor, x: &Tensor, g: ConvGeom, policy: &KernelPolicy) -> Result<Tensor> {
+        let transposed = match dy.device() {
+            candle_core::Device::Cuda(d) => kernels_apply(dy) && wgrad_transposed(d, &g),
+            _ => false,
+        };
+        let op = ConvOp { transposed, ..ConvOp::new(g, ConvPass::Wgrad, policy) };
+        let dw = dy.apply_op2_no_bwd(&aligned(x)?, &op)?;
+        if transposed {
+            dw.permute((3, 0, 1, 2))?.contiguous() // (r, r, c, ko) -> (ko, r, r, c)
+        } else {
+            Ok(dw)
+        }
+    }
+
+    /// Channel counts below this that are not multiples of 8 (the 3-channel stem) are zero-padded up to the next
+    /// multiple of 8 so that the vectorised kernels run them: the extra FLOPs cost far less than element-wise
+    /// loads.
+    const PAD_CHANNELS_BELOW: usize = 64;
+
+    /// Whether `x` (channels-last, convolved to `ko` outputs) takes the explicit im2col path.
+    fn im2col_tensor(x: &Tensor, ko: usize) -> bool {
+        match (x.device(), x.dim(3)) {
+            (candle_core::Device::Cuda(d), Ok(c)) => kernels_apply(x) && im2col_applies(d, c, ko),
+            _ => false,
+        }
+    }
+
+    /// Whether the kernels see `x`'s channels (convolved to `ko` outputs) zero-padded to a multiple of 8: a small
+    /// count that is not one already and does not take the im2col path.
+    fn pads_channels(x: &Tensor, ko: usize) -> Result<bool> {
+        let c = x.dim(3)?;
+        Ok(c % 8 != 0 && c < PAD_CHANNELS_BELOW && !im2col_tensor(x, ko))
+    }
+
+    /// `x` (n, h, w, c) and `w` (ko, r, s, c) with c zero-padded to a multiple of 8 when c is small and not one
+    /// already (same result: the added channels are zero in both); otherwise unchanged.
+    fn pad_channels(x: &Tensor, w: &Tensor) -> Result<(Tensor, Tensor)> {
+        let c = x.dim(3)?;
+        if !pads_channels(x, w.dim(0)?)? {
+            return Ok((x.clone(), w.clone()));
+        }
+        let extra = c.next_multiple_of(8) - c;
+        Ok((x.pad_with_zeros(3, 0, extra)?, w.pad_with_zeros(3, 0, extra)?))
+    }
+
+    /// Differentiable channels-last convolution on our kernels. A small channel count that is not a multiple of 8
+    /// runs through explicit im2col + the TMA GEMM on a wgmma device (fewer than 8 channels: the RGB stem), else
+    /// is zero-padded (autograd narrows the weight gradient back).
+    pub(super) fn conv2d_nhwc(
+        x: &Tensor,
+        w: &Tensor,
+        stride: usize,
+        pad: usize,
+        policy: &KernelPolicy,
+    ) -> Result<Tensor> {
+        let (x, w) = pad_channels(x, w)?;
+        let geom = geom_of(&x, &w, stride, pad)?;
+        let x = aligned(&x)?;
+        let w = aligned(&w)?;
+        x.apply_op2(&w, ConvNhwc { fwd: ConvOp::new(geom, ConvPass::Fwd, policy), policy: policy.clone() })
+    }
+
+    /// Forward pass only (benchmarks, tests); pads small channel counts as [`conv2d_nhwc`] does.
+    pub fn conv_nhwc_fwd(x: &Tensor, w: &Tensor, stride: usize, pad: usize, policy: &KernelPolicy) -> Result<Tensor> {
+        let (x, w) = pad_channels(x, w)?;
+        let geom = geom_of(&x, &w, stride, pad)?;
+        aligned(&x)?.apply_op2_no_bwd(&aligned(&w)?, &ConvOp::new(geom, ConvPass::Fwd, policy))
+    }
+
+    /// Grad-input: dy (n, p, q, ko), w (ko, r, r, c) -> dx (n, h, w, c) for an input of `in_hw`.
+    pub fn conv_nhwc_dgrad(
+        dy: &Tensor,
+        w: &Tensor,
+        stride: usize,
+        pad: usize,
+        in_hw: (usize, usize),
+        policy: &KernelPolicy,
+    ) -> Result<Tensor> {
+        let (n, _, _, ko) = dy.dims4()?;
+        let (_, r, _, c) = w.dims4()?;
+        let geom = ConvGeom { n, h: in_hw.0, w: in_hw.1, c, ko, r, stride, pad };
+        dgrad_geom(&aligned(dy)?, w, geom, policy)
+    }
+
+    /// Grad-weight: dy (n, p, q, ko), x (n, h, w, c) -> dw (ko, r, r, c); small channel counts take the im2col
+    /// path or are padded for the kernel (as in [`conv2d_nhwc`]) and the result narrowed back.
+    pub fn conv_nhwc_wgrad(
+        dy: &Tensor,
+        x: &Tensor,
+        r: usize,
+        stride: usize,
+        pad: usize,
+        policy: &KernelPolicy,
+    ) -> Result<Tensor> {
+        let c0 = x.dim(3)?;
+        let x = if pads_channels(x, dy.dim(3)?)? {
+            x.pad_with_zeros(3, 0, c0.next_multiple_of(8) - c0)?
+        } else {
+            x.clone()
+        };
+        let (n, h, w, c) = x.dims4()?;
+        let ko = dy.dim(3)?;
+        let geom = ConvGeom { n, h, w, c, ko, r, stride, pad };
+        let dw = wgrad_geom(&aligned(dy)?, &x, geom, policy)?;
+        if c == c0 {
+            Ok(dw)
+        } else {
+            dw.narrow(3, 0, c0)?.contiguous()
+        }
+    }
+}

@@ -1,0 +1,301 @@
+//! Kernel choice as a value. A [`KernelPolicy`] says which convolution and matmul run and how the tensor-core
+//! kernels pick their tile; it travels with the model's config into every forward (the way the activation layout
+//! does), so two models, tests or benchmarks in one process can run different choices side by side.
+
+use crate::variants::{tile_by_name, Tile};
+use candle_core::DType;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// Which convolution the model runs, as configured (`kernels.conv`); [`ConvChoice::resolve`] turns "auto" into
+/// an implementation for a device and dtype.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ConvChoice {
+    /// The custom kernels where they apply (CUDA, bf16/fp16), else [`ConvImpl::FwdConv`].
+    Auto,
+    FwdConv,
+    Candle,
+    Custom,
+}
+
+/// The convolution a model runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ConvImpl {
+    /// candle's conv2d with a backward through forward convs only (`ops::conv`).
+    FwdConv,
+    /// candle's conv2d with candle's own backward (conv_transpose2d for grad-input): the baseline.
+    Candle,
+    /// Our implicit-GEMM tensor-core kernels over channels-last activations (`ops::conv_nhwc`); the model runs
+    /// NHWC end to end. On the CPU and in FP32 the same op is computed by candle's conv through permutes.
+    Custom,
+}
+
+impl ConvImpl {
+    pub fn name(self) -> &'static str {
+        match self {
+            ConvImpl::FwdConv => "fwdconv",
+            ConvImpl::Candle => "candle",
+            ConvImpl::Custom => "custom",
+        }
+    }
+}
+
+impl ConvChoice {
+    /// The implementation for a model on a CUDA device (`cuda`) or the CPU, computing in `dtype`.
+    pub fn resolve(self, cuda: bool, dtype: DType) -> ConvImpl {
+        match self {
+            ConvChoice::Auto if cuda && low_precision(dtype) => ConvImpl::Custom,
+            ConvChoice::Auto => ConvImpl::FwdConv,
+            ConvChoice::FwdConv => ConvImpl::FwdConv,
+            ConvChoice::Candle => ConvImpl::Candle,
+            ConvChoice::Custom => ConvImpl::Custom,
+        }
+    }
+}
+
+/// Which matmul `fc` runs, as configured (`kernels.matmul`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MatmulChoice {
+    /// Our GEMM where it applies (CUDA, bf16/fp16), else cuBLAS / candle's matmul.
+    Auto,
+    Cublas,
+    Custom,
+}
+
+/// The matmul of `fc`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MatmulImpl {
+    /// candle's matmul (cuBLAS on CUDA, gemm on the CPU).
+    Cublas,
+    /// Our tensor-core GEMM with the bias add fused into its epilogue (CUDA, BF16/FP16; candle's matmul
+    /// otherwise).
+    Custom,
+}
+
+impl MatmulImpl {
+    pub fn name(self) -> &'static str {
+        match self {
+            MatmulImpl::Cublas => "cublas",
+            MatmulImpl::Custom => "custom",
+        }
+    }
+}
+
+impl MatmulChoice {
+    pub fn resolve(self, cuda: bool, dtype: DType) -> MatmulImpl {
+        match self {
+            MatmulChoice::Auto if cuda && low_precision(dtype) => MatmulImpl::Custom,
+            MatmulChoice::Auto => MatmulImpl::Cublas,
+            MatmulChoice::Cublas => MatmulImpl::Cublas,
+            MatmulChoice::Custom => MatmulImpl::Custom,
+        }
+    }
+}
+
+fn low_precision(dt: DType) -> bool {
+    matches!(dt, DType::BF16 | DType::F16)
+}
+
+/// How a tensor-core launch picks its tile.
+#[derive(Debug, Clone)]
+pub enum Tuning {
+    /// A fixed rule of shape and SM count (no timing).
+    Heuristic,
+    /// The first launch of each (op, shape, dtype) on a GPU model times every tile and keeps the fastest.
+    Autotune(Arc<Autotuner>),
+    /// One tile for every launch that can take it (benchmarks and tests); scalar (unaligned) shapes still run
+    /// `t64`, and a TMA tile falls back to `w256` / `w128` on the passes the TMA kernels do not run.
+    Forced(Tile),
+}
+
+/// Default byte budget of the explicit-im2col buffer of few-channel convolutions (the RGB stem).
+pub const IM2COL_BUDGET: usize = 1 << 30;
+
+/// Which kernels run, passed with every op call that has a choice.
+#[derive(Debug, Clone)]
+pub struct KernelPolicy {
+    pub conv: ConvImpl,
+    pub matmul: MatmulImpl,
+    pub tuning: Tuning,
+    /// Byte budget of the im2col buffer of the few-channel path (whole images per chunk, at least one).
+    pub im2col_budget: usize,
+    /// Testing aid: channels-last training-mode BatchNorm runs the fused op on the CPU too (its reference
+    /// implementation) instead of composing candle ops.
+    pub fused_batchnorm_on_cpu: bool,
+}
+
+impl Default for KernelPolicy {
+    /// candle's convolution with the forward-conv backward, candle's matmul, heuristic tiles.
+    fn default() -> Self {
+        Self {
+            conv: ConvImpl::FwdConv,
+            matmul: MatmulImpl::Cublas,
+            tuning: Tuning::Heuristic,
+            im2col_budget: IM2COL_BUDGET,
+            fused_batchnorm_on_cpu: false,
+        }
+    }
+}
+
+impl KernelPolicy {
+    /// Our convolutions and GEMM (channels-last), tiles by heuristic.
+    pub fn custom() -> Self {
+        Self { conv: ConvImpl::Custom, matmul: MatmulImpl::Custom, ..Self::default() }
+    }
+    /// The same policy with another tuning.
+    pub fn with_tuning(self, tuning: Tuning) -> Self {
+        Self { tuning, ..self }
+    }
+    /// Whether models under this policy run channels-last (the custom convolutions are NHWC).
+    pub fn channels_last(&self) -> bool {
+        self.conv == ConvImpl::Custom
+    }
+    /// One line for logs: `conv custom, matmul custom, tiles autotuned (cache: PATH)`.
+    pub fn describe(&self) -> String {
+        let tiles = match &self.tuning {
+            Tuning::Heuristic => "tiles by heuristic".to_string(),
+            Tuning::Forced(t) => format!("tile {} forced", t.name),
+            Tuning::Autotune(a) => match a.file() {
+                Some(p) => format!("tiles autotuned (cache {})", p.display()),
+                None => "tiles autotuned (in memory)".to_string(),
+            },
+        };
+        format!("conv {}, matmul {}, {tiles}", self.conv.name(), self.matmul.name())
+    }
+}
+
+/// Errors of the autotune cache file.
+#[derive(Debug, thiserror::Error)]
+pub enum TuneCacheError {
+    #[error("autotune cache {path}: line {line} is not `GPU<TAB>op and shape<TAB>tile` with a known tile")]
+    Malformed { path: String, line: usize },
+    #[error("autotune cache {path}: {msg}")]
+    Io { path: String, msg: String },
+}
+
+/// The autotuner's memory: the chosen tile per (GPU name, op and shape), optionally persisted to a
+/// tab-separated file so that a shape is timed once per GPU model, not once per process.
+#[derive(Debug, Default)]
+pub struct Autotuner {
+    file: Option<PathBuf>,
+    choices: Mutex<HashMap<String, Tile>>,
+    warned: AtomicBool,
+}
+
+impl Autotuner {
+    /// Choices in memory only.
+    pub fn in_memory() -> Self {
+        Self::default()
+    }
+
+    /// Choices kept in `path` (`GPU name<TAB>op and shape<TAB>tile` per line): read now (choices for other GPUs
+    /// are kept but unused), and every new choice appended. A missing file is created on the first append; an
+    /// unreadable or malformed one is an error naming it.
+    pub fn with_file(path: &Path) -> Result<Self, TuneCacheError> {
+        let mut choices = HashMap::new();
+        match std::fs::read_to_string(path) {
+            Ok(text) => {
+                for (i, line) in text.lines().enumerate() {
+                    let f: Vec<&str> = line.split('\t').collect();
+                    let tile = match f.as_slice() {
+                        [_, _, t] => tile_by_name(t),
+                        _ => None,
+                    };
+                    let Some(tile) = tile else {
+                        return Err(TuneCacheError::Malformed { path: path.display().to_string(), line: i + 1 });
+                    };
+                    choices.insert(format!("{}\t{}", f[0], f[1]), tile);
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(TuneCacheError::Io { path: path.display().to_string(), msg: e.to_string() }),
+        }
+        Ok(Self { file: Some(path.to_path_buf()), choices: Mutex::new(choices), warned: AtomicBool::new(false) })
+    }
+
+    pub fn file(&self) -> Option<&Path> {
+        self.file.as_deref()
+    }
+
+    /// The remembered tile of `key` (`GPU name<TAB>op and shape`).
+    pub fn get(&self, key: &str) -> Option<Tile> {
+        self.choices.lock().unwrap_or_else(|e| e.into_inner()).get(key).copied()
+    }
+
+    /// Remembers a choice and appends it to the file (best effort: a failure is reported once and tuning goes on
+    /// in memory).
+    pub fn insert(&self, key: String, tile: Tile) {
+        if let Some(path) = &self.file {
+            let res = (|| -> std::io::Result<()> {
+                use std::io::Write;
+                if let Some(dir) = path.parent() {
+                    std::fs::create_dir_all(dir)?;
+                }
+                let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
+                writeln!(f, "{key}\t{}", tile.name)
+            })();
+            if let Err(e) = res {
+                if !self.warned.swap(true, Ordering::Relaxed) {
+                    eprintln!("warning: autotune cache {}: {e}; choices stay in memory", path.display());
+                }
+            }
+        }
+        self.choices.lock().unwrap_or_else(|e| e.into_inner()).insert(key, tile);
+    }
+
+    /// The choices so far: (GPU and op and shape, tile name), sorted.
+    pub fn choices(&self) -> Vec<(String, &'static str)> {
+        let mut v: Vec<_> =
+            self.choices.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|(k, t)| (k.clone(), t.name)).collect();
+        v.sort();
+        v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::variants::{X256, X64};
+
+    #[test]
+    fn auto_resolves_by_device_and_dtype() {
+        for dt in [DType::BF16, DType::F16] {
+            assert_eq!(ConvChoice::Auto.resolve(true, dt), ConvImpl::Custom);
+            assert_eq!(MatmulChoice::Auto.resolve(true, dt), MatmulImpl::Custom);
+            assert_eq!(ConvChoice::Auto.resolve(false, dt), ConvImpl::FwdConv);
+            assert_eq!(MatmulChoice::Auto.resolve(false, dt), MatmulImpl::Cublas);
+        }
+        assert_eq!(ConvChoice::Auto.resolve(true, DType::F32), ConvImpl::FwdConv);
+        assert_eq!(MatmulChoice::Auto.resolve(true, DType::F32), MatmulImpl::Cublas);
+        assert_eq!(ConvChoice::Candle.resolve(true, DType::BF16), ConvImpl::Candle);
+        assert_eq!(ConvChoice::Custom.resolve(false, DType::F32), ConvImpl::Custom);
+        assert_eq!(MatmulChoice::Custom.resolve(false, DType::F32), MatmulImpl::Custom);
+        assert!(KernelPolicy::custom().channels_last() && !KernelPolicy::default().channels_last());
+    }
+
+    #[test]
+    fn autotune_cache_round_trip_and_errors() {
+        let dir = std::env::temp_dir().join(format!("kernels-tune-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let path = dir.join("sub").join("tune.tsv");
+        let a = Autotuner::with_file(&path).unwrap();
+        assert!(a.choices().is_empty());
+        a.insert("H200\tconv fwd 1".into(), X256);
+        a.insert("H200\tmatmul nt 2".into(), X64);
+        let b = Autotuner::with_file(&path).unwrap();
+        assert_eq!(b.get("H200\tconv fwd 1"), Some(X256));
+        assert_eq!(b.choices().len(), 2);
+        std::fs::write(&path, "H200\tconv\tt999\n").unwrap();
+        let e = Autotuner::with_file(&path).unwrap_err().to_string();
+        assert!(e.contains("line 1") && e.contains(&path.display().to_string()), "{e}");
+        let e = Autotuner::with_file(&dir).unwrap_err().to_string();
+        assert!(e.contains("autotune cache"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+        let policy = KernelPolicy::custom().with_tuning(Tuning::Autotune(Arc::new(Autotuner::in_memory())));
+        assert_eq!(policy.describe(), "conv custom, matmul custom, tiles autotuned (in memory)");
+    }
+}

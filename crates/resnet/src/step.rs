@@ -1,0 +1,351 @@
+//! The explicit training step: forward and backward of a channels-last ResNet written out layer by layer,
+//! with no autograd graph. It computes what `cross_entropy(model.forward(x)).backward()` computes (the autograd
+//! path stays the oracle: tests/tests/step.rs and the GPU tests compare the two), but
+//!
+//! - every gradient is written once, by the op that produces it (autograd accumulates each contribution into a
+//!   zero-filled buffer with an add);
+//! - the element-wise work is fused: BatchNorm + ReLU in one pass, the block output's BatchNorm + residual add
+//!   (+ the downsample branch's BatchNorm) + ReLU in one pass ([`kernels::bn_add_relu`]), the ReLU gradient
+//!   joined with the shortcut gradient in one pass ([`kernels::add_relu_grad`]), the inner ReLU masks recomputed
+//!   inside the BatchNorm backward from the saved pre-activation (no masks, no u8 casts);
+//! - the saved activations are exactly the tensors the backward reads, in the activation dtype, each dropped as
+//!   soon as the backward has used it.
+//!
+//! Per bottleneck block, forward: conv1, stats, bn+relu, conv2, stats, bn+relu, conv3, stats, [downsample conv,
+//! stats], bn+add(+bn)+relu. Backward: relu-grad (joined with the next block's shortcut gradient), then per conv
+//! the BatchNorm backward (sums, dx), grad-weight and grad-input.
+//!
+//! Kernels: the ops of the `kernels` crate (our convolutions, BatchNorm, pooling and fused residual kernels on
+//! CUDA in bf16/fp16, their CPU references elsewhere). Buffers are still allocated per op by candle's caching
+//! allocator and the step is not yet captured as a CUDA graph.
+
+use crate::layers::{BatchNorm2d, Conv2d, Linear};
+use crate::model::{Block, ResNet, Stem};
+use crate::Precision;
+use candle_core::{DType, Result, Tensor, TensorId, D};
+use kernels::ops::avgpool::{GlobalAvgPoolNhwc, GlobalAvgPoolNhwcBackward};
+use kernels::ops::batchnorm::{BnApply, BnGrad, BnStats};
+use kernels::ops::maxpool::{MaxPool2dNhwc, MaxPool2dNhwcBackward};
+use kernels::{BnParams, KernelPolicy, MaxPool2d};
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+
+/// What one explicit step returns.
+#[derive(Debug)]
+pub struct StepOutput {
+    /// Mean softmax cross-entropy (with label smoothing) over the batch: f32 scalar, not scaled.
+    pub loss: Tensor,
+    /// Logits (n, classes) in the activation dtype.
+    pub logits: Tensor,
+    /// Gradient of `loss * grad_scale` with respect to every trainable (not frozen) parameter, keyed by the id of
+    /// the parameter's tensor (`var.as_tensor().id()`): FP32 in the parameter's shape.
+    pub grads: HashMap<TensorId, Tensor>,
+}
+
+/// Why the explicit step cannot train `model` in `precision`, or None when it can.
+pub fn unsupported(model: &ResNet, precision: Precision) -> Option<String> {
+    if model.batchnorms().iter().any(|bn| bn.stats_frozen.load(Ordering::Relaxed)) {
+        return Some("it needs BatchNorm batch statistics (finetune.bn_frozen = false)".into());
+    }
+    unsupported_for(model.config.channels_last(), model.device().is_cuda(), precision)
+}
+
+/// [`unsupported`] for a model that would run channels-last (`channels_last`) on CUDA (`cuda`) or the CPU.
+pub fn unsupported_for(channels_last: bool, cuda: bool, precision: Precision) -> Option<String> {
+    if !channels_last {
+        return Some("it needs the channels-last model (kernels.conv = \"custom\", or \"auto\" on CUDA)".into());
+    }
+    if !cuda && precision != Precision::F32 {
+        return Some(format!("on the CPU it runs fp32 only, not {}", precision.as_str()));
+    }
+    None
+}
+
+/// One convolution's low-precision weight in the kernels' (k, r, r, c) layout, with its geometry.
+struct ConvW<'a> {
+    conv: &'a Conv2d,
+    w: Tensor,
+}
+
+impl<'a> ConvW<'a> {
+    fn with(conv: &'a Conv2d, w: Tensor) -> Self {
+        Self { conv, w }
+    }
+}
+
+/// A BatchNorm's forward state kept for its backward.
+struct BnSaved {
+    z: Tensor,
+    stats: Tensor,
+}
+
+/// What a block's backward reads.
+struct BlockSaved {
+    /// Block input (the previous block's output, or the stem's).
+    x: Tensor,
+    /// Pre-BatchNorm conv outputs with their statistics, one per conv.
+    bns: Vec<BnSaved>,
+    /// Post-ReLU activations feeding conv 2.. (inputs of the grad-weight passes).
+    acts: Vec<Tensor>,
+    /// Downsample conv output and statistics.
+    down: Option<BnSaved>,
+    /// Block output (post-ReLU): the mask of its gradient.
+    out: Tensor,
+    /// The convs' low-precision (k, r, r, c) weights made in the forward, reused by the grad-input passes.
+    weights: Vec<Tensor>,
+    down_weight: Option<Tensor>,
+}
+
+struct Engine<'a> {
+    model: &'a ResNet,
+    act: DType,
+    policy: &'a KernelPolicy,
+    grads: HashMap<TensorId, Tensor>,
+}
+
+impl<'a> Engine<'a> {
+    fn weight(&self, conv: &'a Conv2d) -> Result<ConvW<'a>> {
+        let w = conv.weight.var().as_tensor().detach().to_dtype(self.act)?.permute((0, 2, 3, 1))?.contiguous()?;
+        Ok(ConvW { conv, w })
+    }
+
+    fn conv(&self, x: &Tensor, cw: &ConvW) -> Result<Tensor> {
+        kernels::conv2d_nhwc_forward(x, &cw.w, cw.conv.stride, cw.conv.padding, self.policy)
+    }
+
+    /// Records the gradient of a parameter unless it is frozen.
+    fn put(&mut self, p: &crate::Param, g: impl FnOnce() -> Result<Tensor>) -> Result<()> {
+        if !p.is_frozen() {
+            self.grads.insert(p.var().as_tensor().id(), g()?);
+        }
+        Ok(())
+    }
+
+    /// Batch statistics of z, with the running statistics updated (PyTorch's momentum and unbiased variance).
+    fn stats(&self, z: &Tensor, bn: &BatchNorm2d) -> Result<Tensor> {
+        let (n, h, w, _) = z.dims4()?;
+        let count = n * h * w;
+        if count < 2 {
+            candle_core::bail!(
+                "BatchNorm2d in training mode needs more than one value per channel, got input {:?}",
+                z.dims()
+            );
+        }
+        let stats = z.apply_op1_no_bwd(&BnStats { eps: bn.eps })?;
+        bn.update_running(&stats.get(0)?, &stats.get(1)?, count)?;
+        Ok(stats)
+    }
+
+    fn bn_params(bn: &BatchNorm2d, stats: &Tensor) -> BnParams {
+        BnParams {
+            stats: stats.clone(),
+            weight: bn.weight.var().as_tensor().detach(),
+            bias: bn.bias.var().as_tensor().detach(),
+        }
+    }
+
+    /// relu(bn(z)) (or bn(z) without `relu`).
+    fn bn_apply(&self, s: &BnSaved, bn: &BatchNorm2d, relu: bool) -> Result<Tensor> {
+        let p = Self::bn_params(bn, &s.stats);
+        s.z.apply_op3_no_bwd(&p.weight, &p.bias, &BnApply { relu, stats: s.stats.clone() })
+    }
+
+    /// Backward of `[relu](bn(z))` for the gradient g of its output: records dweight, dbias, returns dz.
+    fn bn_backward(&mut self, s: &BnSaved, g: &Tensor, bn: &BatchNorm2d, relu: bool) -> Result<Tensor> {
+        let p = Self::bn_params(bn, &s.stats);
+        let op = BnGrad { relu, stats: p.stats, weight: p.weight, bias: p.bias, sums: None };
+        let sums = s.z.apply_op2_no_bwd(g, &op)?;
+        let dz = s.z.apply_op2_no_bwd(g, &BnGrad { sums: Some(sums.clone()), ..op })?;
+        self.put(&bn.weight, || sums.get(1))?;
+        self.put(&bn.bias, || sums.get(0))?;
+        Ok(dz)
+    }
+
+    /// Grad-weight (recorded, FP32 torchvision layout) and, when `need_dx`, grad-input of a conv.
+    fn conv_backward(&mut self, cw: &ConvW, x: &Tensor, dz: &Tensor, need_dx: bool) -> Result<Option<Tensor>> {
+        let (c, s, p) = (cw.conv, cw.conv.stride, cw.conv.padding);
+        let r = cw.w.dim(1)?;
+        let policy = self.policy;
+        self.put(&c.weight, || {
+            kernels::conv2d_nhwc_grad_weight(dz, x, r, s, p, policy)?
+                .permute((0, 3, 1, 2))?
+                .to_dtype(DType::F32)?
+                .contiguous()
+        })?;
+        if !need_dx {
+            return Ok(None);
+        }
+        let (_, h, w, _) = x.dims4()?;
+        Ok(Some(kernels::conv2d_nhwc_grad_input(dz, &cw.w, s, p, (h, w), self.policy)?))
+    }
+
+    fn block_forward(&self, b: &'a Block, x: Tensor) -> Result<BlockSaved> {
+        let last = b.convs.len() - 1;
+        let (mut bns, mut acts, mut weights) = (Vec::new(), Vec::new(), Vec::new());
+        let mut inp = x.clone();
+        for (i, (conv, bn)) in b.convs.iter().zip(&b.bns).enumerate() {
+            let cw = self.weight(conv)?;
+            let z = self.conv(&inp, &cw)?;
+            weights.push(cw.w);
+            let saved = BnSaved { stats: self.stats(&z, bn)?, z };
+            if i != last {
+                inp = self.bn_apply(&saved, bn, true)?;
+                acts.push(inp.clone());
+            }
+            bns.push(saved);
+        }
+        let main = Self::bn_params(&b.bns[last], &bns[last].stats);
+        let (out, down, down_weight) = match &b.downsample {
+            Some(d) => {
+                let cw = self.weight(&d.conv)?;
+                let zd = self.conv(&x, &cw)?;
+                let saved = BnSaved { stats: self.stats(&zd, &d.bn)?, z: zd };
+                let res = Self::bn_params(&d.bn, &saved.stats);
+                (kernels::bn_add_relu(&bns[last].z, &saved.z, &main, Some(&res))?, Some(saved), Some(cw.w))
+            }
+            None => (kernels::bn_add_relu(&bns[last].z, &x, &main, None)?, None, None),
+        };
+        Ok(BlockSaved { x, bns, acts, down, out, weights, down_weight })
+    }
+
+    /// Backward of a block from the gradient `gp` at its output's pre-ReLU sum: returns the two gradient
+    /// contributions at its input (main path, shortcut), which the caller joins.
+    fn block_backward(&mut self, b: &'a Block, s: BlockSaved, gp: &Tensor) -> Result<(Tensor, Tensor)> {
+        let BlockSaved { x, mut bns, mut acts, down, out, mut weights, down_weight } = s;
+        drop(out);
+        let last = b.convs.len() - 1;
+        // g: gradient at the output of bns[i] (pre-ReLU for the last, post-ReLU for the others).
+        let mut g = gp.clone();
+        let mut gx = None;
+        for i in (0..=last).rev() {
+            let saved = bns.pop().expect("one saved BatchNorm per conv");
+            let dz = self.bn_backward(&saved, &g, &b.bns[i], i != last)?;
+            drop(saved);
+            let cw = ConvW::with(&b.convs[i], weights.pop().expect("one weight per conv"));
+            let input = if i == 0 { x.clone() } else { acts.pop().expect("one saved activation per inner conv") };
+            let dx = self.conv_backward(&cw, &input, &dz, true)?.expect("grad-input requested");
+            if i == 0 {
+                gx = Some(dx);
+            } else {
+                g = dx;
+            }
+        }
+        let gs = match (&b.downsample, down, down_weight) {
+            (Some(d), Some(saved), Some(w)) => {
+                let dz = self.bn_backward(&saved, gp, &d.bn, false)?;
+                self.conv_backward(&ConvW::with(&d.conv, w), &x, &dz, true)?.expect("grad-input requested")
+            }
+            _ => gp.clone(),
+        };
+        Ok((gx.expect("a block has convs"), gs))
+    }
+
+    /// Linear forward, detached: the same kernel the autograd model runs (`kernels::linear`).
+    fn fc_forward(&self, fc: &Linear, x: &Tensor) -> Result<Tensor> {
+        let w = fc.weight.var().as_tensor().detach().to_dtype(self.act)?;
+        let b = fc.bias.var().as_tensor().detach().to_dtype(self.act)?;
+        kernels::linear(x, &w, &b, self.policy)
+    }
+}
+
+/// Softmax cross-entropy with label smoothing `eps` over logits (n, k) f32 and labels (n) u32: the mean loss
+/// (scalar) and its gradient times `scale` ((n, k) f32). Target distribution q = (1 - eps) onehot + eps / k;
+/// loss_i = -sum_j q_j log p_ij; dlogits = (p - q) * scale / n.
+pub fn softmax_cross_entropy(logits: &Tensor, labels: &Tensor, eps: f64, scale: f64) -> Result<(Tensor, Tensor)> {
+    let (n, k) = logits.dims2()?;
+    let m = logits.max_keepdim(D::Minus1)?;
+    let shifted = logits.broadcast_sub(&m)?;
+    let e = shifted.exp()?;
+    let sum = e.sum_keepdim(D::Minus1)?;
+    let logp = shifted.broadcast_sub(&sum.log()?)?;
+    let p = e.broadcast_div(&sum)?;
+    let classes = Tensor::arange(0u32, k as u32, logits.device())?.unsqueeze(0)?;
+    let onehot = labels.to_dtype(DType::U32)?.unsqueeze(1)?.broadcast_eq(&classes)?.to_dtype(DType::F32)?;
+    let q = ((onehot * (1.0 - eps))? + eps / k as f64)?;
+    let loss = ((&q * &logp)?.sum_all()? * (-1.0 / n as f64))?;
+    let grad = ((p - q)? * (scale / n as f64))?;
+    Ok((loss, grad))
+}
+
+impl ResNet {
+    /// One explicit training step (see the module docs): forward in training mode on `x` ((n, 3, h, w), or its
+    /// channels-last view), softmax cross-entropy against `labels` with `label_smoothing`, and the gradients of
+    /// `loss * grad_scale` for every trainable parameter. Updates the BatchNorm running statistics as the
+    /// autograd forward does. Errors with the reason of [`unsupported`] when the model or precision is not
+    /// supported.
+    pub fn train_step_explicit(
+        &self,
+        x: &Tensor,
+        labels: &Tensor,
+        label_smoothing: f64,
+        grad_scale: f64,
+        precision: Precision,
+    ) -> Result<StepOutput> {
+        if let Some(why) = unsupported(self, precision) {
+            candle_core::bail!("explicit training step: {why}");
+        }
+        let policy = self.config.kernels.clone();
+        let mut e = Engine { model: self, act: precision.act_dtype(), policy: &policy, grads: HashMap::new() };
+        let m = e.model;
+        let input = x.detach().to_dtype(e.act)?.permute((0, 2, 3, 1))?.contiguous()?;
+
+        // ----- forward
+        let stem_w = e.weight(&m.conv1)?;
+        let z0 = e.conv(&input, &stem_w)?;
+        let stem = BnSaved { stats: e.stats(&z0, &m.bn1)?, z: z0 };
+        let a0 = e.bn_apply(&stem, &m.bn1, true)?;
+        let pool = MaxPool2d { kernel: 3, stride: 2, padding: 1 };
+        let mut h = match m.config.stem {
+            Stem::ImageNet => a0.apply_op1_no_bwd(&MaxPool2dNhwc(pool))?,
+            Stem::Cifar => a0.clone(),
+        };
+        let blocks: Vec<&Block> = m.stages.iter().flatten().collect();
+        let mut saved = Vec::with_capacity(blocks.len());
+        for b in &blocks {
+            let s = e.block_forward(b, h)?;
+            h = s.out.clone();
+            saved.push(s);
+        }
+        let (_, fh, fw, _) = h.dims4()?;
+        let feats = h.apply_op1_no_bwd(&GlobalAvgPoolNhwc)?;
+        drop(h);
+        let logits = e.fc_forward(&m.fc, &feats)?;
+        let (loss, dlogits) = softmax_cross_entropy(&logits.to_dtype(DType::F32)?, labels, label_smoothing, grad_scale)?;
+
+        // ----- backward: head
+        let dl = dlogits.to_dtype(e.act)?;
+        e.put(&m.fc.weight, || dl.t()?.matmul(&feats)?.to_dtype(DType::F32))?;
+        e.put(&m.fc.bias, || dlogits.sum(0))?;
+        let w_fc = m.fc.weight.var().as_tensor().detach().to_dtype(e.act)?;
+        let dfeat = dl.matmul(&w_fc)?;
+        drop(feats);
+        let g_last = dfeat.apply_op1_no_bwd(&GlobalAvgPoolNhwcBackward { h: fh, w: fw })?;
+
+        // ----- backward: blocks, last to first
+        let last = saved.last().expect("a ResNet has blocks");
+        let mut gp = kernels::relu_grad(&g_last, &last.out)?;
+        let mut g_stem = None;
+        for (i, b) in blocks.iter().enumerate().rev() {
+            let s = saved.pop().expect("one saved state per block");
+            let (gm, gs) = e.block_backward(b, s, &gp)?;
+            if i > 0 {
+                // The block input is the previous block's ReLU output: join and mask in one pass.
+                gp = kernels::add_relu_grad(&gm, &gs, &saved[i - 1].out)?;
+            } else {
+                g_stem = Some((gm + gs)?);
+            }
+        }
+        let g_stem = g_stem.expect("a ResNet has blocks");
+
+        // ----- backward: stem
+        let g_a0 = match m.config.stem {
+            Stem::ImageNet => a0.apply_op2_no_bwd(&g_stem, &MaxPool2dNhwcBackward(pool))?,
+            Stem::Cifar => g_stem,
+        };
+        drop(a0);
+        let dz0 = e.bn_backward(&stem, &g_a0, &m.bn1, true)?;
+        drop(stem);
+        e.conv_backward(&stem_w, &input, &dz0, false)?;
+        Ok(StepOutput { loss, logits, grads: e.grads })
+    }
+}

@@ -1,0 +1,128 @@
+//! Data-parallel foundations (one process per GPU): the launcher's environment, a TCP rendezvous that hands out
+//! the NCCL unique id and watches for failed ranks, `trainer launch`, and each rank's shard of an epoch.
+//! Not yet wired into the training loop (no NCCL all-reduce yet): see README "Multi-GPU (in progress)".
+
+pub mod env;
+pub mod launch;
+pub mod rendezvous;
+pub mod shard;
+
+pub use env::{DistEnv, EnvError, EnvSource};
+pub use launch::{launch, LaunchError, LaunchOptions};
+pub use rendezvous::{rendezvous, Group, Options, RendezvousError, NCCL_UNIQUE_ID_BYTES};
+pub use shard::{shard, shard_batches, steps_per_epoch};
+
+use std::time::Duration;
+
+/// Exit status of a rank that stops because another rank failed (`trainer launch` then names the rank that
+/// failed first on its own, not this one).
+pub const PEER_FAILED_EXIT_CODE: i32 = 75;
+
+/// The process exit status for an error: [`PEER_FAILED_EXIT_CODE`] when it is another rank's failure, else 1.
+pub fn exit_code(e: &anyhow::Error) -> i32 {
+    let peer =
+        e.chain().any(|c| matches!(c.downcast_ref::<RendezvousError>(), Some(RendezvousError::RankFailed { .. })));
+    if peer {
+        PEER_FAILED_EXIT_CODE
+    } else {
+        1
+    }
+}
+
+/// The line to print at the start of a data-parallel run: `train.batch_size` is per GPU and the learning rate
+/// is used as configured (never rescaled behind the user's back).
+pub fn batch_summary(per_gpu: usize, world: usize, grad_accum: usize, lr: f64) -> String {
+    let accum = if grad_accum > 1 { format!(" x {grad_accum} accumulation steps") } else { String::new() };
+    format!(
+        "batch: {per_gpu} per GPU (train.batch_size) x {world} rank(s){accum} = global batch {}; optim.lr = {lr} \
+         as configured (not rescaled for the global batch)",
+        per_gpu * world * grad_accum.max(1)
+    )
+}
+
+/// FNV-1a of a payload: a short fingerprint to compare what each rank received.
+pub fn fingerprint(bytes: &[u8]) -> String {
+    let h = bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
+    format!("{h:016x}")
+}
+
+/// What `trainer dist-check` does (a diagnostic, and the child of the launcher's tests).
+#[derive(Debug, Clone)]
+pub struct CheckOptions {
+    /// Rendezvous and barrier timeout.
+    pub timeout: Duration,
+    /// After the first barrier, how long to watch for failed ranks before the final barrier.
+    pub hold: Duration,
+    /// This rank exits with `exit_code` right after the first barrier, without a goodbye (a crash).
+    pub fail_rank: Option<usize>,
+    pub exit_code: i32,
+    /// These ranks hang after the first barrier (their heartbeats go on: a stuck training loop).
+    pub hang_ranks: Vec<usize>,
+}
+
+/// Rendezvous with a random 128-byte id from rank 0, print what this rank got, barrier, watch, barrier.
+pub fn check(o: &CheckOptions) -> anyhow::Result<()> {
+    let env = DistEnv::from_process_env()?;
+    eprintln!("dist-check: {}", env.describe());
+    let opts = Options { timeout: o.timeout, ..Options::default() };
+    let make_id = || (0..NCCL_UNIQUE_ID_BYTES).map(|_| rand::random::<u8>()).collect();
+    let (id, mut group) = rendezvous(&env, make_id, &opts)?;
+    println!(
+        "dist-check: rank {}/{} local {} node {} payload {} bytes fingerprint {}",
+        env.rank,
+        env.world_size,
+        env.local_rank,
+        env.node_rank.map_or("?".into(), |n| n.to_string()),
+        id.len(),
+        fingerprint(&id)
+    );
+    group.barrier(o.timeout)?;
+    if o.hang_ranks.contains(&env.rank) {
+        eprintln!("dist-check: rank {} hangs (--hang-ranks)", env.rank);
+        loop {
+            std::thread::sleep(Duration::from_secs(3600));
+        }
+    }
+    if o.fail_rank == Some(env.rank) {
+        eprintln!("dist-check: rank {} exits with status {} (--fail-rank)", env.rank, o.exit_code);
+        std::process::exit(o.exit_code);
+    }
+    if let Some(e) = group.wait_failure(o.hold) {
+        return Err(e.into());
+    }
+    group.barrier(o.timeout)?;
+    group.close();
+    println!("dist-check: rank {} ok", env.rank);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batch_summary_states_the_global_batch() {
+        assert_eq!(
+            batch_summary(32, 8, 1, 0.1),
+            "batch: 32 per GPU (train.batch_size) x 8 rank(s) = global batch 256; optim.lr = 0.1 as configured \
+             (not rescaled for the global batch)"
+        );
+        assert!(batch_summary(16, 2, 4, 0.5).contains("x 2 rank(s) x 4 accumulation steps = global batch 128"));
+    }
+
+    #[test]
+    fn another_ranks_failure_exits_with_75() {
+        let peer = anyhow::Error::from(RendezvousError::RankFailed { rank: 1, msg: "gone".into() });
+        assert_eq!(exit_code(&peer), PEER_FAILED_EXIT_CODE);
+        assert_eq!(exit_code(&peer.context("step 3")), PEER_FAILED_EXIT_CODE);
+        let own = anyhow::Error::from(RendezvousError::BarrierTimeout { secs: 1.0, missing: "2".into() });
+        assert_eq!(exit_code(&own), 1);
+        assert_eq!(exit_code(&anyhow::anyhow!("config")), 1);
+    }
+
+    #[test]
+    fn fingerprints_differ() {
+        assert_eq!(fingerprint(&[]), "cbf29ce484222325");
+        assert_ne!(fingerprint(&[1, 2]), fingerprint(&[2, 1]));
+    }
+}

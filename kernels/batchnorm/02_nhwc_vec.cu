@@ -1,0 +1,216 @@
+// Training-mode BatchNorm (+ optional fused ReLU) over channels-last activations, 8 channels per thread.
+// Variant 02 (nhwc_vec): the row passes of 01_nhwc.cu with 16-byte accesses. 01 gives each thread one channel,
+// so a bf16 warp moves 64 bytes per row in 2-byte loads; the ktrace of the explicit ResNet-152 step (2026-12-03)
+// had its five row passes at 35 ms per step, about a third of copy speed. Same arguments, same partial-sum layout
+// (01's finalisers bn_nhwc_{mean,var,bwd_final} reduce these partials), same per-element expressions (bn_pre,
+// the ReLU mask that passes the gradient at a pre-activation of exactly 0), so 01's header describes the math.
+//
+// Needs c % 8 == 0 and G = c / 8 dividing 256 (c = 8 .. 2048 in powers of two: every ResNet width), operands on
+// 16-byte boundaries and per-channel tensors on 16-byte boundaries (the launcher, cuda/bn.rs, checks and falls
+// back to 01 otherwise).
+//
+// Reductions (sum, sqdev, bwd_sum): block of 256 threads, grid (chunks). Thread t owns channel group cg = t % G
+// (channels 8 cg .. 8 cg + 7) and rows r0 + t / G, stepping by 256 / G over the chunk's rows; it accumulates 8 FP32
+// sums in registers, then the threads of one channel group are summed in a fixed order through shared memory and
+// written as part[chunk * c + ch] (bwd_sum: and part[(chunks + chunk) * c + ch]). Deterministic, no atomics.
+// Element-wise passes (apply, bwd_dx): one thread per 8 consecutive elements, grid-stride, 16-byte loads of the
+// per-channel constants.
+//
+// Exported: bn_nhwc_{sum,sqdev,apply,bwd_sum,bwd_dx}_v8_{f32,bf16,f16}.
+
+#include "common.cuh"
+
+#define VB 256
+
+template <typename T>
+struct alignas(sizeof(T) * 8) Vec8 {
+    T v[8];
+};
+
+__device__ __forceinline__ void load8f(const float* __restrict__ p, float (&v)[8]) {
+    const float4 a = *reinterpret_cast<const float4*>(p);
+    const float4 b = *reinterpret_cast<const float4*>(p + 4);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+    v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+
+__device__ __forceinline__ float bn_pre(float x, float mean, float scale, float bias) {
+    return fmaf(x - mean, scale, bias);
+}
+
+// Sums acc[8] of the threads sharing a channel group (fixed order over t / G); threads t < G get the totals.
+__device__ __forceinline__ void group_sum(float (&acc)[8], float* sh, int G) {
+    const int t = threadIdx.x;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) sh[k * VB + t] = acc[k];
+    __syncthreads();
+    if (t < G) {
+        const int rsn = VB / G;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            float s = 0.0f;
+            for (int j = 0; j < rsn; ++j) s += sh[k * VB + j * G + t];
+            acc[k] = s;
+        }
+    }
+    __syncthreads();
+}
+
+// Partial sums of x (SQDEV = false) or of (x - mean)^2 (SQDEV = true) over one chunk of rows.
+template <typename T, bool SQDEV>
+__device__ void bnv_partial(const T* __restrict__ x, const float* __restrict__ stats, float* __restrict__ part,
+                            int64_t rows, int c, int64_t rpc) {
+    __shared__ float sh[8 * VB];
+    const int G = c >> 3, t = threadIdx.x, cg = t % G, rstep = VB / G, ch0 = cg * 8;
+    const int64_t r0 = (int64_t)blockIdx.x * rpc, r1 = min(rows, r0 + rpc);
+    float mean[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if (SQDEV) load8f(stats + ch0, mean);
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t r = r0 + t / G; r < r1; r += rstep) {
+        const Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(x + r * c + ch0);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const float f = to_f32(v.v[k]);
+            if (SQDEV) {
+                const float d = f - mean[k];
+                acc[k] = fmaf(d, d, acc[k]);
+            } else {
+                acc[k] += f;
+            }
+        }
+    }
+    group_sum(acc, sh, G);
+    if (t < G) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) part[(int64_t)blockIdx.x * c + ch0 + k] = acc[k];
+    }
+}
+
+// Per-channel constants of channels ch0 .. ch0 + 7.
+struct Consts {
+    float mean[8], invstd[8], scale[8], shift[8];
+};
+
+__device__ __forceinline__ Consts load_consts(const float* __restrict__ stats, const float* __restrict__ weight,
+                                              const float* __restrict__ bias, int c, int ch0) {
+    Consts k;
+    float w[8];
+    load8f(stats + ch0, k.mean);
+    load8f(stats + 2 * c + ch0, k.invstd);
+    load8f(weight + ch0, w);
+    load8f(bias + ch0, k.shift);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) k.scale[j] = k.invstd[j] * w[j];
+    return k;
+}
+
+template <typename T>
+__device__ void bnv_apply(const T* __restrict__ x, const float* __restrict__ stats, const float* __restrict__ weight,
+                          const float* __restrict__ bias, T* __restrict__ y, int64_t rows, int c, int relu) {
+    const int64_t groups = rows * (int64_t)(c >> 3);
+    for (int64_t g = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; g < groups; g += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t i = g * 8;
+        const Consts k = load_consts(stats, weight, bias, c, (int)(i % c));
+        const Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(x + i);
+        Vec8<T> o;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            float f = bn_pre(to_f32(v.v[j]), k.mean[j], k.scale[j], k.shift[j]);
+            if (relu) f = f > 0.0f ? f : 0.0f;
+            o.v[j] = from_f32<T>(f);
+        }
+        *reinterpret_cast<Vec8<T>*>(y + i) = o;
+    }
+}
+
+// g (dy, masked by the ReLU recomputed from x when relu) and xhat of one element, as 01's bn_grad.
+__device__ __forceinline__ void grad_of(float xv, float dyv, const Consts& k, int j, int relu, float& g, float& xhat) {
+    g = (relu && !(bn_pre(xv, k.mean[j], k.scale[j], k.shift[j]) >= 0.0f)) ? 0.0f : dyv;
+    xhat = (xv - k.mean[j]) * k.invstd[j];
+}
+
+template <typename T>
+__device__ void bnv_bwd_partial(const T* __restrict__ x, const T* __restrict__ dy, const float* __restrict__ stats,
+                                const float* __restrict__ weight, const float* __restrict__ bias,
+                                float* __restrict__ part, int64_t rows, int c, int64_t rpc, int relu) {
+    __shared__ float sh[8 * VB];
+    const int G = c >> 3, t = threadIdx.x, cg = t % G, rstep = VB / G, ch0 = cg * 8;
+    const int64_t r0 = (int64_t)blockIdx.x * rpc, r1 = min(rows, r0 + rpc);
+    const Consts k = load_consts(stats, weight, bias, c, ch0);
+    float ag[8] = {0, 0, 0, 0, 0, 0, 0, 0}, agx[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t r = r0 + t / G; r < r1; r += rstep) {
+        const Vec8<T> xv = *reinterpret_cast<const Vec8<T>*>(x + r * c + ch0);
+        const Vec8<T> gv = *reinterpret_cast<const Vec8<T>*>(dy + r * c + ch0);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            float g, xhat;
+            grad_of(to_f32(xv.v[j]), to_f32(gv.v[j]), k, j, relu, g, xhat);
+            ag[j] += g;
+            agx[j] = fmaf(g, xhat, agx[j]);
+        }
+    }
+    group_sum(ag, sh, G);
+    group_sum(agx, sh, G);
+    if (t < G) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            part[(int64_t)blockIdx.x * c + ch0 + j] = ag[j];
+            part[((int64_t)gridDim.x + blockIdx.x) * c + ch0 + j] = agx[j];
+        }
+    }
+}
+
+template <typename T>
+__device__ void bnv_bwd_dx(const T* __restrict__ x, const T* __restrict__ dy, const float* __restrict__ stats,
+                           const float* __restrict__ weight, const float* __restrict__ bias,
+                           const float* __restrict__ sums, T* __restrict__ dx, int64_t rows, int c, float count,
+                           int relu) {
+    const int64_t groups = rows * (int64_t)(c >> 3);
+    for (int64_t g = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; g < groups; g += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t i = g * 8;
+        const int ch0 = (int)(i % c);
+        const Consts k = load_consts(stats, weight, bias, c, ch0);
+        float w[8], s1[8], s2[8];
+        load8f(weight + ch0, w);
+        load8f(sums + ch0, s1);
+        load8f(sums + c + ch0, s2);
+        const Vec8<T> xv = *reinterpret_cast<const Vec8<T>*>(x + i);
+        const Vec8<T> gv = *reinterpret_cast<const Vec8<T>*>(dy + i);
+        Vec8<T> o;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            float gr, xhat;
+            grad_of(to_f32(xv.v[j]), to_f32(gv.v[j]), k, j, relu, gr, xhat);
+            const float a = w[j] * k.invstd[j];
+            o.v[j] = from_f32<T>(a * (gr - s1[j] / count - xhat * (s2[j] / count)));
+        }
+        *reinterpret_cast<Vec8<T>*>(dx + i) = o;
+    }
+}
+
+#define BNV_EXPORT(T, NAME)                                                                                         \
+    extern "C" __global__ void bn_nhwc_sum_v8_##NAME(const T* x, float* part, long long rows, int c, long long rpc) { \
+        bnv_partial<T, false>(x, nullptr, part, rows, c, rpc);                                                      \
+    }                                                                                                               \
+    extern "C" __global__ void bn_nhwc_sqdev_v8_##NAME(const T* x, const float* stats, float* part, long long rows,  \
+                                                       int c, long long rpc) {                                      \
+        bnv_partial<T, true>(x, stats, part, rows, c, rpc);                                                         \
+    }                                                                                                               \
+    extern "C" __global__ void bn_nhwc_apply_v8_##NAME(const T* x, const float* stats, const float* weight,          \
+                                                       const float* bias, T* y, long long rows, int c, int relu) {   \
+        bnv_apply<T>(x, stats, weight, bias, y, rows, c, relu);                                                     \
+    }                                                                                                               \
+    extern "C" __global__ void bn_nhwc_bwd_sum_v8_##NAME(const T* x, const T* dy, const float* stats,               \
+                                                         const float* weight, const float* bias, float* part,       \
+                                                         long long rows, int c, long long rpc, int relu) {          \
+        bnv_bwd_partial<T>(x, dy, stats, weight, bias, part, rows, c, rpc, relu);                                   \
+    }                                                                                                               \
+    extern "C" __global__ void bn_nhwc_bwd_dx_v8_##NAME(const T* x, const T* dy, const float* stats,                \
+                                                        const float* weight, const float* bias, const float* sums,  \
+                                                        T* dx, long long rows, int c, float count, int relu) {      \
+        bnv_bwd_dx<T>(x, dy, stats, weight, bias, sums, dx, rows, c, count, relu);                                  \
+    }
+
+BNV_EXPORT(float, f32)
+BNV_EXPORT(__nv_bfloat16, bf16)
+BNV_EXPORT(__half, f16)

@@ -1,0 +1,37 @@
+// Shared by the channels-last max-pool kernels (02_nhwc.cu, 03_nhwc_argmax.cu): the geometry and the window
+// argmax with the tie and NaN rules of the CPU reference (first maximum wins, a NaN always wins).
+#pragma once
+
+#include "common.cuh"
+
+struct PoolGeomNhwc {
+    int h, w, c;  // input image (h, w, c)
+    int oh, ow;   // output plane
+    int k, s, p;  // kernel, stride, padding
+};
+
+// Argmax of window (oy, ox) of channel ch in one input image (h, w, c): the spatial index y * w + x of the
+// winner (-1 if the window holds no input cell, which MaxPool2d::check_nhwc rules out) and its value in `best`.
+template <typename T>
+__device__ __forceinline__ int window_argmax_nhwc(const T* __restrict__ img, const PoolGeomNhwc& g, int oy, int ox,
+                                                  int ch, float& best) {
+    const int y0 = oy * g.s - g.p;
+    const int x0 = ox * g.s - g.p;
+    const int ky0 = max(0, -y0), ky1 = min(g.k, g.h - y0);
+    const int kx0 = max(0, -x0), kx1 = min(g.k, g.w - x0);
+    int arg = -1;
+    best = -INFINITY;
+    for (int ky = ky0; ky < ky1; ++ky) {
+        const int row = (y0 + ky) * g.w;
+        for (int kx = kx0; kx < kx1; ++kx) {
+            const int idx = row + x0 + kx;
+            const float v = to_f32(img[idx * g.c + ch]);
+            if (arg < 0 || v > best || isnan(v)) {
+                best = v;
+                arg = idx;
+            }
+        }
+    }
+    return arg;
+}
+

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Runs ON the GPU machine: the explicit ("fused") training step against autograd. One call:
+#   1. with GPU_TESTS_FILTER=NAME and dist/gpu-tests.gz: the tests/tests/gpu.rs tests whose names contain NAME
+#      (e.g. batchnorm: the BatchNorm kernels against the CPU reference);
+#   2. `trainer bench` ResNet-152 at BATCH (default 256) with kernels.step = fused in DTYPES (default bf16,fp16),
+#      then autograd in AUTOGRAD_DTYPES (default bf16; empty skips it) -- figures first, as device time is short;
+#   3. gpu-step-tests: tests/tests/gpu_step.rs (residual kernels vs CPU, fused vs autograd loss and every gradient
+#      in bf16/fp16 on ResNet-18/50/152, three fp16 StepRunner steps with a skipped one);
+#   4. with KTRACE=DIR (a folder holding ktrace.c and ktrace_report.py, ../shared/tools/ktrace copied into the
+#      carried tree): a kernel timeline of the fused bf16 step, summarised here (the CSV stays on the machine),
+#      when at least 100 s of TIME_BUDGET_S (default 600) are left.
+# Logs under $OUT (./gpu-out when unset).   usage: bash scripts/gpu-step.sh [DIST_DIR]
+set -uo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+dist="$(cd "${1:-dist}" && pwd)" || { echo "gpu-step: no dist folder" >&2; exit 2; }
+out="${OUT:-$PWD/gpu-out}"
+mkdir -p "$out"
+batch="${BATCH:-256}"
+dtypes="${DTYPES:-bf16,fp16}"
+
+main() {
+    local fails=0 bin site t0
+    echo "== gpu-step $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    cat "$dist/BUILD_INFO" 2>/dev/null
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+    bin="$(mktemp -d /tmp/gpu-step.XXXXXX)"
+    for f in trainer gpu-step-tests; do
+        gunzip -c "$dist/$f.gz" > "$bin/$f" && chmod +x "$bin/$f" || { echo "gpu-step: missing $dist/$f.gz"; return 2; }
+    done
+    site=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
+    export LD_LIBRARY_PATH="$site/cu13/lib:$site/cudnn/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
+    if [ -n "${GPU_TESTS_FILTER:-}" ] && [ -f "$dist/gpu-tests.gz" ]; then
+        echo "== gpu-tests $GPU_TESTS_FILTER"
+        gunzip -c "$dist/gpu-tests.gz" > "$bin/gpu-tests" && chmod +x "$bin/gpu-tests"
+        if RUST_BACKTRACE=1 timeout 120 "$bin/gpu-tests" "$GPU_TESTS_FILTER" --nocapture > "$out/gpu-tests.log" 2>&1; then
+            echo "gpu-tests $GPU_TESTS_FILTER: ok"
+        else
+            echo "gpu-tests $GPU_TESTS_FILTER: FAILED"; fails=$((fails + 1))
+        fi
+        grep -E "^test |test result|rel err|panicked" "$out/gpu-tests.log" | head -20
+    fi
+
+    local step dts
+    for step in fused autograd; do
+        dts="$dtypes"
+        [ "$step" = autograd ] && dts="${AUTOGRAD_DTYPES-bf16}"
+        [ -n "$dts" ] || continue
+        echo "== bench resnet152 b$batch $dts, kernels.step = $step"
+        timeout "${BENCH_TIMEOUT:-150}" "$bin/trainer" bench --config "$here/configs/resnet152.toml" --set "kernels.step=\"$step\"" \
+            --dtypes "$dts" --batch-sizes "$batch" --warmup 3 --steps 10 > "$out/bench-$step.log" 2>&1 \
+            || { echo "bench $step: FAILED"; fails=$((fails + 1)); }
+        grep -vE "^\s*$" "$out/bench-$step.log" | tail -8
+    done
+
+    echo "== gpu-step-tests --nocapture"
+    t0=$SECONDS
+    if RUST_BACKTRACE=1 timeout "${TEST_TIMEOUT:-240}" "$bin/gpu-step-tests" --nocapture > "$out/gpu-step-tests.log" 2>&1; then
+        echo "gpu-step-tests: ok ($((SECONDS - t0)) s)"
+    else
+        echo "gpu-step-tests: FAILED ($((SECONDS - t0)) s)"; fails=$((fails + 1))
+    fi
+    grep -E "^test |test result|rel err|panicked|Error" "$out/gpu-step-tests.log" | head -60
+
+    if [ -n "${KTRACE:-}" ] && [ -f "$KTRACE/ktrace.c" ] && [ $((SECONDS + 100)) -lt "${TIME_BUDGET_S:-600}" ]; then
+        echo "== ktrace: fused bf16 b$batch"
+        local sp="$site/cu13" inc
+        inc="$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")/../include"
+        if gcc -O2 -shared -fPIC "$KTRACE/ktrace.c" -o "$bin/libktrace.so" -I"$sp/include" -I"$inc" \
+            -L"$sp/lib" -l:libcupti.so.13 -lpthread; then
+            CUDA_INJECTION64_PATH="$bin/libktrace.so" KTRACE_OUT="$bin/trace.csv" timeout 120 "$bin/trainer" bench \
+                --config "$here/configs/resnet152.toml" --set 'kernels.step="fused"' --dtypes bf16 \
+                --batch-sizes "$batch" --warmup 3 --steps 5 > "$out/ktrace-bench.log" 2>&1
+            python3 "$KTRACE/ktrace_report.py" "$bin/trace.csv" --marker 'mt_sgd_f32' --steps 4 --top 40 \
+                > "$out/ktrace-fused.txt" 2>&1 || echo "ktrace report failed"
+            head -60 "$out/ktrace-fused.txt"
+        else
+            echo "ktrace: build failed"
+        fi
+    fi
+    rm -rf "$bin"
+    echo "== gpu-step: $fails failure(s)"
+    [ "$fails" -eq 0 ]
+}
+
+main 2>&1 | tee "$out/gpu-step.log"
+exit "${PIPESTATUS[0]}"

@@ -1,0 +1,113 @@
+//! The explicit training step (`resnet::step`) against autograd, on the CPU in FP32: the loss, every parameter
+//! gradient and the BatchNorm running statistics after one step, for ResNet-18 with both stems and ResNet-50
+//! (BasicBlock and Bottleneck, identity and downsample shortcuts, the max-pool), with label smoothing, a loss
+//! scale and a frozen layer. The same comparison runs on the GPU in bf16/fp16 in tests/tests/gpu.rs.
+
+use candle_core::{DType, Device, Tensor};
+use integration_tests::{check_rel, rel_err};
+use resnet::{Arch, Precision, ResNet, ResNetConfig, Stem};
+
+fn model(arch: Arch, stem: Stem) -> ResNet {
+    // The autograd model runs the same BatchNorm ops as the explicit step (see KernelPolicy's field).
+    let kernels = kernels::KernelPolicy { fused_batchnorm_on_cpu: true, ..kernels::KernelPolicy::custom() };
+    let c = ResNetConfig { arch, num_classes: 10, stem, zero_init_residual: false, seed: 5, kernels };
+    ResNet::new(c, &Device::Cpu).unwrap()
+}
+
+/// The trainer's loss (tests do not depend on the trainer's internals: same formula, written here).
+fn xent(logits: &Tensor, labels: &Tensor, eps: f64) -> Tensor {
+    let logits = logits.to_dtype(DType::F32).unwrap();
+    let (n, k) = logits.dims2().unwrap();
+    let m = logits.max_keepdim(1).unwrap();
+    let s = logits.broadcast_sub(&m).unwrap();
+    let logp = s.broadcast_sub(&s.exp().unwrap().sum_keepdim(1).unwrap().log().unwrap()).unwrap();
+    let nll = logp.gather(&labels.unsqueeze(1).unwrap(), 1).unwrap().sum_all().unwrap();
+    let uniform = logp.sum_all().unwrap();
+    ((nll * (-(1.0 - eps) / n as f64)).unwrap() + (uniform * (-eps / (n * k) as f64)).unwrap()).unwrap()
+}
+
+fn compare(arch: Arch, stem: Stem, size: usize, freeze: Option<&str>) {
+    let dev = Device::Cpu;
+    let (a, b) = (model(arch, stem), model(arch, stem));
+    if let Some(p) = freeze {
+        for m in [&a, &b] {
+            assert!(m.store().freeze_prefixes(&[p.to_string()]) > 0);
+        }
+    }
+    let x = Tensor::randn(0f32, 1., (4, 3, size, size), &dev).unwrap();
+    let labels = Tensor::new(&[3u32, 8, 0, 3], &dev).unwrap();
+    let (eps, scale) = (0.1, 64.0);
+    let what = format!("{arch} {stem} {size}px");
+
+    let logits = a.forward(&x, true, Precision::F32).unwrap();
+    let loss = xent(&logits, &labels, eps);
+    let grads = (&loss * scale).unwrap().backward().unwrap();
+    let out = b.train_step_explicit(&x, &labels, eps, scale, Precision::F32).unwrap();
+
+    check_rel(&format!("{what}: logits"), &out.logits, &logits, 1e-5).unwrap();
+    let (la, lb) = (loss.to_scalar::<f32>().unwrap(), out.loss.to_scalar::<f32>().unwrap());
+    assert!((la - lb).abs() <= 1e-5 * la.abs(), "{what}: loss {lb} vs autograd {la}");
+    let trainable = a.store().trainable();
+    assert_eq!(out.grads.len(), trainable.len(), "{what}: one gradient per trainable parameter, no more");
+    let mut worst = (0.0, String::new());
+    for (name, va) in &trainable {
+        let vb = b.store().get(name).unwrap().param.var().clone();
+        let gb = out.grads.get(&vb.as_tensor().id()).unwrap_or_else(|| panic!("{what}: no gradient for {name}"));
+        let ga = grads.get(va.as_tensor()).unwrap();
+        assert_eq!(gb.dims(), va.dims(), "{what}: {name} gradient in the parameter's shape");
+        assert_eq!(gb.dtype(), DType::F32);
+        let e = check_rel(&format!("{what}: grad {name}"), gb, ga, 1e-4).unwrap();
+        if e > worst.0 {
+            worst = (e, name.clone());
+        }
+    }
+    if let Some(p) = freeze {
+        assert!(b.store().trainable().iter().all(|(n, _)| !n.starts_with(p)));
+    }
+    // Running statistics and batch counters move identically.
+    let (sa, sb) = (a.store().snapshot().unwrap(), b.store().snapshot().unwrap());
+    for (k, ta) in sa.iter().filter(|(k, _)| k.contains("running_") || k.contains("num_batches")) {
+        let tb = &sb[k];
+        if ta.dtype() == DType::I64 {
+            assert_eq!(ta.to_scalar::<i64>().unwrap(), tb.to_scalar::<i64>().unwrap(), "{what}: {k}");
+        } else {
+            let e = rel_err(tb, ta).unwrap();
+            assert!(e < 1e-5, "{what}: {k} rel err {e:e}");
+        }
+    }
+    eprintln!("{what}: loss {lb:.6} vs {la:.6}, worst gradient rel err {:.1e} ({})", worst.0, worst.1);
+}
+
+#[test]
+fn explicit_step_matches_autograd_resnet18_cifar_stem() {
+    compare(Arch::ResNet18, Stem::Cifar, 16, None);
+}
+
+#[test]
+fn explicit_step_matches_autograd_resnet18_imagenet_stem_with_frozen_layer() {
+    compare(Arch::ResNet18, Stem::ImageNet, 64, Some("layer1"));
+}
+
+#[test]
+fn explicit_step_matches_autograd_resnet50() {
+    compare(Arch::ResNet50, Stem::ImageNet, 64, None);
+}
+
+#[test]
+fn explicit_step_refuses_what_it_cannot_run() {
+    let nchw = ResNet::new(
+        ResNetConfig { arch: Arch::ResNet18, num_classes: 10, stem: Stem::Cifar, ..Default::default() },
+        &Device::Cpu,
+    )
+    .unwrap();
+    let x = Tensor::zeros((2, 3, 16, 16), DType::F32, &Device::Cpu).unwrap();
+    let labels = Tensor::new(&[1u32, 2], &Device::Cpu).unwrap();
+    let e = nchw.train_step_explicit(&x, &labels, 0.0, 1.0, Precision::F32).unwrap_err().to_string();
+    assert!(e.contains("channels-last"), "{e}");
+    let m = model(Arch::ResNet18, Stem::Cifar);
+    let e = m.train_step_explicit(&x, &labels, 0.0, 1.0, Precision::Bf16).unwrap_err().to_string();
+    assert!(e.contains("fp32 only"), "{e}");
+    m.freeze_bn_stats(true);
+    let e = m.train_step_explicit(&x, &labels, 0.0, 1.0, Precision::F32).unwrap_err().to_string();
+    assert!(e.contains("bn_frozen"), "{e}");
+}
