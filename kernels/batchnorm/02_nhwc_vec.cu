@@ -1,22 +1,25 @@
 // Training-mode BatchNorm (+ optional fused ReLU) over channels-last activations, 8 channels per thread.
-// Variant 02 (nhwc_vec): the row passes of 01_nhwc.cu with 16-byte accesses. 01 gives each thread one channel,
-// so a bf16 warp moves 64 bytes per row in 2-byte loads; the ktrace of the explicit ResNet-152 step (2026-12-03)
-// had its five row passes at 35 ms per step, about a third of copy speed. Same arguments, same partial-sum layout
-// (01's finalisers bn_nhwc_{mean,var,bwd_final} reduce these partials), same per-element expressions (bn_pre,
-// the ReLU mask that passes the gradient at a pre-activation of exactly 0), so 01's header describes the math.
+// Variant 02 (nhwc_vec): 16-byte accesses. 01_nhwc.cu gives each thread one channel, so a bf16 warp moves 64 bytes
+// per row in 2-byte loads; the ktrace of the explicit ResNet-152 step (2026-12-03) had its five row passes at 35 ms
+// per step, about a third of copy speed. The statistics take one pass over x (per-chunk shifted sums, combined
+// exactly by bn_nhwc_moments_final, which also updates the running statistics) instead of 01's two passes and two
+// finalisers. The backward keeps 01's partial-sum layout (01's bn_nhwc_bwd_final reduces it) and the same
+// per-element expressions (bn_pre, the ReLU mask that passes the gradient at a pre-activation of exactly 0), so
+// 01's header describes the math.
 //
 // Needs c % 8 == 0 and G = c / 8 dividing 256 (c = 8 .. 2048 in powers of two: every ResNet width), operands on
 // 16-byte boundaries and per-channel tensors on 16-byte boundaries (the launcher, cuda/bn.rs, checks and falls
 // back to 01 otherwise).
 //
-// Reductions (sum, sqdev, bwd_sum): block of 256 threads, grid (chunks). Thread t owns channel group cg = t % G
+// Reductions (moments, bwd_sum): block of 256 threads, grid (chunks). Thread t owns channel group cg = t % G
 // (channels 8 cg .. 8 cg + 7) and rows r0 + t / G, stepping by 256 / G over the chunk's rows; it accumulates 8 FP32
 // sums in registers, then the threads of one channel group are summed in a fixed order through shared memory and
-// written as part[chunk * c + ch] (bwd_sum: and part[(chunks + chunk) * c + ch]). Deterministic, no atomics.
+// written as part[chunk * c + ch] and part[(chunks + chunk) * c + ch]. Deterministic, no atomics.
 // Element-wise passes (apply, bwd_dx): one thread per 8 consecutive elements, grid-stride, 16-byte loads of the
 // per-channel constants.
 //
-// Exported: bn_nhwc_{sum,sqdev,apply,bwd_sum,bwd_dx}_v8_{f32,bf16,f16}.
+// Exported: bn_nhwc_{moments,apply,bwd_sum,bwd_dx}_v8_{f32,bf16,f16}, bn_nhwc_moments_final,
+// bn_nhwc_running_update.
 
 #include "common.cuh"
 
@@ -56,33 +59,42 @@ __device__ __forceinline__ void group_sum(float (&acc)[8], float* sh, int G) {
     __syncthreads();
 }
 
-// Partial sums of x (SQDEV = false) or of (x - mean)^2 (SQDEV = true) over one chunk of rows.
-template <typename T, bool SQDEV>
-__device__ void bnv_partial(const T* __restrict__ x, const float* __restrict__ stats, float* __restrict__ part,
-                            int64_t rows, int c, int64_t rpc) {
+// Single-pass statistics of one chunk of rows, as sums of d = x - K with K the channel's value in row 0 (a value of
+// the data: the shifted sums do not cancel the way raw sums of x and x^2 do, whatever the mean). Writes
+// part[chunk * c + ch] = S_chunk = sum d and part[(chunks + chunk) * c + ch] = M2_chunk = sum d^2 - S^2 / n (the
+// chunk's sum of squared deviations from its own mean); block 0 also writes K to part[2 * chunks * c + ch]. The
+// finaliser bn_nhwc_moments_final combines the chunks exactly (Chan et al.'s pairwise formula).
+template <typename T>
+__device__ void bnv_moments(const T* __restrict__ x, float* __restrict__ part, int64_t rows, int c, int64_t rpc) {
     __shared__ float sh[8 * VB];
     const int G = c >> 3, t = threadIdx.x, cg = t % G, rstep = VB / G, ch0 = cg * 8;
     const int64_t r0 = (int64_t)blockIdx.x * rpc, r1 = min(rows, r0 + rpc);
-    float mean[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    if (SQDEV) load8f(stats + ch0, mean);
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    float k[8];
+    {
+        const Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(x + ch0);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) k[j] = to_f32(v.v[j]);
+    }
+    float s1[8] = {0, 0, 0, 0, 0, 0, 0, 0}, s2[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int64_t r = r0 + t / G; r < r1; r += rstep) {
         const Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(x + r * c + ch0);
 #pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            const float f = to_f32(v.v[k]);
-            if (SQDEV) {
-                const float d = f - mean[k];
-                acc[k] = fmaf(d, d, acc[k]);
-            } else {
-                acc[k] += f;
-            }
+        for (int j = 0; j < 8; ++j) {
+            const float d = to_f32(v.v[j]) - k[j];
+            s1[j] += d;
+            s2[j] = fmaf(d, d, s2[j]);
         }
     }
-    group_sum(acc, sh, G);
+    group_sum(s1, sh, G);
+    group_sum(s2, sh, G);
     if (t < G) {
+        const float n = (float)(r1 - r0);
 #pragma unroll
-        for (int k = 0; k < 8; ++k) part[(int64_t)blockIdx.x * c + ch0 + k] = acc[k];
+        for (int j = 0; j < 8; ++j) {
+            part[(int64_t)blockIdx.x * c + ch0 + j] = s1[j];
+            part[((int64_t)gridDim.x + blockIdx.x) * c + ch0 + j] = fmaxf(fmaf(-s1[j], s1[j] / n, s2[j]), 0.0f);
+            if (blockIdx.x == 0) part[2 * (int64_t)gridDim.x * c + ch0 + j] = k[j];
+        }
     }
 }
 
@@ -189,12 +201,9 @@ __device__ void bnv_bwd_dx(const T* __restrict__ x, const T* __restrict__ dy, co
 }
 
 #define BNV_EXPORT(T, NAME)                                                                                         \
-    extern "C" __global__ void bn_nhwc_sum_v8_##NAME(const T* x, float* part, long long rows, int c, long long rpc) { \
-        bnv_partial<T, false>(x, nullptr, part, rows, c, rpc);                                                      \
-    }                                                                                                               \
-    extern "C" __global__ void bn_nhwc_sqdev_v8_##NAME(const T* x, const float* stats, float* part, long long rows,  \
-                                                       int c, long long rpc) {                                      \
-        bnv_partial<T, true>(x, stats, part, rows, c, rpc);                                                         \
+    extern "C" __global__ void bn_nhwc_moments_v8_##NAME(const T* x, float* part, long long rows, int c,            \
+                                                         long long rpc) {                                           \
+        bnv_moments<T>(x, part, rows, c, rpc);                                                                      \
     }                                                                                                               \
     extern "C" __global__ void bn_nhwc_apply_v8_##NAME(const T* x, const float* stats, const float* weight,          \
                                                        const float* bias, T* y, long long rows, int c, int relu) {   \
@@ -214,3 +223,69 @@ __device__ void bnv_bwd_dx(const T* __restrict__ x, const T* __restrict__ dy, co
 BNV_EXPORT(float, f32)
 BNV_EXPORT(__nv_bfloat16, bf16)
 BNV_EXPORT(__half, f16)
+
+// Combines bn_nhwc_moments_v8's chunks into stats (3, c) = [mean, biased var, invstd] (chunk i holds
+// n_i = min(rpc, rows - i rpc) rows): D = sum S_i / N, mean = K + D, M2 = sum M2_i + n_i (S_i / n_i - D)^2, in a
+// fixed order. With running_mean (non-null) also PyTorch's running update in place, with the unbiased variance:
+// running = (1 - momentum) running + momentum batch, and num_batches_tracked (non-null) += 1. Block (32, 8), one
+// block per 32 channels.
+extern "C" __global__ void bn_nhwc_moments_final(const float* part, float* stats, int chunks, int c, long long rows,
+                                                 long long rpc, float eps, float* running_mean, float* running_var,
+                                                 long long* num_batches_tracked, float momentum) {
+    __shared__ float sh[8][32];
+    __shared__ float dmean_sh[32];
+    const int tx = threadIdx.x, ty = threadIdx.y, ch = blockIdx.x * 32 + tx;
+    const float count = (float)rows;
+    float acc = 0.0f;
+    if (ch < c) {
+        for (int k = ty; k < chunks; k += 8) acc += part[(int64_t)k * c + ch];
+    }
+    sh[ty][tx] = acc;
+    __syncthreads();
+    if (ty == 0) {
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s += sh[i][tx];
+        dmean_sh[tx] = s / count;
+    }
+    __syncthreads();
+    const float dmean = dmean_sh[tx];
+    acc = 0.0f;
+    if (ch < c) {
+        for (int k = ty; k < chunks; k += 8) {
+            const float n = (float)min(rpc, rows - (long long)k * rpc);
+            const float d = part[(int64_t)k * c + ch] / n - dmean;
+            acc += fmaf(n * d, d, part[((int64_t)chunks + k) * c + ch]);
+        }
+    }
+    sh[ty][tx] = acc;
+    __syncthreads();
+    if (ty == 0 && ch < c) {
+        float m2 = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) m2 += sh[i][tx];
+        const float mean = part[2 * (int64_t)chunks * c + ch] + dmean;
+        const float var = m2 / count;
+        stats[ch] = mean;
+        stats[c + ch] = var;
+        stats[2 * c + ch] = 1.0f / sqrtf(var + eps);
+        if (running_mean != nullptr) {
+            const float unbiased = var * (count / (count - 1.0f));
+            running_mean[ch] = (1.0f - momentum) * running_mean[ch] + momentum * mean;
+            running_var[ch] = (1.0f - momentum) * running_var[ch] + momentum * unbiased;
+        }
+    }
+    if (num_batches_tracked != nullptr && blockIdx.x == 0 && tx == 0 && ty == 0) num_batches_tracked[0] += 1;
+}
+
+// PyTorch's running update from finished statistics (3, c), for the 01 path whose finalisers do not take it: one
+// thread per channel, grid-stride; num_batches_tracked (non-null) += 1 by thread 0.
+extern "C" __global__ void bn_nhwc_running_update(const float* stats, int c, float count, float* running_mean,
+                                                  float* running_var, long long* num_batches_tracked, float momentum) {
+    for (int ch = blockIdx.x * blockDim.x + threadIdx.x; ch < c; ch += gridDim.x * blockDim.x) {
+        const float unbiased = stats[c + ch] * (count / (count - 1.0f));
+        running_mean[ch] = (1.0f - momentum) * running_mean[ch] + momentum * stats[ch];
+        running_var[ch] = (1.0f - momentum) * running_var[ch] + momentum * unbiased;
+    }
+    if (num_batches_tracked != nullptr && blockIdx.x == 0 && threadIdx.x == 0) num_batches_tracked[0] += 1;
+}

@@ -331,6 +331,51 @@ fn batchnorm_nhwc_cuda_matches_cpu() -> Result<()> {
     Ok(())
 }
 
+/// `kernels::ops::batchnorm::batch_stats` on CUDA (one-pass statistics, running update inside the finaliser on the
+/// 8-channel path, a separate update kernel on 01) against the CPU (BnStats in f64 + candle-op update): the
+/// statistics, running_mean/var from non-trivial starting values, num_batches_tracked, in f32/bf16/f16. One case
+/// has a mean 10^4 standard deviations away from 0 (a one-pass sum of x and x^2 would lose the variance).
+#[test]
+fn batch_stats_with_running_update_cuda_matches_cpu() -> Result<()> {
+    use kernels::ops::batchnorm::{batch_stats, Running};
+    let gpu = cuda()?;
+    let _poison = poison_outputs();
+    let cases: [(&[usize], f32, f32); 5] = [
+        (&[16, 14, 14, 256], 0.0, 2.0),
+        (&[3, 7, 11, 64], 1.0, 1.0),
+        (&[2, 7, 7, 2048], -3.0, 0.5),
+        (&[4, 9, 9, 40], 0.5, 1.0),
+        (&[8, 8, 8, 64], 100.0, 0.01),
+    ];
+    for (dims, mu, sd) in cases {
+        let c = *dims.last().context("empty shape")?;
+        let x = (Tensor::randn(0f32, sd, dims, &Device::Cpu)? + mu as f64)?;
+        let rm0 = Tensor::randn(0f32, 1.0, c, &Device::Cpu)?;
+        let rv0 = (Tensor::rand(0f32, 1.0, c, &Device::Cpu)? + 0.5)?;
+        for &dt in &DTYPES {
+            let xd = x.to_dtype(dt)?;
+            let run = |dev: &Device| -> Result<(Tensor, Tensor, Tensor, i64)> {
+                let (rm, rv) = (Var::from_tensor(&rm0.to_device(dev)?)?, Var::from_tensor(&rv0.to_device(dev)?)?);
+                let nb = Var::from_tensor(&Tensor::new(7i64, dev)?)?;
+                let r = Running { mean: &rm, var: &rv, num_batches_tracked: &nb, momentum: 0.1 };
+                let stats = batch_stats(&xd.to_device(dev)?, 1e-5, &r)?;
+                let n = nb.as_tensor().to_device(&Device::Cpu)?.to_scalar::<i64>()?;
+                Ok((stats.to_device(&Device::Cpu)?, rm.as_tensor().to_device(&Device::Cpu)?, rv.as_tensor().to_device(&Device::Cpu)?, n))
+            };
+            let (sg, mg, vg, ng) = run(&gpu)?;
+            let (sc, mc, vc, nc) = run(&Device::Cpu)?;
+            let what = format!("batch_stats {dims:?} N({mu}, {sd}) {dt:?}");
+            ensure!(ng == 8 && nc == 8, "{what}: num_batches_tracked {ng} (cuda), {nc} (cpu), expected 8");
+            for (name, g, r) in [("mean", sg.get(0)?, sc.get(0)?), ("var", sg.get(1)?, sc.get(1)?), ("invstd", sg.get(2)?, sc.get(2)?), ("running_mean", mg, mc), ("running_var", vg, vc)] {
+                let e = rel_err(&g, &r)?;
+                ensure!(e <= 1e-5, "{what}: {name} rel err {e:e} over 1e-5");
+            }
+            println!("{what}: ok");
+        }
+    }
+    Ok(())
+}
+
 fn tiny_config(stem: Stem) -> ResNetConfig {
     ResNetConfig {
         arch: Arch::ResNet18,

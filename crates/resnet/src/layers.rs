@@ -231,17 +231,18 @@ impl BatchNorm2d {
         y.to_dtype(out_dtype)
     }
 
+    /// The running statistics with their momentum, as the kernels' BatchNorm ops take them.
+    pub fn running(&self) -> kernels::ops::batchnorm::Running<'_> {
+        kernels::ops::batchnorm::Running {
+            mean: self.running_mean.var(),
+            var: self.running_var.var(),
+            num_batches_tracked: self.num_batches_tracked.var(),
+            momentum: self.momentum,
+        }
+    }
+
     pub(crate) fn update_running(&self, mean: &Tensor, var: &Tensor, count: usize) -> Result<()> {
-        let m = self.momentum;
-        let mean = mean.flatten_all()?;
-        let unbiased = (var.flatten_all()? * (count as f64 / (count - 1) as f64))?;
-        let rm = self.running_mean.var();
-        let rv = self.running_var.var();
-        rm.set(&((rm.as_tensor().detach() * (1.0 - m))? + (mean * m)?)?)?;
-        rv.set(&((rv.as_tensor().detach() * (1.0 - m))? + (unbiased * m)?)?)?;
-        let nb = self.num_batches_tracked.var();
-        nb.set(&(nb.as_tensor().detach() + 1.0)?)?;
-        Ok(())
+        kernels::ops::batchnorm::update_running(&self.running(), mean, var, count)
     }
 }
 

@@ -24,7 +24,7 @@ use crate::model::{Block, ResNet, Stem};
 use crate::Precision;
 use candle_core::{DType, Result, Tensor, TensorId, D};
 use kernels::ops::avgpool::{GlobalAvgPoolNhwc, GlobalAvgPoolNhwcBackward};
-use kernels::ops::batchnorm::{BnApply, BnGrad, BnStats};
+use kernels::ops::batchnorm::{BnApply, BnGrad};
 use kernels::ops::maxpool::{MaxPool2dNhwc, MaxPool2dNhwcBackward};
 use kernels::{BnParams, KernelPolicy, MaxPool2d};
 use std::collections::HashMap;
@@ -44,9 +44,6 @@ pub struct StepOutput {
 
 /// Why the explicit step cannot train `model` in `precision`, or None when it can.
 pub fn unsupported(model: &ResNet, precision: Precision) -> Option<String> {
-    if model.batchnorms().iter().any(|bn| bn.stats_frozen.load(Ordering::Relaxed)) {
-        return Some("it needs BatchNorm batch statistics (finetune.bn_frozen = false)".into());
-    }
     unsupported_for(model.config.channels_last(), model.device().is_cuda(), precision)
 }
 
@@ -59,6 +56,11 @@ pub fn unsupported_for(channels_last: bool, cuda: bool, precision: Precision) ->
         return Some(format!("on the CPU it runs fp32 only, not {}", precision.as_str()));
     }
     None
+}
+
+/// Whether `bn` normalises with its running statistics in training (`finetune.bn_frozen`).
+fn frozen(bn: &BatchNorm2d) -> bool {
+    bn.stats_frozen.load(Ordering::Relaxed)
 }
 
 /// One convolution's low-precision weight in the kernels' (k, r, r, c) layout, with its geometry.
@@ -121,19 +123,18 @@ impl<'a> Engine<'a> {
         Ok(())
     }
 
-    /// Batch statistics of z, with the running statistics updated (PyTorch's momentum and unbiased variance).
+    /// Batch statistics of z, with the running statistics updated (PyTorch's momentum and unbiased variance; on
+    /// CUDA inside the statistics' finaliser);
+    /// for a BatchNorm with frozen statistics (`finetune.bn_frozen`), its running statistics in the same
+    /// [mean, var, invstd] form, left unchanged (eval-mode normalisation, as the autograd forward does).
     fn stats(&self, z: &Tensor, bn: &BatchNorm2d) -> Result<Tensor> {
-        let (n, h, w, _) = z.dims4()?;
-        let count = n * h * w;
-        if count < 2 {
-            candle_core::bail!(
-                "BatchNorm2d in training mode needs more than one value per channel, got input {:?}",
-                z.dims()
-            );
+        if frozen(bn) {
+            let rm = bn.running_mean.tensor().detach();
+            let rv = bn.running_var.tensor().detach();
+            let invstd = (&rv + bn.eps)?.sqrt()?.recip()?;
+            return Tensor::stack(&[rm, rv, invstd], 0)?.to_dtype(DType::F32);
         }
-        let stats = z.apply_op1_no_bwd(&BnStats { eps: bn.eps })?;
-        bn.update_running(&stats.get(0)?, &stats.get(1)?, count)?;
-        Ok(stats)
+        kernels::ops::batchnorm::batch_stats(z, bn.eps, &bn.running())
     }
 
     fn bn_params(bn: &BatchNorm2d, stats: &Tensor) -> BnParams {
@@ -150,12 +151,15 @@ impl<'a> Engine<'a> {
         s.z.apply_op3_no_bwd(&p.weight, &p.bias, &BnApply { relu, stats: s.stats.clone() })
     }
 
-    /// Backward of `[relu](bn(z))` for the gradient g of its output: records dweight, dbias, returns dz.
+    /// Backward of `[relu](bn(z))` for the gradient g of its output: records dweight, dbias, returns dz. With
+    /// frozen statistics the mean and variance are constants, so dz = w * invstd * g: the dx pass with zero
+    /// sums computes exactly that.
     fn bn_backward(&mut self, s: &BnSaved, g: &Tensor, bn: &BatchNorm2d, relu: bool) -> Result<Tensor> {
         let p = Self::bn_params(bn, &s.stats);
         let op = BnGrad { relu, stats: p.stats, weight: p.weight, bias: p.bias, sums: None };
         let sums = s.z.apply_op2_no_bwd(g, &op)?;
-        let dz = s.z.apply_op2_no_bwd(g, &BnGrad { sums: Some(sums.clone()), ..op })?;
+        let dx_sums = if frozen(bn) { sums.zeros_like()? } else { sums.clone() };
+        let dz = s.z.apply_op2_no_bwd(g, &BnGrad { sums: Some(dx_sums), ..op })?;
         self.put(&bn.weight, || sums.get(1))?;
         self.put(&bn.bias, || sums.get(0))?;
         Ok(dz)

@@ -450,20 +450,16 @@ impl KernelsSection {
     }
 
     /// The step engine for a model running channels-last or not (`channels_last`, from [`Self::policy`]) in
-    /// `precision` on a CUDA device (`cuda`) or the CPU, and under "auto" the note saying which setting kept it on autograd (None when "auto" took the fused
-    /// step, or autograd was asked for). "fused" where it cannot run is an error naming the key.
+    /// `precision` on a CUDA device (`cuda`) or the CPU, and under "auto" the note saying which setting kept it on
+    /// autograd (None when "auto" took the fused step, or autograd was asked for). "fused" where it cannot run is
+    /// an error naming the key.
     pub fn step_engine(
         &self,
         channels_last: bool,
         precision: Precision,
         cuda: bool,
-        bn_frozen: bool,
     ) -> Result<(StepEngine, Option<String>)> {
-        let why = if bn_frozen {
-            Some("finetune.bn_frozen = true (it needs BatchNorm batch statistics)".to_string())
-        } else {
-            resnet::step::unsupported_for(channels_last, cuda, precision)
-        };
+        let why = resnet::step::unsupported_for(channels_last, cuda, precision);
         Ok(match (self.step, why) {
             (StepChoice::Autograd, _) => (StepEngine::Autograd, None),
             (StepChoice::Fused, None) => (StepEngine::Fused, None),

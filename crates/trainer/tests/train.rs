@@ -100,19 +100,33 @@ fn max_steps_stops_early() {
 
 #[test]
 fn fine_tuning_freezes_and_replaces_the_head() {
-    let dir = TempDir::new("finetune");
+    fine_tune("finetune", &[], "autograd");
+}
+
+/// The same fine-tuning on the explicit step (kernels.step = "fused", fp32 on the CPU): freezing, the head's
+/// learning rate and frozen BatchNorm statistics work there too.
+#[test]
+fn fine_tuning_runs_on_the_fused_step() {
+    fine_tune("finetune-fused", &["kernels.conv=\"custom\"", "kernels.step=\"fused\""], "fused");
+}
+
+fn fine_tune(name: &str, extra: &[&str], engine: &str) {
+    let dir = TempDir::new(name);
     // Pretrain a 4-class model, then fine-tune it on 3 classes with the stem and layer1 frozen.
     let pre = train::train(&tiny(&["train.epochs=1"]), &dir.path().join("pre"), false).unwrap();
     let weights = pre.run_dir.join("model.safetensors");
-    let cfg = tiny(&[
+    let init = format!("model.init_from=\"{}\"", weights.display());
+    let mut sets = vec![
         "model.num_classes=3",
-        &format!("model.init_from=\"{}\"", weights.display()),
+        &init,
         "finetune.freeze=[\"conv1\", \"bn1\", \"layer1\"]",
         "finetune.head_lr_mult=2",
         "optim.lr=0.005",
         "finetune.bn_frozen=true",
         "train.epochs=1",
-    ]);
+    ];
+    sets.extend_from_slice(extra);
+    let cfg = tiny(&sets);
     let model = train::build_model(&cfg, &candle_core::Device::Cpu).unwrap();
     assert_eq!(model.store().get("fc.weight").unwrap().param.var().dims(), &[3, 512]);
     let trainable: Vec<String> = model.store().trainable().into_iter().map(|(n, _)| n).collect();
@@ -120,6 +134,7 @@ fn fine_tuning_freezes_and_replaces_the_head() {
     assert!(trainable.iter().any(|n| n == "fc.weight") && trainable.iter().any(|n| n.starts_with("layer2.")));
     let runner = train::StepRunner::new(&cfg, model).unwrap();
     assert_eq!(runner.opt.len(), trainable.len(), "no optimizer state for frozen parameters");
+    assert_eq!(runner.engine.to_string(), engine);
 
     let before = resnet::weights::read_safetensors(&weights).unwrap();
     let s = train::train(&cfg, &dir.path().join("ft"), false).unwrap();

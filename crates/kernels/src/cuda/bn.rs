@@ -1,13 +1,14 @@
 //! CUDA launchers of the channels-last BatchNorm ops (`ops/batchnorm.rs`) on the kernels of
-//! `kernels/batchnorm/02_nhwc_vec.cu` (8 channels per thread, 16-byte accesses) where the channel count and the
-//! alignment allow ([`v8_applies`]: every ResNet BatchNorm), else `kernels/batchnorm/01_nhwc.cu`; both write the same
-//! partial sums, reduced by 01's finalisers.
+//! `kernels/batchnorm/02_nhwc_vec.cu` (8 channels per thread, 16-byte accesses, one-pass statistics with the
+//! running-statistics update in its finaliser) where the channel count and the alignment allow ([`v8_applies`]:
+//! every ResNet BatchNorm), else `kernels/batchnorm/01_nhwc.cu` (two-pass statistics, a separate running update).
+//! The backward passes of both write the same partial sums, reduced by 01's `bn_nhwc_bwd_final`.
 //!
 //! Launch shape of 02's reductions: 256 threads, grid (chunks), about 1056 blocks (132 SMs x 8) with at least four
-//! rows per thread; its element-wise passes: one thread per 8 elements, grid-stride. 01:
-//! Launch shape of the row passes: block (32, 8), grid (ceil(c / 32), chunks), chunks chosen for about 2048 blocks
-//! with at least 64 rows each; the finalisers run one block (32, 8) per 32 channels. Workspaces are FP32
-//! (chunks x c partial sums), fully written by the partial-sum kernels before the finaliser reads them.
+//! rows per thread; its element-wise passes: one thread per 8 elements, grid-stride. 01's row passes: block
+//! (32, 8), grid (ceil(c / 32), chunks), chunks chosen for about 2048 blocks with at least 64 rows each. The
+//! finalisers run one block (32, 8) per 32 channels. Workspaces are FP32 (chunks x c partial sums, two halves for
+//! 02's moments and both backward sums), fully written by the partial-sum kernels before the finaliser reads them.
 
 use super::{alloc_out, ptx, suffix};
 use candle_core::backend::{BackendDevice, BackendStorage};
@@ -146,28 +147,87 @@ pub(crate) fn held_view<'a>(
 
 // ----- forward statistics ------------------------------------------------------------------------------------
 
-fn stats_t<T: CudaDType + DeviceRepr + WithDType + 'static>(x: Arg, sp: Split, eps: f64, v8: bool) -> Result<CudaStorage> {
+/// Device addresses of a BatchNorm's running statistics, updated in place by the statistics launch (PyTorch's
+/// update: `momentum`, unbiased variance, `num_batches_tracked` + 1). The caller keeps the tensors alive and
+/// unaliased for the launch (they are the BatchNorm's buffers; nothing else reads them during a step).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RunningAddrs {
+    /// running_mean, running_var: (c) f32; num_batches_tracked: scalar i64.
+    pub mean: u64,
+    pub var: u64,
+    pub num_batches_tracked: u64,
+    pub momentum: f32,
+}
+
+/// Address of the first element of a contiguous CUDA tensor of dtype `T` (`len` elements), for in-place writes.
+pub fn addr_of<T: CudaDType + DeviceRepr + WithDType>(t: &Tensor, len: usize, what: &str) -> Result<u64> {
+    use candle_core::cuda_backend::cudarc::driver::DevicePtr;
+    let (st, l) = t.storage_and_layout();
+    let (o0, o1) =
+        l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg(format!("{what} is not contiguous")))?;
+    if o1 - o0 != len || t.dtype() != T::DTYPE {
+        candle_core::bail!("{what}: {:?} {:?}, expected {len} elements of {:?}", t.dims(), t.dtype(), T::DTYPE);
+    }
+    match &*st {
+        Storage::Cuda(cs) => {
+            let stream = cs.device.cuda_stream();
+            let (p, _sync) = cs.as_cuda_slice::<T>()?.device_ptr(&stream);
+            Ok(p + (o0 * std::mem::size_of::<T>()) as u64)
+        }
+        _ => candle_core::bail!("{what} is not on a CUDA device"),
+    }
+}
+
+fn stats_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
+    x: Arg,
+    sp: Split,
+    eps: f64,
+    v8: bool,
+    running: Option<RunningAddrs>,
+) -> Result<CudaStorage> {
     const OP: &str = "batch_norm_nhwc_stats";
     let dev = &x.0.device;
     let c = sp.c as usize;
     let xv = view::<T>(x, sp.rows as usize * c, dev, OP, "x")?;
-    // SAFETY: bn_nhwc_{sum,sqdev}_* write every (chunk, channel) element.
-    let part = unsafe { dev.alloc::<f32>(sp.chunks * c)? };
     let stats = alloc_out::<f32>(dev, 3 * c)?;
     let sfx = suffix(T::DTYPE, OP)?;
     let (chunks, count, eps) = (sp.chunks as i32, sp.count(), eps as f32);
-
-    let (f, cfg) = if v8 {
-        let f = dev.get_or_load_custom_func(&format!("bn_nhwc_sum_v8_{sfx}"), MODULE_V8, ptx::BATCHNORM_02_NHWC_VEC)?;
-        (f, sp.v8_rows_cfg())
-    } else {
-        (dev.get_or_load_custom_func(&format!("bn_nhwc_sum_{sfx}"), MODULE, ptx::BATCHNORM_01_NHWC)?, sp.rows_cfg())
+    let (rm, rv, nb, momentum) = match running {
+        Some(r) => (r.mean, r.var, r.num_batches_tracked, r.momentum),
+        None => (0, 0, 0, 0.0),
     };
+
+    if v8 {
+        // One pass: per-chunk shifted sums and M2 (2 x chunks x c) and the shift (c), then the exact combination
+        // + running update.
+        // SAFETY: bn_nhwc_moments_v8_* writes every (chunk, channel) element of both halves, block 0 the shift.
+        let part = unsafe { dev.alloc::<f32>((2 * sp.chunks + 1) * c)? };
+        let f =
+            dev.get_or_load_custom_func(&format!("bn_nhwc_moments_v8_{sfx}"), MODULE_V8, ptx::BATCHNORM_02_NHWC_VEC)?;
+        let mut b = f.builder();
+        b.arg(&xv).arg(&part).arg(&sp.rows).arg(&sp.c).arg(&sp.rows_per_chunk);
+        // SAFETY: matches bn_nhwc_moments_v8_* (x, part, rows, c, rpc); x holds rows*c elements (c % 8 == 0,
+        // 256 % (c / 8) == 0, 16-byte aligned), part (2*chunks+1)*c; every chunk has at least one row.
+        unsafe { b.launch(sp.v8_rows_cfg()) }.w()?;
+        let f = dev.get_or_load_custom_func("bn_nhwc_moments_final", MODULE_V8, ptx::BATCHNORM_02_NHWC_VEC)?;
+        let mut b = f.builder();
+        b.arg(&part).arg(&stats).arg(&chunks).arg(&sp.c).arg(&sp.rows).arg(&sp.rows_per_chunk).arg(&eps);
+        b.arg(&rm).arg(&rv).arg(&nb).arg(&momentum);
+        // SAFETY: matches bn_nhwc_moments_final (part, stats, chunks, c, rows, rpc, eps, running_mean,
+        // running_var, num_batches_tracked, momentum); stats holds 3*c elements; the running addresses are null
+        // or c / c / 1 elements ([`RunningAddrs`]).
+        unsafe { b.launch(sp.final_cfg()) }.w()?;
+        return Ok(CudaStorage::wrap_cuda_slice(stats, dev.clone()));
+    }
+
+    // SAFETY: bn_nhwc_{sum,sqdev}_* write every (chunk, channel) element.
+    let part = unsafe { dev.alloc::<f32>(sp.chunks * c)? };
+    let f = dev.get_or_load_custom_func(&format!("bn_nhwc_sum_{sfx}"), MODULE, ptx::BATCHNORM_01_NHWC)?;
     let mut b = f.builder();
     b.arg(&xv).arg(&part).arg(&sp.rows).arg(&sp.c).arg(&sp.rows_per_chunk);
-    // SAFETY: matches bn_nhwc_sum_*[_v8] (x, part, rows, c, rpc); x holds rows*c elements, part chunks*c (the grid
-    // has `chunks` row chunks; with v8, c % 8 == 0, 256 % (c / 8) == 0 and x is 16-byte aligned).
-    unsafe { b.launch(cfg) }.w()?;
+    // SAFETY: matches bn_nhwc_sum_* (x, part, rows, c, rpc); x holds rows*c elements, part chunks*c (the grid has
+    // `chunks` row chunks).
+    unsafe { b.launch(sp.rows_cfg()) }.w()?;
 
     let f = dev.get_or_load_custom_func("bn_nhwc_mean", MODULE, ptx::BATCHNORM_01_NHWC)?;
     let mut b = f.builder();
@@ -175,36 +235,46 @@ fn stats_t<T: CudaDType + DeviceRepr + WithDType + 'static>(x: Arg, sp: Split, e
     // SAFETY: matches bn_nhwc_mean (part, stats, chunks, c, count); stats holds 3*c elements.
     unsafe { b.launch(sp.final_cfg()) }.w()?;
 
-    let (f, cfg) = if v8 {
-        let f =
-            dev.get_or_load_custom_func(&format!("bn_nhwc_sqdev_v8_{sfx}"), MODULE_V8, ptx::BATCHNORM_02_NHWC_VEC)?;
-        (f, sp.v8_rows_cfg())
-    } else {
-        (dev.get_or_load_custom_func(&format!("bn_nhwc_sqdev_{sfx}"), MODULE, ptx::BATCHNORM_01_NHWC)?, sp.rows_cfg())
-    };
+    let f = dev.get_or_load_custom_func(&format!("bn_nhwc_sqdev_{sfx}"), MODULE, ptx::BATCHNORM_01_NHWC)?;
     let mut b = f.builder();
     b.arg(&xv).arg(&stats).arg(&part).arg(&sp.rows).arg(&sp.c).arg(&sp.rows_per_chunk);
-    // SAFETY: matches bn_nhwc_sqdev_*[_v8] (x, stats, part, rows, c, rpc); stats is a fresh 16-byte aligned
-    // allocation.
-    unsafe { b.launch(cfg) }.w()?;
+    // SAFETY: matches bn_nhwc_sqdev_* (x, stats, part, rows, c, rpc).
+    unsafe { b.launch(sp.rows_cfg()) }.w()?;
 
     let f = dev.get_or_load_custom_func("bn_nhwc_var", MODULE, ptx::BATCHNORM_01_NHWC)?;
     let mut b = f.builder();
     b.arg(&part).arg(&stats).arg(&chunks).arg(&sp.c).arg(&count).arg(&eps);
     // SAFETY: matches bn_nhwc_var (part, stats, chunks, c, count, eps).
     unsafe { b.launch(sp.final_cfg()) }.w()?;
+
+    if running.is_some() {
+        let f = dev.get_or_load_custom_func("bn_nhwc_running_update", MODULE_V8, ptx::BATCHNORM_02_NHWC_VEC)?;
+        let mut b = f.builder();
+        b.arg(&stats).arg(&sp.c).arg(&count).arg(&rm).arg(&rv).arg(&nb).arg(&momentum);
+        // SAFETY: matches bn_nhwc_running_update (stats, c, count, running_mean, running_var,
+        // num_batches_tracked, momentum); running_mean/var hold c elements, num_batches_tracked 1.
+        unsafe { b.launch(super::grid_for(c)) }.w()?;
+    }
     Ok(CudaStorage::wrap_cuda_slice(stats, dev.clone()))
 }
 
-/// Batch statistics on CUDA: x (rows, c) contiguous -> (3, c) f32 = [mean, var, invstd].
-pub fn stats(s: &CudaStorage, l: &Layout, rows: usize, c: usize, eps: f64) -> Result<CudaStorage> {
+/// Batch statistics on CUDA: x (rows, c) contiguous -> (3, c) f32 = [mean, var, invstd]; with `running`, the
+/// BatchNorm's running statistics updated in place in the same launches.
+pub fn stats(
+    s: &CudaStorage,
+    l: &Layout,
+    rows: usize,
+    c: usize,
+    eps: f64,
+    running: Option<RunningAddrs>,
+) -> Result<CudaStorage> {
     const OP: &str = "batch_norm_nhwc_stats";
     let v8 = v8_applies(c, &[l], &[]);
     let sp = if v8 { Split::v8(rows, c, OP)? } else { Split::new(rows, c, OP)? };
     match s.dtype() {
-        DType::F32 => stats_t::<f32>((s, l), sp, eps, v8),
-        DType::BF16 => stats_t::<bf16>((s, l), sp, eps, v8),
-        DType::F16 => stats_t::<f16>((s, l), sp, eps, v8),
+        DType::F32 => stats_t::<f32>((s, l), sp, eps, v8, running),
+        DType::BF16 => stats_t::<bf16>((s, l), sp, eps, v8, running),
+        DType::F16 => stats_t::<f16>((s, l), sp, eps, v8, running),
         other => candle_core::bail!("{OP} (cuda): unsupported dtype {other:?} (f32, bf16, f16 only)"),
     }
 }

@@ -14,12 +14,13 @@
 //!
 //! Ops: [`BnStats`] (x -> (3, c) = [mean, var, invstd]), [`BnApply`] (x, weight, bias -> y, differentiable),
 //! [`BnGrad`] (x, dy -> (2, c) = [dbias, dweight], then x, dy -> dx). The per-channel tensors an op needs besides
-//! its arguments are fields of the op. The CUDA kernels are in
-//! `kernels/batchnorm/01_nhwc.cu` (launchers in `cuda/bn.rs`).
+//! its arguments are fields of the op. [`batch_stats`] is [`BnStats`] with the BatchNorm's running statistics
+//! updated too (on CUDA inside the statistics' finaliser). The CUDA kernels are in `kernels/batchnorm/01_nhwc.cu`
+//! and `02_nhwc_vec.cu` (launchers in `cuda/bn.rs`).
 
 use super::round_f32;
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, Var, WithDType};
 use half::{bf16, f16};
 
 /// Training-mode BatchNorm of a channels-last tensor with batch statistics, optionally followed by ReLU.
@@ -209,7 +210,79 @@ impl CustomOp1 for BnStats {
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
         let (rows, c) = rows_c(l.dims())?;
-        Ok((crate::cuda::bn::stats(s, l, rows, c, self.eps)?, Shape::from((3, c))))
+        Ok((crate::cuda::bn::stats(s, l, rows, c, self.eps, None)?, Shape::from((3, c))))
+    }
+}
+
+/// A BatchNorm's running statistics (PyTorch's buffers): running_mean and running_var (c) f32,
+/// num_batches_tracked a scalar i64, and the momentum of their update.
+#[derive(Debug, Clone, Copy)]
+pub struct Running<'a> {
+    pub mean: &'a Var,
+    pub var: &'a Var,
+    pub num_batches_tracked: &'a Var,
+    pub momentum: f64,
+}
+
+/// PyTorch's running update from a batch's per-channel mean and biased variance over `count` values each:
+/// running = (1 - momentum) running + momentum batch, with the variance made unbiased (count / (count - 1)), and
+/// num_batches_tracked + 1. Composed of candle ops (the autograd path and the CPU).
+pub fn update_running(r: &Running, mean: &Tensor, var: &Tensor, count: usize) -> Result<()> {
+    let m = r.momentum;
+    let mean = mean.flatten_all()?;
+    let unbiased = (var.flatten_all()? * (count as f64 / (count - 1) as f64))?;
+    r.mean.set(&((r.mean.as_tensor().detach() * (1.0 - m))? + (mean * m)?)?)?;
+    r.var.set(&((r.var.as_tensor().detach() * (1.0 - m))? + (unbiased * m)?)?)?;
+    r.num_batches_tracked.set(&(r.num_batches_tracked.as_tensor().detach() + 1.0)?)?;
+    Ok(())
+}
+
+/// [`BnStats`] of x (.., c) with `running` updated from them ([`update_running`]). On CUDA the update is written
+/// in place by the statistics' finaliser (no further launch on the 8-channel path); elsewhere it runs as
+/// [`update_running`]. x needs more than one row (the unbiased variance divides by rows - 1).
+pub fn batch_stats(x: &Tensor, eps: f64, running: &Running) -> Result<Tensor> {
+    let (rows, _) = rows_c(x.dims())?;
+    if rows < 2 {
+        candle_core::bail!("BatchNorm2d in training mode needs more than one value per channel, got input {:?}", x.dims());
+    }
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        use crate::cuda::bn::addr_of;
+        let c = x.dims()[x.rank() - 1];
+        let addrs = crate::cuda::bn::RunningAddrs {
+            mean: addr_of::<f32>(running.mean.as_tensor(), c, "running_mean")?,
+            var: addr_of::<f32>(running.var.as_tensor(), c, "running_var")?,
+            num_batches_tracked: addr_of::<i64>(running.num_batches_tracked.as_tensor(), 1, "num_batches_tracked")?,
+            momentum: running.momentum as f32,
+        };
+        return x.apply_op1_no_bwd(&BnStatsRunning { eps, running: addrs });
+    }
+    let stats = x.apply_op1_no_bwd(&BnStats { eps })?;
+    update_running(running, &stats.get(0)?, &stats.get(1)?, rows)?;
+    Ok(stats)
+}
+
+/// [`BnStats`] whose launch also updates the running statistics at `running` in place (CUDA only).
+#[cfg(feature = "cuda")]
+#[derive(Debug, Clone, Copy)]
+struct BnStatsRunning {
+    eps: f64,
+    running: crate::cuda::bn::RunningAddrs,
+}
+
+#[cfg(feature = "cuda")]
+impl CustomOp1 for BnStatsRunning {
+    fn name(&self) -> &'static str {
+        "batch_norm_nhwc_stats_running"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("{}: CUDA only (batch_stats runs BnStats + update_running on the CPU)", self.name())
+    }
+
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (rows, c) = rows_c(l.dims())?;
+        Ok((crate::cuda::bn::stats(s, l, rows, c, self.eps, Some(self.running))?, Shape::from((3, c))))
     }
 }
 
