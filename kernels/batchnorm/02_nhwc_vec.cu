@@ -3,7 +3,7 @@
 // per row in 2-byte loads; the ktrace of the explicit ResNet-152 step (2026-12-03) had its five row passes at 35 ms
 // per step, about a third of copy speed. The statistics take one pass over x (per-chunk shifted sums, combined
 // exactly by bn_nhwc_moments_final, which also updates the running statistics) instead of 01's two passes and two
-// finalisers. The backward keeps 01's partial-sum layout (01's bn_nhwc_bwd_final reduces it) and the same
+// finalisers. The backward writes 01's partial-sum layout (reduced by bn_nhwc_bwd_final_v8) and the same
 // per-element expressions (bn_pre, the ReLU mask that passes the gradient at a pre-activation of exactly 0), so
 // 01's header describes the math.
 //
@@ -19,7 +19,7 @@
 // per-channel constants.
 //
 // Exported: bn_nhwc_{moments,apply,bwd_sum,bwd_dx}_v8_{f32,bf16,f16}, bn_nhwc_moments_final,
-// bn_nhwc_running_update.
+// bn_nhwc_bwd_final_v8, bn_nhwc_running_update.
 
 #include "common.cuh"
 
@@ -76,6 +76,7 @@ __device__ void bnv_moments(const T* __restrict__ x, float* __restrict__ part, i
         for (int j = 0; j < 8; ++j) k[j] = to_f32(v.v[j]);
     }
     float s1[8] = {0, 0, 0, 0, 0, 0, 0, 0}, s2[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll 4
     for (int64_t r = r0 + t / G; r < r1; r += rstep) {
         const Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(x + r * c + ch0);
 #pragma unroll
@@ -120,9 +121,11 @@ template <typename T>
 __device__ void bnv_apply(const T* __restrict__ x, const float* __restrict__ stats, const float* __restrict__ weight,
                           const float* __restrict__ bias, T* __restrict__ y, int64_t rows, int c, int relu) {
     const int64_t groups = rows * (int64_t)(c >> 3);
-    for (int64_t g = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; g < groups; g += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t g0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    // The stride (gridDim.x * 256) is a multiple of G = c / 8 (G divides 256): a thread keeps its channel group.
+    const Consts k = load_consts(stats, weight, bias, c, (int)(g0 % (c >> 3)) * 8);
+    for (int64_t g = g0; g < groups; g += (int64_t)gridDim.x * blockDim.x) {
         const int64_t i = g * 8;
-        const Consts k = load_consts(stats, weight, bias, c, (int)(i % c));
         const Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(x + i);
         Vec8<T> o;
 #pragma unroll
@@ -150,6 +153,7 @@ __device__ void bnv_bwd_partial(const T* __restrict__ x, const T* __restrict__ d
     const int64_t r0 = (int64_t)blockIdx.x * rpc, r1 = min(rows, r0 + rpc);
     const Consts k = load_consts(stats, weight, bias, c, ch0);
     float ag[8] = {0, 0, 0, 0, 0, 0, 0, 0}, agx[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll 4
     for (int64_t r = r0 + t / G; r < r1; r += rstep) {
         const Vec8<T> xv = *reinterpret_cast<const Vec8<T>*>(x + r * c + ch0);
         const Vec8<T> gv = *reinterpret_cast<const Vec8<T>*>(dy + r * c + ch0);
@@ -178,14 +182,26 @@ __device__ void bnv_bwd_dx(const T* __restrict__ x, const T* __restrict__ dy, co
                            const float* __restrict__ sums, T* __restrict__ dx, int64_t rows, int c, float count,
                            int relu) {
     const int64_t groups = rows * (int64_t)(c >> 3);
-    for (int64_t g = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; g < groups; g += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t i = g * 8;
-        const int ch0 = (int)(i % c);
-        const Consts k = load_consts(stats, weight, bias, c, ch0);
+    const int64_t g0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    // The stride (gridDim.x * 256) is a multiple of G = c / 8 (G divides 256): a thread keeps its channel group,
+    // so its per-channel constants are loaded once.
+    const int ch0 = (int)(g0 % (c >> 3)) * 8;
+    const Consts k = load_consts(stats, weight, bias, c, ch0);
+    float a[8], k1[8], k2[8];
+    {
         float w[8], s1[8], s2[8];
         load8f(weight + ch0, w);
         load8f(sums + ch0, s1);
         load8f(sums + c + ch0, s2);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            a[j] = w[j] * k.invstd[j];
+            k1[j] = s1[j] / count;
+            k2[j] = s2[j] / count;
+        }
+    }
+    for (int64_t g = g0; g < groups; g += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t i = g * 8;
         const Vec8<T> xv = *reinterpret_cast<const Vec8<T>*>(x + i);
         const Vec8<T> gv = *reinterpret_cast<const Vec8<T>*>(dy + i);
         Vec8<T> o;
@@ -193,8 +209,7 @@ __device__ void bnv_bwd_dx(const T* __restrict__ x, const T* __restrict__ dy, co
         for (int j = 0; j < 8; ++j) {
             float gr, xhat;
             grad_of(to_f32(xv.v[j]), to_f32(gv.v[j]), k, j, relu, gr, xhat);
-            const float a = w[j] * k.invstd[j];
-            o.v[j] = from_f32<T>(a * (gr - s1[j] / count - xhat * (s2[j] / count)));
+            o.v[j] = from_f32<T>(a[j] * (gr - k1[j] - xhat * k2[j]));
         }
         *reinterpret_cast<Vec8<T>*>(dx + i) = o;
     }
@@ -224,46 +239,54 @@ BNV_EXPORT(float, f32)
 BNV_EXPORT(__nv_bfloat16, bf16)
 BNV_EXPORT(__half, f16)
 
+// The finalisers below: block (FX, FY) = (8 channels, 128 chunk lanes), one block per 8 channels; each column
+// sums its chunks in a strided loop, then a fixed-order tree over the 128 lanes (deterministic). 01's finalisers
+// (32 x 8 threads per 32 channels) left ~1000 chunks to 8 lanes: 19-45 us a launch on the H200, 10 ms per
+// ResNet-152 step.
+#define FX 8
+#define FY 128
+
+// Sum of acc over the FY lanes of column threadIdx.x, returned to every thread of the block's column.
+__device__ __forceinline__ float lane_sum(float acc, float (&sh)[FY][FX]) {
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    sh[ty][tx] = acc;
+    __syncthreads();
+#pragma unroll
+    for (int s = FY / 2; s > 0; s >>= 1) {
+        if (ty < s) sh[ty][tx] += sh[ty + s][tx];
+        __syncthreads();
+    }
+    const float r = sh[0][tx];
+    __syncthreads();
+    return r;
+}
+
 // Combines bn_nhwc_moments_v8's chunks into stats (3, c) = [mean, biased var, invstd] (chunk i holds
 // n_i = min(rpc, rows - i rpc) rows): D = sum S_i / N, mean = K + D, M2 = sum M2_i + n_i (S_i / n_i - D)^2, in a
 // fixed order. With running_mean (non-null) also PyTorch's running update in place, with the unbiased variance:
 // running = (1 - momentum) running + momentum batch, and num_batches_tracked (non-null) += 1. Block (32, 8), one
 // block per 32 channels.
-extern "C" __global__ void bn_nhwc_moments_final(const float* part, float* stats, int chunks, int c, long long rows,
-                                                 long long rpc, float eps, float* running_mean, float* running_var,
-                                                 long long* num_batches_tracked, float momentum) {
-    __shared__ float sh[8][32];
-    __shared__ float dmean_sh[32];
-    const int tx = threadIdx.x, ty = threadIdx.y, ch = blockIdx.x * 32 + tx;
+extern "C" __global__ void __launch_bounds__(FX * FY)
+    bn_nhwc_moments_final(const float* part, float* stats, int chunks, int c, long long rows, long long rpc, float eps,
+                          float* running_mean, float* running_var, long long* num_batches_tracked, float momentum) {
+    __shared__ float sh[FY][FX];
+    const int tx = threadIdx.x, ty = threadIdx.y, ch = blockIdx.x * FX + tx;
     const float count = (float)rows;
     float acc = 0.0f;
     if (ch < c) {
-        for (int k = ty; k < chunks; k += 8) acc += part[(int64_t)k * c + ch];
+        for (int k = ty; k < chunks; k += FY) acc += part[(int64_t)k * c + ch];
     }
-    sh[ty][tx] = acc;
-    __syncthreads();
-    if (ty == 0) {
-        float s = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) s += sh[i][tx];
-        dmean_sh[tx] = s / count;
-    }
-    __syncthreads();
-    const float dmean = dmean_sh[tx];
+    const float dmean = lane_sum(acc, sh) / count;
     acc = 0.0f;
     if (ch < c) {
-        for (int k = ty; k < chunks; k += 8) {
+        for (int k = ty; k < chunks; k += FY) {
             const float n = (float)min(rpc, rows - (long long)k * rpc);
             const float d = part[(int64_t)k * c + ch] / n - dmean;
             acc += fmaf(n * d, d, part[((int64_t)chunks + k) * c + ch]);
         }
     }
-    sh[ty][tx] = acc;
-    __syncthreads();
+    const float m2 = lane_sum(acc, sh);
     if (ty == 0 && ch < c) {
-        float m2 = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) m2 += sh[i][tx];
         const float mean = part[2 * (int64_t)chunks * c + ch] + dmean;
         const float var = m2 / count;
         stats[ch] = mean;
@@ -276,6 +299,26 @@ extern "C" __global__ void bn_nhwc_moments_final(const float* part, float* stats
         }
     }
     if (num_batches_tracked != nullptr && blockIdx.x == 0 && tx == 0 && ty == 0) num_batches_tracked[0] += 1;
+}
+
+// sums (2, c) = [sum g (dbias), sum g * xhat (dweight)] from bn_nhwc_bwd_sum_v8's two halves of partials.
+extern "C" __global__ void __launch_bounds__(FX * FY)
+    bn_nhwc_bwd_final_v8(const float* part, float* sums, int chunks, int c) {
+    __shared__ float sh[FY][FX];
+    const int tx = threadIdx.x, ty = threadIdx.y, ch = blockIdx.x * FX + tx;
+    float ag = 0.0f, agx = 0.0f;
+    if (ch < c) {
+        for (int k = ty; k < chunks; k += FY) {
+            ag += part[(int64_t)k * c + ch];
+            agx += part[((int64_t)chunks + k) * c + ch];
+        }
+    }
+    const float sg = lane_sum(ag, sh);
+    const float sgx = lane_sum(agx, sh);
+    if (ty == 0 && ch < c) {
+        sums[ch] = sg;
+        sums[c + ch] = sgx;
+    }
 }
 
 // PyTorch's running update from finished statistics (3, c), for the 01 path whose finalisers do not take it: one

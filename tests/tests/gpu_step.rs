@@ -133,7 +133,9 @@ fn fused_step_matches_autograd_on_cuda() -> Result<()> {
             let out = m.train_step_explicit(&x, &labels, 0.1, scale, p)?;
             let loss_f = out.loss.to_scalar::<f32>()?;
             let (ef, ea) = ((loss_f - loss32).abs(), (loss_a - loss32).abs());
-            ensure!(ef <= f32::max(2.5 * ea, 1e-2 * loss32.abs()), "{what}: loss {loss_f}, autograd {loss_a}, f32 {loss32}");
+            // Within 2.5 x autograd's distance from the FP32 loss, or within 2% of it (ResNet-152 at 64 px, batch
+            // 8: layer4's BatchNorms see 32 values per channel; fp16 losses land 0.6-1.5% off FP32 by either path).
+            ensure!(ef <= f32::max(2.5 * ea, 2e-2 * loss32.abs()), "{what}: loss {loss_f}, autograd {loss_a}, f32 {loss32}");
             let mut worst = (0.0, 0.0, 0.0, String::new());
             for ((name, g_ref), (_, g_a)) in g32.iter().zip(&ga) {
                 let g = (grad(&out, &m, name)? / scale)?;

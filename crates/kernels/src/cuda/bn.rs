@@ -2,13 +2,14 @@
 //! `kernels/batchnorm/02_nhwc_vec.cu` (8 channels per thread, 16-byte accesses, one-pass statistics with the
 //! running-statistics update in its finaliser) where the channel count and the alignment allow ([`v8_applies`]:
 //! every ResNet BatchNorm), else `kernels/batchnorm/01_nhwc.cu` (two-pass statistics, a separate running update).
-//! The backward passes of both write the same partial sums, reduced by 01's `bn_nhwc_bwd_final`.
+//! The backward passes of both write the same partial-sum layout (reduced by `bn_nhwc_bwd_final[_v8]`).
 //!
 //! Launch shape of 02's reductions: 256 threads, grid (chunks), about 1056 blocks (132 SMs x 8) with at least four
-//! rows per thread; its element-wise passes: one thread per 8 elements, grid-stride. 01's row passes: block
-//! (32, 8), grid (ceil(c / 32), chunks), chunks chosen for about 2048 blocks with at least 64 rows each. The
-//! finalisers run one block (32, 8) per 32 channels. Workspaces are FP32 (chunks x c partial sums, two halves for
-//! 02's moments and both backward sums), fully written by the partial-sum kernels before the finaliser reads them.
+//! rows per thread; its element-wise passes: one thread per 8 elements, grid-stride; its finalisers: block
+//! (8, 128) per 8 channels. 01's row passes: block (32, 8), grid (ceil(c / 32), chunks), chunks chosen for about
+//! 2048 blocks with at least 64 rows each; its finalisers: block (32, 8) per 32 channels. Workspaces are FP32
+//! (chunks x c partial sums, two halves for 02's moments and both backward sums), fully written by the
+//! partial-sum kernels before the finaliser reads them.
 
 use super::{alloc_out, ptx, suffix};
 use candle_core::backend::{BackendDevice, BackendStorage};
@@ -86,7 +87,11 @@ impl Split {
     fn v8_rows_cfg(&self) -> LaunchConfig {
         LaunchConfig { grid_dim: (self.chunks as u32, 1, 1), block_dim: (V8_THREADS as u32, 1, 1), shared_mem_bytes: 0 }
     }
-    /// 02's element-wise passes: one thread per 8 elements.
+    /// 02's finalisers: block (8 channels, 128 chunk lanes), one block per 8 channels.
+    fn v8_final_cfg(&self) -> LaunchConfig {
+        LaunchConfig { grid_dim: (self.c as u32 / 8, 1, 1), block_dim: (8, 128, 1), shared_mem_bytes: 0 }
+    }
+    /// 02's element-wise passes: one thread per 8 elements (256 a block: a thread keeps its channel group).
     fn v8_elems_cfg(&self) -> LaunchConfig {
         super::grid_for(self.rows as usize * self.c as usize / 8)
     }
@@ -215,8 +220,8 @@ fn stats_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
         b.arg(&rm).arg(&rv).arg(&nb).arg(&momentum);
         // SAFETY: matches bn_nhwc_moments_final (part, stats, chunks, c, rows, rpc, eps, running_mean,
         // running_var, num_batches_tracked, momentum); stats holds 3*c elements; the running addresses are null
-        // or c / c / 1 elements ([`RunningAddrs`]).
-        unsafe { b.launch(sp.final_cfg()) }.w()?;
+        // or c / c / 1 elements ([`RunningAddrs`]); one block per 8 channels.
+        unsafe { b.launch(sp.v8_final_cfg()) }.w()?;
         return Ok(CudaStorage::wrap_cuda_slice(stats, dev.clone()));
     }
 
@@ -386,11 +391,12 @@ fn grad_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
             // 01 launch below, with c % 8 == 0, 256 % (c / 8) == 0 and 16-byte aligned operands (v8_applies);
             // gridDim.x = chunks.
             unsafe { b.launch(sp.v8_rows_cfg()) }.w()?;
-            let f = dev.get_or_load_custom_func("bn_nhwc_bwd_final", MODULE, ptx::BATCHNORM_01_NHWC)?;
+            let f = dev.get_or_load_custom_func("bn_nhwc_bwd_final_v8", MODULE_V8, ptx::BATCHNORM_02_NHWC_VEC)?;
             let mut b = f.builder();
             b.arg(&part).arg(&sums).arg(&chunks).arg(&sp.c);
-            // SAFETY: matches bn_nhwc_bwd_final (part, sums, chunks, c); sums holds 2*c elements.
-            unsafe { b.launch(sp.final_cfg()) }.w()?;
+            // SAFETY: matches bn_nhwc_bwd_final_v8 (part, sums, chunks, c); sums holds 2*c elements, one block
+            // per 8 channels.
+            unsafe { b.launch(sp.v8_final_cfg()) }.w()?;
             Ok(CudaStorage::wrap_cuda_slice(sums, dev.clone()))
         }
         Some(sums) if v8 => {

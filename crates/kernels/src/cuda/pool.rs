@@ -1,11 +1,12 @@
 //! CUDA launchers of the pooling ops: max-pool NCHW (`kernels/maxpool/01_direct.cu`) and channels-last
-//! (`kernels/maxpool/02_nhwc.cu`, backward in two passes: `03_nhwc_argmax.cu`), global average pool (`kernels/pool/01_avgpool.cu`). PTX modules loaded
+//! (`kernels/maxpool/02_nhwc.cu`, backward in two passes: `03_nhwc_argmax.cu`; both with 8 channels per thread in
+//! `04_nhwc_vec.cu` where C % 8 == 0), global average pool (`kernels/pool/01_avgpool.cu`). PTX modules loaded
 //! through candle's device; grid-stride launches of 256 threads.
 
 use super::{alloc_out, grid_for, ptx, suffix};
 use crate::geom::MaxPool2d;
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaStorage, DType, Layout, Result, Shape, WithDType};
 use half::{bf16, f16};
@@ -146,6 +147,23 @@ pub fn maxpool_bwd(
 const MAXPOOL_NHWC_MODULE: &str = "maxpool/02_nhwc";
 /// Module name under which candle caches the two-pass NHWC max-pool backward PTX.
 const MAXPOOL_NHWC_ARGMAX_MODULE: &str = "maxpool/03_nhwc_argmax";
+/// 8 channels per thread (kernels/maxpool/04_nhwc_vec.cu), where [`nhwc_v8`] allows.
+const MAXPOOL_NHWC_VEC_MODULE: &str = "maxpool/04_nhwc_vec";
+
+/// Whether 04 (8 channels per thread) runs: c % 8 == 0, every operand starting on a 16-byte boundary (`offsets` in
+/// elements), a window of at most 255 cells and at most 65,535 images (one per blockIdx.y).
+fn nhwc_v8(p: &MaxPool2d, dims: (usize, usize, usize, usize), offsets: &[usize]) -> bool {
+    dims.3 % 8 == 0 && offsets.iter().all(|o| o % 8 == 0) && p.kernel * p.kernel <= 255 && dims.0 <= 65535
+}
+
+/// 04's launch: 256 threads, grid (blocks over one image's `groups` 8-channel groups, n).
+fn nhwc_v8_cfg(groups: usize, n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (groups.div_ceil(256).clamp(1, 1024) as u32, n as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
 /// Module name under which candle caches the global-average-pool PTX.
 const AVGPOOL_MODULE: &str = "pool/01_avgpool";
 
@@ -191,6 +209,19 @@ fn maxpool_nhwc_fwd_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     let args = nhwc_geom_args(p, dims)?;
     let out_len = dims.0 * p.out_size(dims.1) * p.out_size(dims.2) * dims.3;
     let y = alloc_out::<T>(dev, out_len)?;
+    if nhwc_v8(p, dims, &[a]) {
+        let name = format!("maxpool2d_nhwc_fwd_v8_{}", suffix(T::DTYPE, "max_pool2d_nhwc")?);
+        let func = dev.get_or_load_custom_func(&name, MAXPOOL_NHWC_VEC_MODULE, ptx::MAXPOOL_04_NHWC_VEC)?;
+        let mut builder = func.builder();
+        builder.arg(&x).arg(&y);
+        for v in &args {
+            builder.arg(v);
+        }
+        // SAFETY: argument types and count match maxpool2d_nhwc_fwd_v8_* (x, y, n, h, w, c, oh, ow, k, s, p); x
+        // holds n*h*w*c elements and y n*oh*ow*c, both 16-byte aligned with c % 8 == 0 (nhwc_v8); gridDim.y = n.
+        unsafe { builder.launch(nhwc_v8_cfg(out_len / dims.0 / 8, dims.0)) }.w()?;
+        return Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()));
+    }
     let name = format!("maxpool2d_nhwc_fwd_{}", suffix(T::DTYPE, "max_pool2d_nhwc")?);
     let func = dev.get_or_load_custom_func(&name, MAXPOOL_NHWC_MODULE, ptx::MAXPOOL_02_NHWC)?;
     let mut builder = func.builder();
@@ -217,8 +248,10 @@ fn maxpool_nhwc_bwd_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     let dev = &xs.device;
     let (a, b) = input_range(xl, OP, "x")?;
     let x = xs.as_cuda_slice::<T>()?.slice(a..b);
+    let x_offset = a;
     let (a, b) = input_range(gl, OP, "grad")?;
     let g = gs.as_cuda_slice::<T>()?.slice(a..b);
+    let v8 = nhwc_v8(p, dims, &[x_offset, a]);
     let args = nhwc_geom_args(p, dims)?;
     let in_len = dims.0 * dims.1 * dims.2 * dims.3;
     let (n, oh, ow, c) = p.out_shape_nhwc(dims);
@@ -245,33 +278,30 @@ fn maxpool_nhwc_bwd_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     // Pass 1: each window's argmax as its offset in the window (kernels/maxpool/03_nhwc_argmax.cu).
     // SAFETY: every element is written by maxpool2d_nhwc_argmax_* (one thread per output element).
     let arg = unsafe { dev.alloc::<u8>(out_len)? };
-    let func = dev.get_or_load_custom_func(
-        &format!("maxpool2d_nhwc_argmax_{sfx}"),
-        MAXPOOL_NHWC_ARGMAX_MODULE,
-        ptx::MAXPOOL_03_NHWC_ARGMAX,
-    )?;
+    let (module, image, v) = if v8 {
+        (MAXPOOL_NHWC_VEC_MODULE, ptx::MAXPOOL_04_NHWC_VEC, "_v8")
+    } else {
+        (MAXPOOL_NHWC_ARGMAX_MODULE, ptx::MAXPOOL_03_NHWC_ARGMAX, "")
+    };
+    let func = dev.get_or_load_custom_func(&format!("maxpool2d_nhwc_argmax{v}_{sfx}"), module, image)?;
     let mut builder = func.builder();
     builder.arg(&x).arg(&arg);
     for v in &args {
         builder.arg(v);
     }
-    // SAFETY: argument types and count match maxpool2d_nhwc_argmax_* (x, arg, n, h, w, c, oh, ow, k, s, p); x holds
-    // n*h*w*c elements, arg n*oh*ow*c bytes.
-    unsafe { builder.launch(grid_for(out_len)) }.w()?;
+    // SAFETY: argument types and count match maxpool2d_nhwc_argmax[_v8]_* (x, arg, n, h, w, c, oh, ow, k, s, p); x
+    // holds n*h*w*c elements, arg n*oh*ow*c bytes (v8: 16-byte aligned x, c % 8 == 0, a fresh arg buffer).
+    unsafe { builder.launch(if v8 { nhwc_v8_cfg(oh * ow * c / 8, n) } else { grid_for(out_len) }) }.w()?;
     // Pass 2: the gather of 02, reading the offsets.
-    let func = dev.get_or_load_custom_func(
-        &format!("maxpool2d_nhwc_bwd_argmax_{sfx}"),
-        MAXPOOL_NHWC_ARGMAX_MODULE,
-        ptx::MAXPOOL_03_NHWC_ARGMAX,
-    )?;
+    let func = dev.get_or_load_custom_func(&format!("maxpool2d_nhwc_bwd_argmax{v}_{sfx}"), module, image)?;
     let mut builder = func.builder();
     builder.arg(&arg).arg(&g).arg(&dx);
     for v in &args {
         builder.arg(v);
     }
-    // SAFETY: argument types and count match maxpool2d_nhwc_bwd_argmax_* (arg, dy, dx, n, h, w, c, oh, ow, k, s, p);
-    // arg and dy hold n*oh*ow*c elements, dx n*h*w*c.
-    unsafe { builder.launch(grid_for(in_len)) }.w()?;
+    // SAFETY: argument types and count match maxpool2d_nhwc_bwd_argmax[_v8]_* (arg, dy, dx, n, h, w, c, oh, ow, k,
+    // s, p); arg and dy hold n*oh*ow*c elements, dx n*h*w*c (v8: all 16-byte aligned, c % 8 == 0).
+    unsafe { builder.launch(if v8 { nhwc_v8_cfg(dims.1 * dims.2 * c / 8, n) } else { grid_for(in_len) }) }.w()?;
     Ok(CudaStorage::wrap_cuda_slice(dx, dev.clone()))
 }
 
