@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs ON the GPU machine: the explicit ("fused") training step against autograd. One call:
-#   1. with GPU_TESTS_FILTER=NAME and dist/gpu-tests.gz: the tests/tests/gpu.rs tests whose names contain NAME
+#   1. with GPU_TESTS_FILTER="NAME ..." and dist/gpu-tests.gz: the tests/tests/gpu.rs tests whose names contain a NAME
 #      (e.g. batchnorm: the BatchNorm kernels against the CPU reference);
 #   2. `trainer bench` ResNet-152 at BATCH (default 256) with kernels.step = fused in DTYPES (default bf16,fp16),
 #      then autograd in AUTOGRAD_DTYPES (default bf16; empty skips it) -- figures first, as device time is short;
@@ -35,7 +35,8 @@ main() {
     if [ -n "${GPU_TESTS_FILTER:-}" ] && [ -f "$dist/gpu-tests.gz" ]; then
         echo "== gpu-tests $GPU_TESTS_FILTER"
         gunzip -c "$dist/gpu-tests.gz" > "$bin/gpu-tests" && chmod +x "$bin/gpu-tests"
-        if RUST_BACKTRACE=1 timeout 120 "$bin/gpu-tests" "$GPU_TESTS_FILTER" --nocapture > "$out/gpu-tests.log" 2>&1; then
+        # shellcheck disable=SC2086  # several space-separated filters: libtest runs the tests matching any
+        if RUST_BACKTRACE=1 timeout 120 "$bin/gpu-tests" $GPU_TESTS_FILTER --nocapture > "$out/gpu-tests.log" 2>&1; then
             echo "gpu-tests $GPU_TESTS_FILTER: ok"
         else
             echo "gpu-tests $GPU_TESTS_FILTER: FAILED"; fails=$((fails + 1))
