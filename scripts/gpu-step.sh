@@ -2,8 +2,10 @@
 # Runs ON the GPU machine: the explicit ("fused") training step against autograd. One call:
 #   1. with GPU_TESTS_FILTER="NAME ..." and dist/gpu-tests.gz: the tests/tests/gpu.rs tests whose names contain a NAME
 #      (e.g. batchnorm: the BatchNorm kernels against the CPU reference);
-#   2. `trainer bench` ResNet-152 at BATCH (default 256) with kernels.step = fused in DTYPES (default bf16,fp16),
-#      then autograd in AUTOGRAD_DTYPES (default bf16; empty skips it) -- figures first, as device time is short;
+#   2. `trainer bench` ResNet-152 at BATCH (default 256) with kernels.step = fused in DTYPES (default bf16,fp16;
+#      empty skips it; with TORCH=1 instead scripts/bench-vs-torch.sh: the trainer with no --set and PyTorch eager
+#      AMP channels-last in the same call), then autograd in AUTOGRAD_DTYPES (default bf16; empty skips it) --
+#      figures first, as device time is short;
 #   3. gpu-step-tests: tests/tests/gpu_step.rs (residual kernels vs CPU, fused vs autograd loss and every gradient
 #      in bf16/fp16 on ResNet-18/50/152, three fp16 StepRunner steps with a skipped one);
 #   4. with SWEEP=B: `trainer sweep --max` of ResNet-152 bf16 on the fused step from batch B (heuristic tiles, 1 + 2
@@ -18,7 +20,7 @@ dist="$(cd "${1:-dist}" && pwd)" || { echo "gpu-step: no dist folder" >&2; exit 
 out="${OUT:-$PWD/gpu-out}"
 mkdir -p "$out"
 batch="${BATCH:-256}"
-dtypes="${DTYPES:-bf16,fp16}"
+dtypes="${DTYPES-bf16,fp16}"
 
 main() {
     local fails=0 bin site t0
@@ -42,6 +44,14 @@ main() {
             echo "gpu-tests $GPU_TESTS_FILTER: FAILED"; fails=$((fails + 1))
         fi
         grep -E "^test |test result|rel err|panicked" "$out/gpu-tests.log" | head -20
+    fi
+
+    if [ -n "${TORCH:-}" ] && [ -n "$dtypes" ]; then
+        echo "== bench-vs-torch resnet152 b$batch $dtypes (trainer with no --set: the fused step by default)"
+        OUT="$out" timeout "${TORCH_TIMEOUT:-300}" bash "$here/scripts/bench-vs-torch.sh" "$bin/trainer" resnet152 \
+            "$dtypes" "$batch" > /dev/null 2>&1 || { echo "bench-vs-torch: FAILED"; fails=$((fails + 1)); }
+        cat "$out/bench-table.md" 2>/dev/null
+        dtypes=""
     fi
 
     local step dts

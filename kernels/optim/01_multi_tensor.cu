@@ -11,7 +11,11 @@
 // mt_sgd_f32: PyTorch's SGD on each tensor, in place: g = flat_grad * coef (+ wd * p); momentum buffer (flat)
 //   buf = first ? g : momentum * buf + g; d = nesterov ? g + momentum * buf : buf (or g without momentum);
 //   p -= lr * lr_mult * d.
-#include <stdint.h>
+//
+// mt_weights_krsc_{bf16,f16}: the convolution weights for a training step, FP32 (k, c, r, s) -> the activation
+//   dtype in the kernels' (k, r, s, c) layout, all of them in one launch (instead of a cast and a permuting copy
+//   per weight); tab[4 i + 3] = c | (r * s) << 32, tab[4 i + 1] = the output offset in elements.
+#include "common.cuh"
 
 #define CHUNK 16384
 
@@ -66,4 +70,34 @@ extern "C" __global__ void __launch_bounds__(256) mt_sgd_f32(const unsigned long
         }
         p[j] = pj - lrm * d;
     }
+}
+
+template <typename T>
+__device__ void mt_weights_krsc(const unsigned long long* __restrict__ tab, const int2* __restrict__ chunks,
+                                T* __restrict__ out) {
+    const int2 ch = chunks[blockIdx.x];
+    const float* src = reinterpret_cast<const float*>(tab[4 * ch.x]);
+    const long long off = (long long)tab[4 * ch.x + 1], len = (long long)tab[4 * ch.x + 2];
+    const int c = (int)(tab[4 * ch.x + 3] & 0xffffffffu), rs = (int)(tab[4 * ch.x + 3] >> 32);
+    const long long end = min(len, (long long)ch.y + CHUNK);
+    for (long long j = ch.y + threadIdx.x; j < end; j += blockDim.x) {
+        // j = (k * c + ci) * rs + t  ->  (k * rs + t) * c + ci
+        const long long kc = j / rs;
+        const int t = (int)(j - kc * rs);
+        const long long k = kc / c;
+        const int ci = (int)(kc - k * c);
+        out[off + (k * rs + t) * c + ci] = from_f32<T>(src[j]);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) mt_weights_krsc_bf16(const unsigned long long* __restrict__ tab,
+                                                                        const int2* __restrict__ chunks,
+                                                                        __nv_bfloat16* __restrict__ out) {
+    mt_weights_krsc(tab, chunks, out);
+}
+
+extern "C" __global__ void __launch_bounds__(256) mt_weights_krsc_f16(const unsigned long long* __restrict__ tab,
+                                                                       const int2* __restrict__ chunks,
+                                                                       __half* __restrict__ out) {
+    mt_weights_krsc(tab, chunks, out);
 }

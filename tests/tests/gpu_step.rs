@@ -94,22 +94,49 @@ fn residual_kernels_match_cpu() -> Result<()> {
 /// bound is relative to the oracle: the fused gradient's error against the FP32 autograd gradient must stay
 /// within 2.5 x autograd's own error at that precision (or 2e-2 bf16, 5e-3 fp16, whichever is larger). A wrong
 /// kernel or schedule gives O(1) errors in fp32 and far above autograd's in low precision.
+/// The per-step weight conversion (one multi-tensor launch: FP32 (k, c, r, s) -> bf16/f16 (k, r, s, c) views of one
+/// flat buffer) against candle's cast + permute of each weight, bit for bit, with the stem's 3-channel 7x7, 1x1,
+/// 3x3 and odd shapes; every view starts on a 128-byte boundary.
+#[test]
+fn conv_weights_krsc_matches_cast_and_permute() -> Result<()> {
+    let gpu = cuda()?;
+    let _poison = kernels::cuda::poison_outputs();
+    let shapes = [(64, 3, 7, 7), (256, 64, 1, 1), (64, 64, 3, 3), (5, 7, 3, 3), (3, 1, 1, 1), (512, 256, 3, 3)];
+    let masters: Vec<Tensor> =
+        shapes.iter().map(|&s| Tensor::randn(0f32, 1.0, s, &Device::Cpu)?.to_device(&gpu)).collect::<candle_core::Result<_>>()?;
+    let refs: Vec<&Tensor> = masters.iter().collect();
+    for dt in [DType::BF16, DType::F16] {
+        let got = kernels::ops::weights::conv_weights_krsc(&refs, dt)?;
+        ensure!(got.len() == masters.len(), "{dt:?}: {} outputs for {} weights", got.len(), masters.len());
+        for (w, g) in masters.iter().zip(&got) {
+            let want = w.to_dtype(dt)?.permute((0, 2, 3, 1))?.contiguous()?;
+            ensure!(g.dims() == want.dims() && g.dtype() == dt, "{dt:?} {:?}: got {:?} {:?}", w.dims(), g.dims(), g.dtype());
+            ensure!(g.layout().start_offset() % 64 == 0, "{dt:?} {:?}: view at {}", w.dims(), g.layout().start_offset());
+            ensure!(integration_tests::max_err(g, &want)? == 0.0, "{dt:?} {:?}: differs from cast + permute", w.dims());
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn fused_step_matches_autograd_on_cuda() -> Result<()> {
     let gpu = cuda()?;
+    // (arch, stem, image size, batch). ResNet-152 at 96 px and batch 16: its layer4 BatchNorms then see 144 values
+    // per channel; at 64 px and batch 8 (32 values) the low-precision losses of both paths landed 0.3-6% off FP32,
+    // from run to run, which no loss bound separates from a bug.
     let cases = [
-        (Arch::ResNet18, Stem::Cifar, 32),
-        (Arch::ResNet18, Stem::ImageNet, 64),
-        (Arch::ResNet50, Stem::ImageNet, 64),
-        (Arch::ResNet152, Stem::ImageNet, 64),
+        (Arch::ResNet18, Stem::Cifar, 32, 8),
+        (Arch::ResNet18, Stem::ImageNet, 64, 8),
+        (Arch::ResNet50, Stem::ImageNet, 64, 8),
+        (Arch::ResNet152, Stem::ImageNet, 96, 16),
     ];
     let grad = |out: &resnet::step::StepOutput, m: &ResNet, name: &str| -> Result<Tensor> {
         let v = m.store().get(name).context("parameter")?.param.var().clone();
         out.grads.get(&v.as_tensor().id()).cloned().with_context(|| format!("no gradient for {name}"))
     };
-    for (arch, stem, size) in cases {
-        let x = Tensor::randn(0f32, 1.0, (8, 3, size, size), &Device::Cpu)?.to_device(&gpu)?;
-        let labels = Tensor::new(&[3u32, 0, 9, 4, 1, 1, 7, 2], &gpu)?;
+    for (arch, stem, size, n) in cases {
+        let x = Tensor::randn(0f32, 1.0, (n, 3, size, size), &Device::Cpu)?.to_device(&gpu)?;
+        let labels = Tensor::new((0..n as u32).map(|i| (i * 7 + 3) % 10).collect::<Vec<_>>().as_slice(), &gpu)?;
         let (loss32, g32) = autograd(&model(arch, stem, &gpu)?, &x, &labels, Precision::F32, 1.0)?;
         let m = model(arch, stem, &gpu)?;
         let out = m.train_step_explicit(&x, &labels, 0.1, 1.0, Precision::F32)?;

@@ -103,12 +103,36 @@ struct Engine<'a> {
     act: DType,
     policy: &'a KernelPolicy,
     grads: HashMap<TensorId, Tensor>,
+    /// Every conv's weight in the activation dtype and (k, r, r, c) layout, made once per step
+    /// ([`kernels::ops::weights::conv_weights_krsc`]: one launch on CUDA), keyed by the master's tensor id.
+    weights: HashMap<TensorId, Tensor>,
 }
 
 impl<'a> Engine<'a> {
     fn weight(&self, conv: &'a Conv2d) -> Result<ConvW<'a>> {
-        let w = conv.weight.var().as_tensor().detach().to_dtype(self.act)?.permute((0, 2, 3, 1))?.contiguous()?;
+        let master = conv.weight.var().as_tensor();
+        let w = match self.weights.get(&master.id()) {
+            Some(w) => w.clone(),
+            None => master.detach().to_dtype(self.act)?.permute((0, 2, 3, 1))?.contiguous()?,
+        };
         Ok(ConvW { conv, w })
+    }
+
+    /// Fills [`Self::weights`] for every conv of the model.
+    fn convert_weights(&mut self) -> Result<()> {
+        let m = self.model;
+        let mut convs: Vec<&Conv2d> = vec![&m.conv1];
+        for b in m.stages.iter().flatten() {
+            convs.extend(&b.convs);
+            if let Some(d) = &b.downsample {
+                convs.push(&d.conv);
+            }
+        }
+        let masters: Vec<Tensor> = convs.iter().map(|c| c.weight.var().as_tensor().detach()).collect();
+        let refs: Vec<&Tensor> = masters.iter().collect();
+        let converted = kernels::ops::weights::conv_weights_krsc(&refs, self.act)?;
+        self.weights = convs.iter().map(|c| c.weight.var().as_tensor().id()).zip(converted).collect();
+        Ok(())
     }
 
     fn conv(&self, x: &Tensor, cw: &ConvW) -> Result<Tensor> {
@@ -289,7 +313,14 @@ impl ResNet {
             candle_core::bail!("explicit training step: {why}");
         }
         let policy = self.config.kernels.clone();
-        let mut e = Engine { model: self, act: precision.act_dtype(), policy: &policy, grads: HashMap::new() };
+        let mut e = Engine {
+            model: self,
+            act: precision.act_dtype(),
+            policy: &policy,
+            grads: HashMap::new(),
+            weights: HashMap::new(),
+        };
+        e.convert_weights()?;
         let m = e.model;
         let input = x.detach().to_dtype(e.act)?.permute((0, 2, 3, 1))?.contiguous()?;
 

@@ -42,15 +42,20 @@ struct Tables {
     blocks: usize,
 }
 
-/// `entries`: (address, offset in the flat buffer, length, weight decay, lr multiplier) per tensor.
-fn tables(dev: &CudaDevice, entries: &[(u64, usize, usize, f32, f32)]) -> Result<Tables> {
+/// The fourth table word of an SGD entry: weight decay (low half) and lr multiplier (high half) as f32 bits.
+fn sgd_word(wd: f32, lrm: f32) -> u64 {
+    u64::from(wd.to_bits()) | (u64::from(lrm.to_bits()) << 32)
+}
+
+/// `entries`: (address, offset in the flat buffer, length, the kernel's fourth word) per tensor.
+fn tables(dev: &CudaDevice, entries: &[(u64, usize, usize, u64)]) -> Result<Tables> {
     let mut tab = Vec::with_capacity(4 * entries.len());
     let mut chunks = Vec::new();
-    for (i, &(addr, off, len, wd, lrm)) in entries.iter().enumerate() {
+    for (i, &(addr, off, len, word)) in entries.iter().enumerate() {
         if len >= i32::MAX as usize {
             candle_core::bail!("multi-tensor: a tensor of {len} elements is too large");
         }
-        tab.extend([addr, off as u64, len as u64, u64::from(wd.to_bits()) | (u64::from(lrm.to_bits()) << 32)]);
+        tab.extend([addr, off as u64, len as u64, word]);
         for start in (0..len).step_by(CHUNK) {
             chunks.extend([i as i32, start as i32]);
         }
@@ -80,7 +85,7 @@ pub fn gather_scaled(tensors: &[Tensor], scale: f32) -> Result<(Tensor, Tensor)>
     let mut off = 0;
     for (i, t) in tensors.iter().enumerate() {
         let (a, _) = f32_addr(t, &format!("gradient {i}"))?;
-        entries.push((a, off, t.elem_count(), 0.0, 0.0));
+        entries.push((a, off, t.elem_count(), 0));
         off += t.elem_count();
     }
     let tb = tables(&dev, &entries)?;
@@ -125,7 +130,7 @@ pub fn sgd_step(
     let mut off = 0;
     for (i, p) in params.iter().enumerate() {
         let (a, _) = f32_addr(p.tensor, &format!("parameter {i}"))?;
-        entries.push((a, off, p.tensor.elem_count(), p.weight_decay, p.lr_mult));
+        entries.push((a, off, p.tensor.elem_count(), sgd_word(p.weight_decay, p.lr_mult)));
         off += p.tensor.elem_count();
     }
     if grad.elem_count() != off || momentum_buf.elem_count() != off {
@@ -144,6 +149,60 @@ pub fn sgd_step(
     b.arg(&tb.tab).arg(&tb.chunks).arg(&pg).arg(&pm).arg(&coef).arg(&lr).arg(&momentum).arg(&nest).arg(&fst);
     // SAFETY: (tab, chunks, grad, momentum, coef, lr, momentum, nesterov, first) as mt_sgd_f32 takes them; every
     // chunk lies inside its parameter and the flat buffers (off elements each).
+    unsafe { b.launch(cfg(tb.blocks)) }.w()?;
+    Ok(())
+}
+
+/// Alignment of each weight in [`weights_krsc`]'s flat output, in elements (128 bytes in bf16/f16: the TMA and
+/// 16-byte vector loads of the convolution kernels need at least 16).
+pub const KRSC_ALIGN: usize = 64;
+
+/// Offsets of [`weights_krsc`]'s outputs in its flat buffer and the buffer's length, for weights of `lens` elements.
+pub fn krsc_offsets(lens: &[usize]) -> (Vec<usize>, usize) {
+    let mut offs = Vec::with_capacity(lens.len());
+    let mut off = 0;
+    for &len in lens {
+        offs.push(off);
+        off += len.next_multiple_of(KRSC_ALIGN);
+    }
+    (offs, off.max(KRSC_ALIGN))
+}
+
+/// Writes every FP32 convolution weight of `weights` ((k, c, r, s), contiguous, one CUDA device) into `out` (a
+/// flat bf16/f16 buffer of [`krsc_offsets`]' length) in the (k, r, s, c) layout at its offset: one launch.
+pub fn weights_krsc(weights: &[&Tensor], out: &candle_core::CudaStorage) -> Result<()> {
+    use candle_core::backend::BackendStorage;
+    let Some(first) = weights.first() else { candle_core::bail!("weights_krsc: no weights") };
+    let (_, dev) = f32_addr(first, "weight 0")?;
+    let lens: Vec<usize> = weights.iter().map(|w| w.elem_count()).collect();
+    let (offs, total) = krsc_offsets(&lens);
+    let mut entries = Vec::with_capacity(weights.len());
+    for (i, w) in weights.iter().enumerate() {
+        let (k, c, r, s) = w.dims4()?;
+        if k * c * r * s == 0 {
+            candle_core::bail!("weights_krsc: weight {i} is empty");
+        }
+        let (a, _) = f32_addr(w, &format!("weight {i}"))?;
+        entries.push((a, offs[i], lens[i], c as u64 | ((r * s) as u64) << 32));
+    }
+    let (name, dst) = match out.dtype() {
+        DType::BF16 => ("mt_weights_krsc_bf16", out.as_cuda_slice::<half::bf16>()?.device_ptr(&dev.cuda_stream()).0),
+        DType::F16 => ("mt_weights_krsc_f16", out.as_cuda_slice::<half::f16>()?.device_ptr(&dev.cuda_stream()).0),
+        other => candle_core::bail!("weights_krsc: output dtype {other:?} (bf16 or f16 only)"),
+    };
+    let held = match out.dtype() {
+        DType::BF16 => out.as_cuda_slice::<half::bf16>()?.len(),
+        _ => out.as_cuda_slice::<half::f16>()?.len(),
+    };
+    if held < total {
+        candle_core::bail!("weights_krsc: output holds {held} elements, {total} needed");
+    }
+    let tb = tables(&dev, &entries)?;
+    let f = dev.get_or_load_custom_func(name, MODULE, ptx::OPTIM_01_MULTI_TENSOR)?;
+    let mut b = f.builder();
+    b.arg(&tb.tab).arg(&tb.chunks).arg(&dst);
+    // SAFETY: (tab, chunks, out) as mt_weights_krsc_* takes them; every chunk lies inside its weight, and each
+    // weight's output (offset + len) inside `out` (checked above).
     unsafe { b.launch(cfg(tb.blocks)) }.w()?;
     Ok(())
 }

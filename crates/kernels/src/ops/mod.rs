@@ -10,6 +10,7 @@ pub mod input;
 pub mod linear;
 pub mod maxpool;
 pub mod residual;
+pub mod weights;
 
 use candle_core::WithDType;
 

@@ -1,0 +1,72 @@
+//! The convolution weights of a training step in the kernels' layout: FP32 masters (k, c, r, s) -> the
+//! activation dtype in (k, r, s, c). On CUDA in bf16/f16 one multi-tensor launch writes all of them into one flat
+//! buffer (`kernels/optim/01_multi_tensor.cu`, `mt_weights_krsc_*`) and each weight is a view into it, each
+//! starting on a 128-byte boundary; elsewhere each weight is cast and permuted by candle (two ops each).
+
+use candle_core::{DType, Result, Tensor};
+
+/// `weights` ((k, c, r, s) each) in `dtype`, permuted to (k, r, s, c), contiguous, in the same order.
+pub fn conv_weights_krsc(weights: &[&Tensor], dtype: DType) -> Result<Vec<Tensor>> {
+    #[cfg(feature = "cuda")]
+    if let Some(first) = weights.first() {
+        let fits = first.device().is_cuda()
+            && matches!(dtype, DType::BF16 | DType::F16)
+            && weights.iter().all(|w| w.dtype() == DType::F32 && w.rank() == 4 && w.device().same_device(first.device()));
+        if fits {
+            let ws: Vec<Tensor> = weights.iter().map(|w| w.contiguous()).collect::<Result<_>>()?;
+            let lens: Vec<usize> = ws.iter().map(|w| w.elem_count()).collect();
+            let (offs, _) = crate::cuda::optim::krsc_offsets(&lens);
+            let flat = first.apply_op1_no_bwd(&WeightsKrsc { weights: ws.clone(), dtype })?;
+            return ws
+                .iter()
+                .zip(offs)
+                .map(|(w, off)| {
+                    let (k, c, r, s) = w.dims4()?;
+                    flat.narrow(0, off, w.elem_count())?.reshape((k, r, s, c))
+                })
+                .collect();
+        }
+    }
+    weights.iter().map(|w| w.to_dtype(dtype)?.permute((0, 2, 3, 1))?.contiguous()).collect()
+}
+
+/// The flat output of [`conv_weights_krsc`] on CUDA; the op's argument only names the device (CUDA only).
+#[cfg(feature = "cuda")]
+struct WeightsKrsc {
+    weights: Vec<Tensor>,
+    dtype: DType,
+}
+
+#[cfg(feature = "cuda")]
+impl candle_core::CustomOp1 for WeightsKrsc {
+    fn name(&self) -> &'static str {
+        "conv_weights_krsc"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+    ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        candle_core::bail!("conv_weights_krsc: the flat op is CUDA only (the CPU casts and permutes per weight)")
+    }
+
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        _: &candle_core::Layout,
+    ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        let lens: Vec<usize> = self.weights.iter().map(|w| w.elem_count()).collect();
+        let (_, total) = crate::cuda::optim::krsc_offsets(&lens);
+        let dev = &s.device;
+        // The padding between weights is never read; every weight element is written by the launch.
+        let out = match self.dtype {
+            DType::BF16 => candle_core::CudaStorage::wrap_cuda_slice(crate::cuda::alloc_out::<half::bf16>(dev, total)?, dev.clone()),
+            DType::F16 => candle_core::CudaStorage::wrap_cuda_slice(crate::cuda::alloc_out::<half::f16>(dev, total)?, dev.clone()),
+            other => candle_core::bail!("conv_weights_krsc: dtype {other:?} (bf16 or f16 only)"),
+        };
+        let refs: Vec<&Tensor> = self.weights.iter().collect();
+        crate::cuda::optim::weights_krsc(&refs, &out)?;
+        Ok((out, candle_core::Shape::from(total)))
+    }
+}
