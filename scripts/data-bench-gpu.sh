@@ -8,7 +8,8 @@
 #
 #   bash scripts/data-bench-gpu.sh TRAINER_BIN OUT_DIR      (LD_LIBRARY_PATH set for the CUDA libraries)
 #
-# Env: THREADS (16), COUNT (3072), MAX_SIDE (packed, 320), STEPS_EPOCHS (3), SKIP_TRAIN=1 to leave out step 3.
+# Env: THREADS (16), COUNT (3072), MAX_SIDE (packed, 320), STEPS_EPOCHS (3), SKIP_TRAIN=1 to leave out step 3,
+# ONLY_TRAIN=1 to leave out steps 1 and 2.
 set -euo pipefail
 
 BIN=${1:?usage: data-bench-gpu.sh TRAINER_BIN OUT_DIR}
@@ -90,16 +91,18 @@ EOF
 say "# config $CFG:"
 cat "$CFG" >>"$LOG"
 
-say "## 1. JPEG folder, $THREADS threads"
-run "$BIN" data-bench --config "$CFG" --workers "$THREADS" --batches 24
-run "$BIN" data-bench --config "$CFG" --set device=cuda --workers "$THREADS" --batches 24
+if [ "${ONLY_TRAIN:-0}" != 1 ]; then
+    say "## 1. JPEG folder, $THREADS threads"
+    run "$BIN" data-bench --config "$CFG" --workers "$THREADS" --batches 24
+    run "$BIN" data-bench --config "$CFG" --set device=cuda --workers "$THREADS" --batches 24
 
-say "## 2. packed shards (max side $MAX_SIDE)"
-run "$BIN" prepare --config "$CFG" --out "$PACK" --max-side "$MAX_SIDE"
-run du -sh "$PACK/train"
-PACKED=(--set data.kind=packed --set "data.dir=\"$PACK\"")
-run "$BIN" data-bench --config "$CFG" "${PACKED[@]}" --workers "$THREADS" --batches 24
-run "$BIN" data-bench --config "$CFG" "${PACKED[@]}" --set device=cuda --workers "$THREADS" --batches 24
+    say "## 2. packed shards (max side $MAX_SIDE)"
+    run "$BIN" prepare --config "$CFG" --out "$PACK" --max-side "$MAX_SIDE"
+    run du -sh "$PACK/train"
+    PACKED=(--set data.kind=packed --set "data.dir=\"$PACK\"")
+    run "$BIN" data-bench --config "$CFG" "${PACKED[@]}" --workers "$THREADS" --batches 24
+    run "$BIN" data-bench --config "$CFG" "${PACKED[@]}" --set device=cuda --workers "$THREADS" --batches 24
+fi
 
 if [ "${SKIP_TRAIN:-0}" != 1 ]; then
     say "## 3. ResNet-152 bf16 training from the JPEG folder, batch 256, $EPOCHS epochs"

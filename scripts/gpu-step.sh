@@ -12,7 +12,9 @@
 #      steps per probe, granularity 128): the largest batch that fits;
 #   5. with KTRACE=DIR (a folder holding ktrace.c and ktrace_report.py, ../shared/tools/ktrace copied into the
 #      carried tree): a kernel timeline of the fused bf16 step, summarised here (the CSV stays on the machine),
-#      when at least 100 s of TIME_BUDGET_S (default 600) are left.
+#      when at least 100 s of TIME_BUDGET_S (default 600) are left;
+#   6. with DATA_E2E=1: ResNet-152 bf16 training from 3,072 generated JPEGs (scripts/data-bench-gpu.sh,
+#      ONLY_TRAIN=1): the step rate against the loader rate.
 # Logs under $OUT (./gpu-out when unset).   usage: bash scripts/gpu-step.sh [DIST_DIR]
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -99,6 +101,12 @@ main() {
         else
             echo "ktrace: build failed"
         fi
+    fi
+    if [ -n "${DATA_E2E:-}" ]; then
+        echo "== ResNet-152 bf16 training from a generated JPEG folder (scripts/data-bench-gpu.sh, ONLY_TRAIN=1)"
+        ONLY_TRAIN=1 timeout "${DATA_TIMEOUT:-300}" bash "$here/scripts/data-bench-gpu.sh" "$bin/trainer" "$out" \
+            > /dev/null 2>&1 || { echo "data-bench-gpu: FAILED"; fails=$((fails + 1)); }
+        grep -E "step rate|epoch [0-9]+:|FAILED|^# [0-9]+ training" "$out/data-bench.log" 2>/dev/null
     fi
     rm -rf "$bin"
     echo "== gpu-step: $fails failure(s)"

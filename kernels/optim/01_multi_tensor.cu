@@ -15,6 +15,8 @@
 // mt_weights_krsc_{bf16,f16}: the convolution weights for a training step, FP32 (k, c, r, s) -> the activation
 //   dtype in the kernels' (k, r, s, c) layout, all of them in one launch (instead of a cast and a permuting copy
 //   per weight); tab[4 i + 3] = c | (r * s) << 32, tab[4 i + 1] = the output offset in elements.
+// mt_grads_kcrs_{bf16,f16}: the reverse for the grad-weights of a step: (k, r, s, c) in the activation dtype at
+//   tab[4 i] -> FP32 (k, c, r, s) at offset tab[4 i + 1] of one flat output.
 #include "common.cuh"
 
 #define CHUNK 16384
@@ -100,4 +102,34 @@ extern "C" __global__ void __launch_bounds__(256) mt_weights_krsc_f16(const unsi
                                                                        const int2* __restrict__ chunks,
                                                                        __half* __restrict__ out) {
     mt_weights_krsc(tab, chunks, out);
+}
+
+template <typename T>
+__device__ void mt_grads_kcrs(const unsigned long long* __restrict__ tab, const int2* __restrict__ chunks,
+                              float* __restrict__ out) {
+    const int2 ch = chunks[blockIdx.x];
+    const T* src = reinterpret_cast<const T*>(tab[4 * ch.x]);
+    const long long off = (long long)tab[4 * ch.x + 1], len = (long long)tab[4 * ch.x + 2];
+    const int c = (int)(tab[4 * ch.x + 3] & 0xffffffffu), rs = (int)(tab[4 * ch.x + 3] >> 32);
+    const long long end = min(len, (long long)ch.y + CHUNK);
+    for (long long j = ch.y + threadIdx.x; j < end; j += blockDim.x) {
+        // j = (k * c + ci) * rs + t  <-  (k * rs + t) * c + ci  (written in the output's order: coalesced stores)
+        const long long kc = j / rs;
+        const int t = (int)(j - kc * rs);
+        const long long k = kc / c;
+        const int ci = (int)(kc - k * c);
+        out[off + j] = to_f32(src[(k * rs + t) * c + ci]);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) mt_grads_kcrs_bf16(const unsigned long long* __restrict__ tab,
+                                                                      const int2* __restrict__ chunks,
+                                                                      float* __restrict__ out) {
+    mt_grads_kcrs<__nv_bfloat16>(tab, chunks, out);
+}
+
+extern "C" __global__ void __launch_bounds__(256) mt_grads_kcrs_f16(const unsigned long long* __restrict__ tab,
+                                                                     const int2* __restrict__ chunks,
+                                                                     float* __restrict__ out) {
+    mt_grads_kcrs<__half>(tab, chunks, out);
 }

@@ -103,6 +103,10 @@ struct Engine<'a> {
     act: DType,
     policy: &'a KernelPolicy,
     grads: HashMap<TensorId, Tensor>,
+    /// Conv grad-weights in the kernels' (k, r, r, c) layout and the activation dtype, keyed by the master's
+    /// tensor id: converted to FP32 (k, c, r, r) all at once at the end ([`kernels::ops::weights::conv_grads_kcrs`]:
+    /// one launch on CUDA instead of a strided cast per conv).
+    conv_grads: Vec<(TensorId, Tensor)>,
     /// Every conv's weight in the activation dtype and (k, r, r, c) layout, made once per step
     /// ([`kernels::ops::weights::conv_weights_krsc`]: one launch on CUDA), keyed by the master's tensor id.
     weights: HashMap<TensorId, Tensor>,
@@ -193,13 +197,10 @@ impl<'a> Engine<'a> {
     fn conv_backward(&mut self, cw: &ConvW, x: &Tensor, dz: &Tensor, need_dx: bool) -> Result<Option<Tensor>> {
         let (c, s, p) = (cw.conv, cw.conv.stride, cw.conv.padding);
         let r = cw.w.dim(1)?;
-        let policy = self.policy;
-        self.put(&c.weight, || {
-            kernels::conv2d_nhwc_grad_weight(dz, x, r, s, p, policy)?
-                .permute((0, 3, 1, 2))?
-                .to_dtype(DType::F32)?
-                .contiguous()
-        })?;
+        if !c.weight.is_frozen() {
+            let g = kernels::conv2d_nhwc_grad_weight(dz, x, r, s, p, self.policy)?;
+            self.conv_grads.push((c.weight.var().as_tensor().id(), g));
+        }
         if !need_dx {
             return Ok(None);
         }
@@ -318,6 +319,7 @@ impl ResNet {
             act: precision.act_dtype(),
             policy: &policy,
             grads: HashMap::new(),
+            conv_grads: Vec::new(),
             weights: HashMap::new(),
         };
         e.convert_weights()?;
@@ -381,6 +383,8 @@ impl ResNet {
         let dz0 = e.bn_backward(&stem, &g_a0, &m.bn1, true)?;
         drop(stem);
         e.conv_backward(&stem_w, &input, &dz0, false)?;
+        let (ids, raw): (Vec<TensorId>, Vec<Tensor>) = std::mem::take(&mut e.conv_grads).into_iter().unzip();
+        e.grads.extend(ids.into_iter().zip(kernels::ops::weights::conv_grads_kcrs(&raw)?));
         Ok(StepOutput { loss, logits, grads: e.grads })
     }
 }

@@ -206,3 +206,41 @@ pub fn weights_krsc(weights: &[&Tensor], out: &candle_core::CudaStorage) -> Resu
     unsafe { b.launch(cfg(tb.blocks)) }.w()?;
     Ok(())
 }
+
+/// The reverse of [`weights_krsc`] for gradients: every `grads` tensor ((k, r, s, c) in bf16/f16, contiguous, one
+/// CUDA device; the (k, c, r, s) shape of its weight in `shapes`) as FP32 (k, c, r, s) into `out` (a flat FP32
+/// buffer of [`krsc_offsets`]' length) at its offset: one launch.
+pub fn grads_kcrs(grads: &[&Tensor], shapes: &[(usize, usize, usize, usize)], out: &Tensor) -> Result<()> {
+    let Some(first) = grads.first() else { candle_core::bail!("grads_kcrs: no gradients") };
+    if grads.len() != shapes.len() {
+        candle_core::bail!("grads_kcrs: {} gradients, {} shapes", grads.len(), shapes.len());
+    }
+    let dtype = first.dtype();
+    let lens: Vec<usize> = grads.iter().map(|g| g.elem_count()).collect();
+    let (offs, total) = krsc_offsets(&lens);
+    if out.elem_count() < total {
+        candle_core::bail!("grads_kcrs: output holds {} elements, {total} needed", out.elem_count());
+    }
+    let (po, dev) = f32_addr(out, "flat gradient buffer")?;
+    let mut entries = Vec::with_capacity(grads.len());
+    for (i, (g, &(k, c, r, s))) in grads.iter().zip(shapes).enumerate() {
+        if g.dims() != [k, r, s, c] || g.dtype() != dtype {
+            candle_core::bail!("grads_kcrs: gradient {i} is {:?} {:?}, expected {:?} {dtype:?}", g.dims(), g.dtype(), [k, r, s, c]);
+        }
+        let a = match dtype {
+            DType::BF16 => super::bn::addr_of::<half::bf16>(g, lens[i], "gradient")?,
+            DType::F16 => super::bn::addr_of::<half::f16>(g, lens[i], "gradient")?,
+            other => candle_core::bail!("grads_kcrs: dtype {other:?} (bf16 or f16 only)"),
+        };
+        entries.push((a, offs[i], lens[i], c as u64 | ((r * s) as u64) << 32));
+    }
+    let name = if dtype == DType::BF16 { "mt_grads_kcrs_bf16" } else { "mt_grads_kcrs_f16" };
+    let tb = tables(&dev, &entries)?;
+    let f = dev.get_or_load_custom_func(name, MODULE, ptx::OPTIM_01_MULTI_TENSOR)?;
+    let mut b = f.builder();
+    b.arg(&tb.tab).arg(&tb.chunks).arg(&po);
+    // SAFETY: (tab, chunks, out) as mt_grads_kcrs_* takes them; every chunk lies inside its gradient (len
+    // elements at its address, checked by addr_of) and inside `out` (offset + len <= total <= its length).
+    unsafe { b.launch(cfg(tb.blocks)) }.w()?;
+    Ok(())
+}

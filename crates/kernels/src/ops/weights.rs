@@ -2,6 +2,8 @@
 //! activation dtype in (k, r, s, c). On CUDA in bf16/f16 one multi-tensor launch writes all of them into one flat
 //! buffer (`kernels/optim/01_multi_tensor.cu`, `mt_weights_krsc_*`) and each weight is a view into it, each
 //! starting on a 128-byte boundary; elsewhere each weight is cast and permuted by candle (two ops each).
+//! [`conv_grads_kcrs`] is the reverse for the step's grad-weights: (k, r, s, c) in the activation dtype -> FP32
+//! (k, c, r, s), on CUDA all in one launch into one flat FP32 buffer.
 
 use candle_core::{DType, Result, Tensor};
 
@@ -28,6 +30,36 @@ pub fn conv_weights_krsc(weights: &[&Tensor], dtype: DType) -> Result<Vec<Tensor
         }
     }
     weights.iter().map(|w| w.to_dtype(dtype)?.permute((0, 2, 3, 1))?.contiguous()).collect()
+}
+
+/// `grads` ((k, r, s, c) each, bf16/f16 on CUDA or any dtype elsewhere) as FP32 (k, c, r, s) contiguous tensors,
+/// in the same order. On CUDA in bf16/f16 they are views of one flat buffer written by one launch.
+pub fn conv_grads_kcrs(grads: &[Tensor]) -> Result<Vec<Tensor>> {
+    #[cfg(feature = "cuda")]
+    if let Some(first) = grads.first() {
+        let dtype = first.dtype();
+        let fits = first.device().is_cuda()
+            && matches!(dtype, DType::BF16 | DType::F16)
+            && grads.iter().all(|g| g.dtype() == dtype && g.rank() == 4 && g.device().same_device(first.device()));
+        if fits {
+            let gs: Vec<Tensor> = grads.iter().map(|g| g.contiguous()).collect::<Result<_>>()?;
+            let shapes: Vec<(usize, usize, usize, usize)> =
+                gs.iter().map(|g| g.dims4().map(|(k, r, s, c)| (k, c, r, s))).collect::<Result<_>>()?;
+            let lens: Vec<usize> = gs.iter().map(|g| g.elem_count()).collect();
+            let (offs, total) = crate::cuda::optim::krsc_offsets(&lens);
+            // Zero-filled (one memset), so the padding between the gradients holds zeros; the launch writes every
+            // element of every gradient's range.
+            let flat = Tensor::zeros(total, DType::F32, first.device())?;
+            let refs: Vec<&Tensor> = gs.iter().collect();
+            crate::cuda::optim::grads_kcrs(&refs, &shapes, &flat)?;
+            return shapes
+                .iter()
+                .zip(offs)
+                .map(|(&(k, c, r, s), off)| flat.narrow(0, off, k * c * r * s)?.reshape((k, c, r, s)))
+                .collect();
+        }
+    }
+    grads.iter().map(|g| g.permute((0, 3, 1, 2))?.to_dtype(DType::F32)?.contiguous()).collect()
 }
 
 /// The flat output of [`conv_weights_krsc`] on CUDA; the op's argument only names the device (CUDA only).
