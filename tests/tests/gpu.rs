@@ -290,9 +290,17 @@ fn bn_fwd_bwd(dev: &Device, x: &Tensor, w: &Tensor, b: &Tensor, dy: &Tensor, rel
 fn batchnorm_nhwc_cuda_matches_cpu() -> Result<()> {
     let gpu = cuda()?;
     let _poison = poison_outputs();
-    // 8-channel kernels (02_nhwc_vec): c = 256, 2048 and 64 (231 rows: ragged chunks); the rest run 01_nhwc.
-    let shapes: [&[usize]; 6] =
-        [&[32, 28, 28, 256], &[2, 7, 7, 2048], &[3, 7, 11, 64], &[3, 5, 5, 24], &[1, 1, 2, 3], &[4, 9, 9, 40]];
+    // 8-channel kernels (02_nhwc_vec): c = 256, 2048 and 64 (1,105 rows: three chunks, the last one shorter; 231
+    // rows: one); the rest run 01_nhwc.
+    let shapes: [&[usize]; 7] = [
+        &[32, 28, 28, 256],
+        &[2, 7, 7, 2048],
+        &[5, 13, 17, 64],
+        &[3, 7, 11, 64],
+        &[3, 5, 5, 24],
+        &[1, 1, 2, 3],
+        &[4, 9, 9, 40],
+    ];
     const NAMES: [&str; 6] = ["y", "mean", "var", "dx", "dweight", "dbias"];
     for dims in shapes {
         let c = *dims.last().context("empty shape")?;
@@ -344,7 +352,7 @@ fn batch_stats_with_running_update_cuda_matches_cpu() -> Result<()> {
     let _poison = poison_outputs();
     let cases: [(&[usize], f32, f32); 5] = [
         (&[16, 14, 14, 256], 0.0, 2.0),
-        (&[3, 7, 11, 64], 1.0, 1.0),
+        (&[5, 13, 17, 64], 1.0, 1.0),
         (&[2, 7, 7, 2048], -3.0, 0.5),
         (&[4, 9, 9, 40], 0.5, 1.0),
         (&[8, 8, 8, 64], 100.0, 0.01),
@@ -362,13 +370,24 @@ fn batch_stats_with_running_update_cuda_matches_cpu() -> Result<()> {
                 let r = Running { mean: &rm, var: &rv, num_batches_tracked: &nb, momentum: 0.1 };
                 let stats = batch_stats(&xd.to_device(dev)?, 1e-5, &r)?;
                 let n = nb.as_tensor().to_device(&Device::Cpu)?.to_scalar::<i64>()?;
-                Ok((stats.to_device(&Device::Cpu)?, rm.as_tensor().to_device(&Device::Cpu)?, rv.as_tensor().to_device(&Device::Cpu)?, n))
+                Ok((
+                    stats.to_device(&Device::Cpu)?,
+                    rm.as_tensor().to_device(&Device::Cpu)?,
+                    rv.as_tensor().to_device(&Device::Cpu)?,
+                    n,
+                ))
             };
             let (sg, mg, vg, ng) = run(&gpu)?;
             let (sc, mc, vc, nc) = run(&Device::Cpu)?;
             let what = format!("batch_stats {dims:?} N({mu}, {sd}) {dt:?}");
             ensure!(ng == 8 && nc == 8, "{what}: num_batches_tracked {ng} (cuda), {nc} (cpu), expected 8");
-            for (name, g, r) in [("mean", sg.get(0)?, sc.get(0)?), ("var", sg.get(1)?, sc.get(1)?), ("invstd", sg.get(2)?, sc.get(2)?), ("running_mean", mg, mc), ("running_var", vg, vc)] {
+            for (name, g, r) in [
+                ("mean", sg.get(0)?, sc.get(0)?),
+                ("var", sg.get(1)?, sc.get(1)?),
+                ("invstd", sg.get(2)?, sc.get(2)?),
+                ("running_mean", mg, mc),
+                ("running_var", vg, vc),
+            ] {
                 let e = rel_err(&g, &r)?;
                 ensure!(e <= 1e-5, "{what}: {name} rel err {e:e} over 1e-5");
             }

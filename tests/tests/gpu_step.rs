@@ -15,7 +15,14 @@ fn cuda() -> Result<Device> {
 }
 
 fn model(arch: Arch, stem: Stem, dev: &Device) -> Result<ResNet> {
-    let c = ResNetConfig { arch, num_classes: 10, stem, zero_init_residual: false, seed: 23, kernels: KernelPolicy::custom() };
+    let c = ResNetConfig {
+        arch,
+        num_classes: 10,
+        stem,
+        zero_init_residual: false,
+        seed: 23,
+        kernels: KernelPolicy::custom(),
+    };
     Ok(ResNet::new(c, dev)?)
 }
 
@@ -54,7 +61,8 @@ fn residual_kernels_match_cpu() -> Result<()> {
                 bias: Tensor::from_vec((0..c).map(|i| seed + 0.003 * i as f32).collect::<Vec<_>>(), c, d)?,
             })
         };
-        let (p_cpu, q_cpu, p_gpu, q_gpu) = (bn(0.2, &Device::Cpu)?, bn(-0.1, &Device::Cpu)?, bn(0.2, &gpu)?, bn(-0.1, &gpu)?);
+        let (p_cpu, q_cpu, p_gpu, q_gpu) =
+            (bn(0.2, &Device::Cpu)?, bn(-0.1, &Device::Cpu)?, bn(0.2, &gpu)?, bn(-0.1, &gpu)?);
         for dt in [DType::F32, DType::BF16, DType::F16] {
             let z = Tensor::randn(0f32, 1.5, shape, &Device::Cpu)?.to_dtype(dt)?;
             let r = Tensor::randn(0f32, 1.5, shape, &Device::Cpu)?.to_dtype(dt)?;
@@ -73,11 +81,17 @@ fn residual_kernels_match_cpu() -> Result<()> {
             let got = kernels::add_relu_grad(&zg, &rg, &yg)?;
             ensure!(integration_tests::max_err(&got, &want)? == 0.0, "add_relu_grad c={c} {dt:?} differs");
             let want = kernels::relu_grad(&z, &y)?;
-            ensure!(integration_tests::max_err(&kernels::relu_grad(&zg, &yg)?, &want)? == 0.0, "relu_grad c={c} {dt:?}");
+            ensure!(
+                integration_tests::max_err(&kernels::relu_grad(&zg, &yg)?, &want)? == 0.0,
+                "relu_grad c={c} {dt:?}"
+            );
             // A view starting off a 16-byte boundary takes the one-element path.
             let (zo, yo) = (zg.flatten_all()?.narrow(0, 1, 64)?, yg.flatten_all()?.narrow(0, 1, 64)?);
             let want = kernels::relu_grad(&z.flatten_all()?.narrow(0, 1, 64)?, &y.flatten_all()?.narrow(0, 1, 64)?)?;
-            ensure!(integration_tests::max_err(&kernels::relu_grad(&zo, &yo)?, &want)? == 0.0, "relu_grad unaligned {dt:?}");
+            ensure!(
+                integration_tests::max_err(&kernels::relu_grad(&zo, &yo)?, &want)? == 0.0,
+                "relu_grad unaligned {dt:?}"
+            );
         }
     }
     println!("residual kernels: bn_add_relu, relu_grad, add_relu_grad match the CPU (f32, bf16, f16; c = 64, 12)");
@@ -102,23 +116,42 @@ fn conv_weights_krsc_matches_cast_and_permute() -> Result<()> {
     let gpu = cuda()?;
     let _poison = kernels::cuda::poison_outputs();
     let shapes = [(64, 3, 7, 7), (256, 64, 1, 1), (64, 64, 3, 3), (5, 7, 3, 3), (3, 1, 1, 1), (512, 256, 3, 3)];
-    let masters: Vec<Tensor> =
-        shapes.iter().map(|&s| Tensor::randn(0f32, 1.0, s, &Device::Cpu)?.to_device(&gpu)).collect::<candle_core::Result<_>>()?;
+    let masters: Vec<Tensor> = shapes
+        .iter()
+        .map(|&s| Tensor::randn(0f32, 1.0, s, &Device::Cpu)?.to_device(&gpu))
+        .collect::<candle_core::Result<_>>()?;
     let refs: Vec<&Tensor> = masters.iter().collect();
     for dt in [DType::BF16, DType::F16] {
         let got = kernels::ops::weights::conv_weights_krsc(&refs, dt)?;
         ensure!(got.len() == masters.len(), "{dt:?}: {} outputs for {} weights", got.len(), masters.len());
         for (w, g) in masters.iter().zip(&got) {
             let want = w.to_dtype(dt)?.permute((0, 2, 3, 1))?.contiguous()?;
-            ensure!(g.dims() == want.dims() && g.dtype() == dt, "{dt:?} {:?}: got {:?} {:?}", w.dims(), g.dims(), g.dtype());
-            ensure!(g.layout().start_offset() % 64 == 0, "{dt:?} {:?}: view at {}", w.dims(), g.layout().start_offset());
+            ensure!(
+                g.dims() == want.dims() && g.dtype() == dt,
+                "{dt:?} {:?}: got {:?} {:?}",
+                w.dims(),
+                g.dims(),
+                g.dtype()
+            );
+            ensure!(
+                g.layout().start_offset() % 64 == 0,
+                "{dt:?} {:?}: view at {}",
+                w.dims(),
+                g.layout().start_offset()
+            );
             ensure!(integration_tests::max_err(g, &want)? == 0.0, "{dt:?} {:?}: differs from cast + permute", w.dims());
         }
         // And back (the grad-weights' conversion): FP32 (k, c, r, s) equal to the rounded masters.
         let back = kernels::ops::weights::conv_grads_kcrs(&got)?;
         for (w, b) in masters.iter().zip(&back) {
             let want = w.to_dtype(dt)?.to_dtype(DType::F32)?;
-            ensure!(b.dims() == w.dims() && b.dtype() == DType::F32, "{dt:?} {:?}: back {:?} {:?}", w.dims(), b.dims(), b.dtype());
+            ensure!(
+                b.dims() == w.dims() && b.dtype() == DType::F32,
+                "{dt:?} {:?}: back {:?} {:?}",
+                w.dims(),
+                b.dims(),
+                b.dtype()
+            );
             ensure!(integration_tests::max_err(b, &want)? == 0.0, "{dt:?} {:?}: the way back differs", w.dims());
         }
     }
@@ -159,7 +192,10 @@ fn fused_step_matches_autograd_on_cuda() -> Result<()> {
                 worst32 = (e, name.clone());
             }
         }
-        println!("{what} f32: loss {lf:.6} vs autograd {loss32:.6}; worst gradient rel err {:.2e} ({})", worst32.0, worst32.1);
+        println!(
+            "{what} f32: loss {lf:.6} vs autograd {loss32:.6}; worst gradient rel err {:.2e} ({})",
+            worst32.0, worst32.1
+        );
         // fp16 at a loss scale of 128: at 1024 ResNet-152's stem grad-weight (96 px, batch 16: 36,864 pixels per
         // sum) overflowed fp16 on the fused path, as it would in PyTorch's AMP (an fp16 dW, then the skipped step).
         for (p, base, scale) in [(Precision::Bf16, 2e-2, 1.0), (Precision::F16, 5e-3, 128.0)] {
@@ -171,14 +207,20 @@ fn fused_step_matches_autograd_on_cuda() -> Result<()> {
             let (ef, ea) = ((loss_f - loss32).abs(), (loss_a - loss32).abs());
             // Within 2.5 x autograd's distance from the FP32 loss, or within 2% of it (ResNet-152 at 64 px, batch
             // 8: layer4's BatchNorms see 32 values per channel; fp16 losses land 0.6-1.5% off FP32 by either path).
-            ensure!(ef <= f32::max(2.5 * ea, 2e-2 * loss32.abs()), "{what}: loss {loss_f}, autograd {loss_a}, f32 {loss32}");
+            ensure!(
+                ef <= f32::max(2.5 * ea, 2e-2 * loss32.abs()),
+                "{what}: loss {loss_f}, autograd {loss_a}, f32 {loss32}"
+            );
             let mut worst = (0.0, 0.0, 0.0, String::new());
             for ((name, g_ref), (_, g_a)) in g32.iter().zip(&ga) {
                 let g = (grad(&out, &m, name)? / scale)?;
                 ensure!(host_f32(&g)?.iter().all(|v| v.is_finite()), "{what}: {name} gradient is not finite");
                 let (ef, ea) = (rel_err(&g, g_ref)?, rel_err(&(g_a / scale)?, g_ref)?);
                 let bound = f64::max(2.5 * ea, base);
-                ensure!(ef <= bound, "{what}: grad {name} rel err {ef:.2e} vs f32 (autograd's {ea:.2e}, bound {bound:.1e})");
+                ensure!(
+                    ef <= bound,
+                    "{what}: grad {name} rel err {ef:.2e} vs f32 (autograd's {ea:.2e}, bound {bound:.1e})"
+                );
                 if ef / bound > worst.0 {
                     worst = (ef / bound, ef, ea, name.clone());
                 }

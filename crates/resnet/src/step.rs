@@ -347,7 +347,8 @@ impl ResNet {
         let feats = h.apply_op1_no_bwd(&GlobalAvgPoolNhwc)?;
         drop(h);
         let logits = e.fc_forward(&m.fc, &feats)?;
-        let (loss, dlogits) = softmax_cross_entropy(&logits.to_dtype(DType::F32)?, labels, label_smoothing, grad_scale)?;
+        let (loss, dlogits) =
+            softmax_cross_entropy(&logits.to_dtype(DType::F32)?, labels, label_smoothing, grad_scale)?;
 
         // ----- backward: head
         let dl = dlogits.to_dtype(e.act)?;

@@ -352,8 +352,7 @@ fn info(c: ConfigArgs) -> Result<()> {
     if cuda && !cfg!(feature = "cuda") {
         println!("note: this trainer was built without CUDA; a run on {} needs `--features cuda`", cfg.device);
     }
-    let (engine, note) =
-        cfg.kernels.step_engine(policy.channels_last(), cfg.amp.dtype, cuda)?;
+    let (engine, note) = cfg.kernels.step_engine(policy.channels_last(), cfg.amp.dtype, cuda)?;
     match note {
         Some(note) => println!("step: {engine} ({note})"),
         None => println!("step: {engine}"),

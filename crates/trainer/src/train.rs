@@ -217,8 +217,7 @@ impl StepRunner {
             bail!("finetune.freeze leaves nothing to train");
         }
         let cuda = model.device().is_cuda();
-        let (engine, note) =
-            cfg.kernels.step_engine(model.config.channels_last(), precision(cfg), cuda)?;
+        let (engine, note) = cfg.kernels.step_engine(model.config.channels_last(), precision(cfg), cuda)?;
         // On the CPU autograd is the expected engine: the note is for CUDA runs that miss the fused step.
         if let (Some(note), true) = (note, cuda) {
             eprintln!("note: {note}");

@@ -246,7 +246,9 @@ fn fused_step_trains_like_autograd() {
     assert!(d1.path().join("model.safetensors").is_file());
 
     // "fused" on the NCHW model, or in bf16 on the CPU: refused, naming the key.
-    for args in [&["kernels.step=\"fused\""][..], &["kernels.step=\"fused\"", "kernels.conv=\"custom\"", "amp.dtype=\"bf16\""]] {
+    for args in
+        [&["kernels.step=\"fused\""][..], &["kernels.step=\"fused\"", "kernels.conv=\"custom\"", "amp.dtype=\"bf16\""]]
+    {
         let cfg = tiny(args);
         let e = format!("{:#}", train::train(&cfg, TempDir::new("step-bad").path(), false).unwrap_err());
         assert!(e.contains("kernels.step") && !e.contains('\n'), "{e}");

@@ -4,7 +4,7 @@
 //! every ResNet BatchNorm), else `kernels/batchnorm/01_nhwc.cu` (two-pass statistics, a separate running update).
 //! The backward passes of both write the same partial-sum layout (reduced by `bn_nhwc_bwd_final[_v8]`).
 //!
-//! Launch shape of 02's reductions: 256 threads, grid (chunks), about 1056 blocks (132 SMs x 8) with at least four
+//! Launch shape of 02's reductions: 256 threads, grid (chunks), at most 1056 blocks (132 SMs x 8) with at least 16
 //! rows per thread; its element-wise passes: one thread per 8 elements, grid-stride; its finalisers: block
 //! (8, 128) per 8 channels. 01's row passes: block (32, 8), grid (ceil(c / 32), chunks), chunks chosen for about
 //! 2048 blocks with at least 64 rows each; its finalisers: block (32, 8) per 32 channels. Workspaces are FP32
@@ -25,6 +25,9 @@ const MODULE_V8: &str = "batchnorm/02_nhwc_vec";
 /// Threads of a 02 reduction block; blocks 02's reductions aim for.
 const V8_THREADS: usize = 256;
 const V8_TARGET_BLOCKS: usize = 1056;
+/// Fewest rows a thread of a 02 reduction steps over: each block ends in two shared-memory reductions, which at 4
+/// rows per thread (ResNet-152's 14x14x256 BatchNorms at batch 256: 6 rows) cost as much as the loads.
+const V8_MIN_ROWS_PER_THREAD: usize = 16;
 
 /// Whether 02 (8 channels per thread) runs a (rows, c) problem: c a multiple of 8 whose 8-channel groups divide
 /// 256, every activation operand (`elems`) starting on a 16-byte boundary (8 elements: 32 bytes for f32) and every
@@ -75,11 +78,12 @@ impl Split {
         let chunks = rows.div_ceil(rows_per_chunk);
         Ok(Self { rows: rows as i64, c: c32, ctiles: ctiles as u32, chunks, rows_per_chunk: rows_per_chunk as i64 })
     }
-    /// 02's row split: about [`V8_TARGET_BLOCKS`] chunks, each thread stepping over at least four rows.
+    /// 02's row split: at most [`V8_TARGET_BLOCKS`] chunks, each thread stepping over at least
+    /// [`V8_MIN_ROWS_PER_THREAD`] rows.
     fn v8(rows: usize, c: usize, op: &str) -> Result<Self> {
         let base = Self::new(rows, c, op)?;
         let rstep = V8_THREADS / (c / 8);
-        let chunks = V8_TARGET_BLOCKS.clamp(1, rows.div_ceil(4 * rstep).max(1));
+        let chunks = V8_TARGET_BLOCKS.clamp(1, rows.div_ceil(V8_MIN_ROWS_PER_THREAD * rstep).max(1));
         let rows_per_chunk = rows.div_ceil(chunks);
         let chunks = rows.div_ceil(rows_per_chunk);
         Ok(Self { chunks, rows_per_chunk: rows_per_chunk as i64, ..base })
@@ -311,7 +315,8 @@ fn apply_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     let relu = relu as i32;
     let sfx = suffix(T::DTYPE, OP)?;
     if v8_applies(c, &[x.1], &[w.1, b.1, sl]) {
-        let f = dev.get_or_load_custom_func(&format!("bn_nhwc_apply_v8_{sfx}"), MODULE_V8, ptx::BATCHNORM_02_NHWC_VEC)?;
+        let f =
+            dev.get_or_load_custom_func(&format!("bn_nhwc_apply_v8_{sfx}"), MODULE_V8, ptx::BATCHNORM_02_NHWC_VEC)?;
         let mut bld = f.builder();
         bld.arg(&xv).arg(&sv).arg(&wv).arg(&bv).arg(&y).arg(&sp.rows).arg(&sp.c).arg(&relu);
         // SAFETY: matches bn_nhwc_apply_v8_* (x, stats, weight, bias, y, rows, c, relu); x and y hold rows*c

@@ -225,7 +225,12 @@ pub fn grads_kcrs(grads: &[&Tensor], shapes: &[(usize, usize, usize, usize)], ou
     let mut entries = Vec::with_capacity(grads.len());
     for (i, (g, &(k, c, r, s))) in grads.iter().zip(shapes).enumerate() {
         if g.dims() != [k, r, s, c] || g.dtype() != dtype {
-            candle_core::bail!("grads_kcrs: gradient {i} is {:?} {:?}, expected {:?} {dtype:?}", g.dims(), g.dtype(), [k, r, s, c]);
+            candle_core::bail!(
+                "grads_kcrs: gradient {i} is {:?} {:?}, expected {:?} {dtype:?}",
+                g.dims(),
+                g.dtype(),
+                [k, r, s, c]
+            );
         }
         let a = match dtype {
             DType::BF16 => super::bn::addr_of::<half::bf16>(g, lens[i], "gradient")?,

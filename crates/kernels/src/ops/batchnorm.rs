@@ -243,7 +243,10 @@ pub fn update_running(r: &Running, mean: &Tensor, var: &Tensor, count: usize) ->
 pub fn batch_stats(x: &Tensor, eps: f64, running: &Running) -> Result<Tensor> {
     let (rows, _) = rows_c(x.dims())?;
     if rows < 2 {
-        candle_core::bail!("BatchNorm2d in training mode needs more than one value per channel, got input {:?}", x.dims());
+        candle_core::bail!(
+            "BatchNorm2d in training mode needs more than one value per channel, got input {:?}",
+            x.dims()
+        );
     }
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() {

@@ -133,7 +133,9 @@ impl CustomOp2 for BnAddRelu {
             p.check(c, op)?;
         }
         let out = match (s1, s2) {
-            (CpuStorage::F32(z), CpuStorage::F32(r)) => CpuStorage::F32(self.run(slice(z, l1, op)?, slice(r, l2, op)?, c)?),
+            (CpuStorage::F32(z), CpuStorage::F32(r)) => {
+                CpuStorage::F32(self.run(slice(z, l1, op)?, slice(r, l2, op)?, c)?)
+            }
             (CpuStorage::BF16(z), CpuStorage::BF16(r)) => {
                 CpuStorage::BF16(self.run::<bf16>(slice(z, l1, op)?, slice(r, l2, op)?, c)?)
             }
@@ -160,7 +162,13 @@ impl CustomOp2 for BnAddRelu {
         if let Some(p) = &self.res_bn {
             p.check(c, op)?;
         }
-        let y = crate::cuda::residual::bn_add_relu((s1, l1), (s2, l2), self.bn.tensors(), self.res_bn.as_ref().map(|p| p.tensors()), c)?;
+        let y = crate::cuda::residual::bn_add_relu(
+            (s1, l1),
+            (s2, l2),
+            self.bn.tensors(),
+            self.res_bn.as_ref().map(|p| p.tensors()),
+            c,
+        )?;
         Ok((y, l1.shape().clone()))
     }
 }

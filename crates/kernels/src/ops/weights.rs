@@ -13,7 +13,9 @@ pub fn conv_weights_krsc(weights: &[&Tensor], dtype: DType) -> Result<Vec<Tensor
     if let Some(first) = weights.first() {
         let fits = first.device().is_cuda()
             && matches!(dtype, DType::BF16 | DType::F16)
-            && weights.iter().all(|w| w.dtype() == DType::F32 && w.rank() == 4 && w.device().same_device(first.device()));
+            && weights
+                .iter()
+                .all(|w| w.dtype() == DType::F32 && w.rank() == 4 && w.device().same_device(first.device()));
         if fits {
             let ws: Vec<Tensor> = weights.iter().map(|w| w.contiguous()).collect::<Result<_>>()?;
             let lens: Vec<usize> = ws.iter().map(|w| w.elem_count()).collect();
@@ -93,8 +95,13 @@ impl candle_core::CustomOp1 for WeightsKrsc {
         let dev = &s.device;
         // The padding between weights is never read; every weight element is written by the launch.
         let out = match self.dtype {
-            DType::BF16 => candle_core::CudaStorage::wrap_cuda_slice(crate::cuda::alloc_out::<half::bf16>(dev, total)?, dev.clone()),
-            DType::F16 => candle_core::CudaStorage::wrap_cuda_slice(crate::cuda::alloc_out::<half::f16>(dev, total)?, dev.clone()),
+            DType::BF16 => candle_core::CudaStorage::wrap_cuda_slice(
+                crate::cuda::alloc_out::<half::bf16>(dev, total)?,
+                dev.clone(),
+            ),
+            DType::F16 => {
+                candle_core::CudaStorage::wrap_cuda_slice(crate::cuda::alloc_out::<half::f16>(dev, total)?, dev.clone())
+            }
             other => candle_core::bail!("conv_weights_krsc: dtype {other:?} (bf16 or f16 only)"),
         };
         let refs: Vec<&Tensor> = self.weights.iter().collect();
