@@ -11,6 +11,9 @@
 // mt_sgd_f32: PyTorch's SGD on each tensor, in place: g = flat_grad * coef (+ wd * p); momentum buffer (flat)
 //   buf = first ? g : momentum * buf + g; d = nesterov ? g + momentum * buf : buf (or g without momentum);
 //   p -= lr * lr_mult * d.
+// mt_adamw_f32: PyTorch's AdamW on each tensor, in place: lr' = lr * lr_mult; p *= 1 - lr' * wd (decoupled decay);
+//   g = flat_grad * coef; m = beta1 m + (1 - beta1) g; v = beta2 v + (1 - beta2) g^2 (flat state buffers);
+//   p -= lr' * (m / bc1) / (sqrt(v / bc2) + eps), bc1 = 1 - beta1^t, bc2 = 1 - beta2^t.
 //
 // mt_weights_krsc_{bf16,f16}: the convolution weights for a training step, FP32 (k, c, r, s) -> the activation
 //   dtype in the kernels' (k, r, s, c) layout, all of them in one launch (instead of a cast and a permuting copy
@@ -132,4 +135,28 @@ extern "C" __global__ void __launch_bounds__(256) mt_grads_kcrs_f16(const unsign
                                                                      const int2* __restrict__ chunks,
                                                                      float* __restrict__ out) {
     mt_grads_kcrs<__half>(tab, chunks, out);
+}
+
+extern "C" __global__ void __launch_bounds__(256) mt_adamw_f32(const unsigned long long* __restrict__ tab,
+                                                                const int2* __restrict__ chunks,
+                                                                const float* __restrict__ grad,
+                                                                float* __restrict__ exp_avg,
+                                                                float* __restrict__ exp_avg_sq, float coef, float lr,
+                                                                float beta1, float beta2, float eps, float bc1,
+                                                                float bc2) {
+    const int2 ch = chunks[blockIdx.x];
+    float* p = reinterpret_cast<float*>(tab[4 * ch.x]);
+    const long long off = (long long)tab[4 * ch.x + 1], len = (long long)tab[4 * ch.x + 2];
+    const float wd = lo_f(tab[4 * ch.x + 3]), lrm = hi_f(tab[4 * ch.x + 3]) * lr;
+    const long long end = min(len, (long long)ch.y + CHUNK);
+    for (long long j = ch.y + threadIdx.x; j < end; j += blockDim.x) {
+        float pj = p[j];
+        if (wd != 0.f) pj = pj * (1.f - lrm * wd);
+        const float g = grad[off + j] * coef;
+        const float m = beta1 * exp_avg[off + j] + (1.f - beta1) * g;
+        const float v = beta2 * exp_avg_sq[off + j] + (1.f - beta2) * (g * g);
+        exp_avg[off + j] = m;
+        exp_avg_sq[off + j] = v;
+        p[j] = pj - lrm * ((m / bc1) / (sqrtf(v / bc2) + eps));
+    }
 }

@@ -662,11 +662,12 @@ fn resnet18_channels_last_cuda_matches_cpu() -> Result<()> {
 }
 
 /// The multi-tensor path (kernels/optim/01_multi_tensor.cu): gradient gathering with its sum of squares, and SGD
-/// (momentum, Nesterov, weight decay, per-parameter lr multiplier, clipping coefficient) over three steps through
-/// `Optimizer::step_flat` on CUDA, against the per-parameter candle-op optimizer on the CPU from the same start;
-/// then a checkpoint round trip of the flat momentum buffers.
+/// (momentum, Nesterov, weight decay, per-parameter lr multiplier, clipping coefficient) and AdamW (decoupled
+/// weight decay, bias corrections) over three steps through `Optimizer::step_flat` on CUDA, against the
+/// per-parameter candle-op optimizer on the CPU from the same start; then a checkpoint round trip of the flat
+/// state buffers.
 #[test]
-fn multi_tensor_sgd_matches_cpu() -> Result<()> {
+fn multi_tensor_optimizers_match_cpu() -> Result<()> {
     use trainer::optim::{OptimKind, Optimizer, ParamOptions};
     let dev = cuda()?;
     // Sizes below, at and above the 16384-element chunk, and a 4-d one.
@@ -675,8 +676,12 @@ fn multi_tensor_sgd_matches_cpu() -> Result<()> {
         .iter()
         .map(|s| Tensor::randn(0f32, 1.0, s.as_slice(), &Device::Cpu))
         .collect::<candle_core::Result<_>>()?;
-    for nesterov in [false, true] {
-        let kind = OptimKind::Sgd { momentum: 0.9, nesterov };
+    let kinds = [
+        OptimKind::Sgd { momentum: 0.9, nesterov: false },
+        OptimKind::Sgd { momentum: 0.9, nesterov: true },
+        OptimKind::AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8 },
+    ];
+    for kind in kinds {
         let make = |d: &Device| -> Result<(Optimizer, Vec<Var>)> {
             let vars: Vec<Var> =
                 inits.iter().map(|t| Var::from_tensor(&t.to_device(d)?)).collect::<candle_core::Result<_>>()?;
@@ -715,18 +720,19 @@ fn multi_tensor_sgd_matches_cpu() -> Result<()> {
         }
         for (i, (g, c)) in vg.iter().zip(&vc).enumerate() {
             let d = assert_close(
-                &format!("param {i} nesterov={nesterov}"),
+                &format!("param {i} {kind:?}"),
                 &g.as_tensor().to_device(&Device::Cpu)?,
                 c.as_tensor(),
                 1e-5,
                 1e-5,
             )?;
-            println!("multi-tensor sgd nesterov={nesterov} param {i} {:?}: max |diff| vs cpu {d:.1e}", c.dims());
+            println!("multi-tensor {kind:?} param {i} {:?}: max |diff| vs cpu {d:.1e}", c.dims());
         }
         let (sg, sc) = (og.state_tensors()?, oc.state_tensors()?);
-        ensure!(sg.len() == sc.len() && sg.len() == shapes.len(), "state: {} vs {}", sg.len(), sc.len());
+        let per_param = if matches!(kind, OptimKind::AdamW { .. }) { 2 } else { 1 };
+        ensure!(sg.len() == sc.len() && sg.len() == per_param * shapes.len(), "state: {} vs {}", sg.len(), sc.len());
         for (k, v) in &sc {
-            assert_close(&format!("momentum {k}"), &sg[k].to_device(&Device::Cpu)?, v, 1e-5, 1e-5)?;
+            assert_close(&format!("state {k} {kind:?}"), &sg[k].to_device(&Device::Cpu)?, v, 1e-5, 1e-5)?;
         }
         // Resume: states loaded back into a fresh optimizer continue the same run.
         let (mut or, vr) = make(&dev)?;

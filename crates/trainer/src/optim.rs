@@ -25,9 +25,10 @@ pub struct Optimizer {
     slots: Vec<Slot>,
     /// Optimizer steps taken (skipped steps excluded), AdamW's bias-correction count.
     pub steps: u64,
-    /// SGD with momentum on CUDA (the multi-tensor path of [`Optimizer::step_flat`]): every momentum buffer as one
-    /// flat FP32 tensor; the slots' states are views of it.
-    flat_momentum: Option<Tensor>,
+    /// The multi-tensor path of [`Optimizer::step_flat`] on CUDA: each kind of state (SGD's momentum buffer,
+    /// AdamW's two moments) as one flat FP32 tensor over all parameters; the slots' states are views of them.
+    /// Empty until the first multi-tensor step.
+    flat_state: Vec<Tensor>,
 }
 
 /// Per-parameter options, decided by the trainer from the config.
@@ -42,7 +43,7 @@ impl Optimizer {
             .into_iter()
             .map(|(name, var, o)| Slot { name, var, weight_decay: o.weight_decay, lr_mult: o.lr_mult, state: vec![] })
             .collect();
-        Self { kind, slots, steps: 0, flat_momentum: None }
+        Self { kind, slots, steps: 0, flat_state: vec![] }
     }
 
     pub fn vars(&self) -> impl Iterator<Item = (&str, &Var)> {
@@ -58,14 +59,12 @@ impl Optimizer {
     }
 
     /// Applies one update from `flat`: every parameter's unscaled FP32 gradient concatenated in order, to be
-    /// multiplied by `coef` (gradient clipping). SGD on a CUDA device runs as one multi-tensor kernel over all
-    /// parameters (kernels/optim/01_multi_tensor.cu); otherwise the per-parameter [`Optimizer::step`].
+    /// multiplied by `coef` (gradient clipping). On a CUDA device SGD and AdamW run as one multi-tensor kernel over
+    /// all parameters (kernels/optim/01_multi_tensor.cu); otherwise the per-parameter [`Optimizer::step`].
     pub fn step_flat(&mut self, flat: &Tensor, coef: f64, lr: f64) -> Result<()> {
         #[cfg(feature = "cuda")]
-        if let OptimKind::Sgd { momentum, nesterov } = self.kind {
-            if flat.device().is_cuda() {
-                return self.sgd_multi_tensor(flat, coef, lr, momentum, nesterov);
-            }
+        if flat.device().is_cuda() {
+            return self.step_multi_tensor(flat, coef, lr);
         }
         let flat = if coef != 1.0 { (flat * coef)? } else { flat.clone() };
         let mut offset = 0;
@@ -78,48 +77,95 @@ impl Optimizer {
         self.step(&grads, lr)
     }
 
+    /// The flat state buffers of the multi-tensor path (`kinds` of them), made on first use: zeros for a fresh
+    /// optimizer (`true` returned), or the per-slot states of a resumed one concatenated; the slots' states become
+    /// views of them.
     #[cfg(feature = "cuda")]
-    fn sgd_multi_tensor(&mut self, flat: &Tensor, coef: f64, lr: f64, momentum: f64, nesterov: bool) -> Result<()> {
+    fn flat_states(&mut self, kinds: usize, device: &candle_core::Device) -> Result<bool> {
+        if self.flat_state.len() == kinds {
+            return Ok(false);
+        }
         let total: usize = self.slots.iter().map(|s| s.var.elem_count()).sum();
-        let mut first = false;
-        if momentum > 0.0 && self.flat_momentum.is_none() {
-            // Fresh, or resumed from a checkpoint (per-slot states): one flat buffer, the slots' states views of it.
-            let buf = if self.slots.iter().all(|s| s.state.is_empty()) {
-                first = true;
-                Tensor::zeros(total, DType::F32, flat.device())?
+        let fresh = self.slots.iter().all(|s| s.state.is_empty());
+        let mut bufs = Vec::with_capacity(kinds);
+        for k in 0..kinds {
+            let buf = if fresh {
+                Tensor::zeros(total, DType::F32, device)?
             } else {
                 let parts = self
                     .slots
                     .iter()
-                    .map(|s| match s.state.first() {
+                    .map(|s| match s.state.get(k) {
                         Some(b) => Ok(b.flatten_all()?),
-                        // PyTorch would start this buffer at the gradient; a zero buffer differs only in this step.
+                        // A parameter without saved state starts at zero (PyTorch would start SGD's buffer at the
+                        // gradient; this differs only in this step).
                         None => Ok(s.var.as_tensor().zeros_like()?.flatten_all()?),
                     })
                     .collect::<Result<Vec<_>>>()?;
                 Tensor::cat(&parts, 0)?.contiguous()?
             };
-            let mut off = 0;
-            for s in &mut self.slots {
-                let n = s.var.elem_count();
-                s.state = vec![buf.narrow(0, off, n)?.reshape(s.var.dims())?];
-                off += n;
-            }
-            self.flat_momentum = Some(buf);
+            bufs.push(buf);
         }
-        let params: Vec<_> = self
-            .slots
+        let mut off = 0;
+        for s in &mut self.slots {
+            let n = s.var.elem_count();
+            s.state =
+                bufs.iter().map(|b| b.narrow(0, off, n)?.reshape(s.var.dims())).collect::<candle_core::Result<_>>()?;
+            off += n;
+        }
+        self.flat_state = bufs;
+        Ok(fresh)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn step_multi_tensor(&mut self, flat: &Tensor, coef: f64, lr: f64) -> Result<()> {
+        match self.kind {
+            OptimKind::Sgd { momentum, nesterov } => {
+                let first = momentum > 0.0 && self.flat_states(1, flat.device())?;
+                let params = self.sgd_params();
+                let mom = if momentum > 0.0 { &self.flat_state[0] } else { flat };
+                kernels::cuda::optim::sgd_step(
+                    &params,
+                    flat,
+                    mom,
+                    coef as f32,
+                    lr as f32,
+                    momentum as f32,
+                    nesterov,
+                    first,
+                )?;
+            }
+            OptimKind::AdamW { beta1, beta2, eps } => {
+                self.flat_states(2, flat.device())?;
+                let params = self.sgd_params();
+                let (m, v) = (&self.flat_state[0], &self.flat_state[1]);
+                kernels::cuda::optim::adamw_step(
+                    &params,
+                    flat,
+                    m,
+                    v,
+                    coef as f32,
+                    lr as f32,
+                    (beta1, beta2, eps),
+                    self.steps + 1,
+                )?;
+            }
+        }
+        self.steps += 1;
+        Ok(())
+    }
+
+    /// The parameters as the multi-tensor kernels take them.
+    #[cfg(feature = "cuda")]
+    fn sgd_params(&self) -> Vec<kernels::cuda::optim::SgdParam<'_>> {
+        self.slots
             .iter()
             .map(|s| kernels::cuda::optim::SgdParam {
                 tensor: s.var.as_tensor(),
                 weight_decay: s.weight_decay as f32,
                 lr_mult: s.lr_mult as f32,
             })
-            .collect();
-        let mom = self.flat_momentum.as_ref().unwrap_or(flat);
-        kernels::cuda::optim::sgd_step(&params, flat, mom, coef as f32, lr as f32, momentum as f32, nesterov, first)?;
-        self.steps += 1;
-        Ok(())
+            .collect()
     }
 
     /// Applies one update. `grads[i]` is the (unscaled, clipped) FP32 gradient of the i-th parameter.
@@ -196,7 +242,7 @@ impl Optimizer {
     /// Restores state saved by [`state_tensors`]; a parameter without saved state starts fresh.
     pub fn load_state(&mut self, tensors: &BTreeMap<String, Tensor>, steps: u64) -> Result<()> {
         let names = self.state_names();
-        self.flat_momentum = None;
+        self.flat_state.clear();
         for s in &mut self.slots {
             let found: Vec<Option<&Tensor>> = names.iter().map(|n| tensors.get(&format!("{}.{n}", s.name))).collect();
             s.state.clear();

@@ -1,6 +1,7 @@
-//! Multi-tensor FP32 kernels for the end of a training step (`kernels/optim/01_multi_tensor.cu`): gathering every
-//! parameter's gradient into one flat, unscaled buffer with its sum of squares, and PyTorch's SGD over all
-//! parameters in place, each in one launch instead of several candle ops (launch + allocation) per tensor.
+//! Multi-tensor kernels (`kernels/optim/01_multi_tensor.cu`): gathering every parameter's gradient into one flat,
+//! unscaled FP32 buffer with its sum of squares, PyTorch's SGD and AdamW over all parameters in place, and the
+//! training step's conv weights to and from the kernels' layout, each in one launch instead of several candle ops
+//! (launch + allocation) per tensor.
 //!
 //! The parameters are read and written through their device addresses: callers pass the FP32 master weights (the
 //! tensors of their `Var`s), contiguous, on one CUDA device, and nothing else may hold views of them that expect
@@ -149,6 +150,54 @@ pub fn sgd_step(
     b.arg(&tb.tab).arg(&tb.chunks).arg(&pg).arg(&pm).arg(&coef).arg(&lr).arg(&momentum).arg(&nest).arg(&fst);
     // SAFETY: (tab, chunks, grad, momentum, coef, lr, momentum, nesterov, first) as mt_sgd_f32 takes them; every
     // chunk lies inside its parameter and the flat buffers (off elements each).
+    unsafe { b.launch(cfg(tb.blocks)) }.w()?;
+    Ok(())
+}
+
+/// PyTorch's AdamW over all `params` in place (decoupled weight decay, per-parameter lr multiplier), their
+/// gradients `grad` (flat, in order) times `coef`, first and second moments in the flat `exp_avg` / `exp_avg_sq`
+/// (same length, zero before the first step), `step` the 1-based step count of the bias corrections.
+#[allow(clippy::too_many_arguments)]
+pub fn adamw_step(
+    params: &[SgdParam<'_>],
+    grad: &Tensor,
+    exp_avg: &Tensor,
+    exp_avg_sq: &Tensor,
+    coef: f32,
+    lr: f32,
+    (beta1, beta2, eps): (f64, f64, f64),
+    step: u64,
+) -> Result<()> {
+    let Some(p0) = params.first() else { candle_core::bail!("multi-tensor: no parameters") };
+    let (_, dev) = f32_addr(p0.tensor, "parameter 0")?;
+    if step == 0 {
+        candle_core::bail!("multi-tensor adamw: the step count starts at 1");
+    }
+    let mut entries = Vec::with_capacity(params.len());
+    let mut off = 0;
+    for (i, p) in params.iter().enumerate() {
+        let (a, _) = f32_addr(p.tensor, &format!("parameter {i}"))?;
+        entries.push((a, off, p.tensor.elem_count(), sgd_word(p.weight_decay, p.lr_mult)));
+        off += p.tensor.elem_count();
+    }
+    for (what, t) in [("gradient", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)] {
+        if t.elem_count() != off {
+            candle_core::bail!("multi-tensor adamw: {off} parameter elements, {} in {what}", t.elem_count());
+        }
+    }
+    let tb = tables(&dev, &entries)?;
+    let (pg, _) = f32_addr(grad, "gradient buffer")?;
+    let (pm, _) = f32_addr(exp_avg, "exp_avg buffer")?;
+    let (pv, _) = f32_addr(exp_avg_sq, "exp_avg_sq buffer")?;
+    let t = i32::try_from(step).unwrap_or(i32::MAX);
+    let (bc1, bc2) = ((1.0 - beta1.powi(t)) as f32, (1.0 - beta2.powi(t)) as f32);
+    let (b1, b2, e) = (beta1 as f32, beta2 as f32, eps as f32);
+    let f = dev.get_or_load_custom_func("mt_adamw_f32", MODULE, ptx::OPTIM_01_MULTI_TENSOR)?;
+    let mut b = f.builder();
+    b.arg(&tb.tab).arg(&tb.chunks).arg(&pg).arg(&pm).arg(&pv).arg(&coef).arg(&lr);
+    b.arg(&b1).arg(&b2).arg(&e).arg(&bc1).arg(&bc2);
+    // SAFETY: (tab, chunks, grad, exp_avg, exp_avg_sq, coef, lr, beta1, beta2, eps, bc1, bc2) as mt_adamw_f32
+    // takes them; every chunk lies inside its parameter and the three flat buffers (off elements each).
     unsafe { b.launch(cfg(tb.blocks)) }.w()?;
     Ok(())
 }
