@@ -54,12 +54,8 @@ __device__ void maxpool2d_nhwc_bwd(const T* __restrict__ x, const T* __restrict_
         const int r = (int)(i - im * img_in);
         const int pix = r / g.c, ch = r - pix * g.c;
         const int iy = pix / g.w, ix = pix - iy * g.w;
-        // Windows containing iy: oy * s - p <= iy <= oy * s - p + k - 1.
-        const int ly = iy + g.p - g.k + 1, lx = ix + g.p - g.k + 1;
-        const int oy0 = ly <= 0 ? 0 : (ly + g.s - 1) / g.s;
-        const int ox0 = lx <= 0 ? 0 : (lx + g.s - 1) / g.s;
-        const int oy1 = min((iy + g.p) / g.s, g.oh - 1);
-        const int ox1 = min((ix + g.p) / g.s, g.ow - 1);
+        int oy0, oy1, ox0, ox1;
+        covering_windows(iy, ix, g, oy0, oy1, ox0, ox1);
         const T* xi = x + im * img_in;
         const T* dyi = dy + im * img_out;
         float acc = 0.0f;

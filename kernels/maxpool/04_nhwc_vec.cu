@@ -90,12 +90,8 @@ __device__ void maxpool_bwd_v8(const uint8_t* __restrict__ arg, const T* __restr
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < groups; i += gridDim.x * blockDim.x) {
         const int pix = i / G, ch0 = (i - pix * G) * 8;
         const int iy = pix / g.w, ix = pix - iy * g.w;
-        // Windows containing (iy, ix): oy * s - p <= iy <= oy * s - p + k - 1, and the same for x.
-        const int ly = iy + g.p - g.k + 1, lx = ix + g.p - g.k + 1;
-        const int oy0 = ly <= 0 ? 0 : (ly + g.s - 1) / g.s;
-        const int ox0 = lx <= 0 ? 0 : (lx + g.s - 1) / g.s;
-        const int oy1 = min((iy + g.p) / g.s, g.oh - 1);
-        const int ox1 = min((ix + g.p) / g.s, g.ow - 1);
+        int oy0, oy1, ox0, ox1;
+        covering_windows(iy, ix, g, oy0, oy1, ox0, ox1);
         float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         for (int oy = oy0; oy <= oy1; ++oy) {
             const int ky = iy - (oy * g.s - g.p);

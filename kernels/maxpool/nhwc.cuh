@@ -35,3 +35,14 @@ __device__ __forceinline__ int window_argmax_nhwc(const T* __restrict__ img, con
     return arg;
 }
 
+
+// The output windows that contain input cell (iy, ix): oy in [oy0, oy1], ox in [ox0, ox1] (empty when oy0 > oy1
+// or ox0 > ox1), from oy * s - p <= iy <= oy * s - p + k - 1 and the same for x.
+__device__ __forceinline__ void covering_windows(int iy, int ix, const PoolGeomNhwc& g, int& oy0, int& oy1, int& ox0,
+                                                 int& ox1) {
+    const int ly = iy + g.p - g.k + 1, lx = ix + g.p - g.k + 1;
+    oy0 = ly <= 0 ? 0 : (ly + g.s - 1) / g.s;
+    ox0 = lx <= 0 ? 0 : (lx + g.s - 1) / g.s;
+    oy1 = min((iy + g.p) / g.s, g.oh - 1);
+    ox1 = min((ix + g.p) / g.s, g.ow - 1);
+}

@@ -77,64 +77,56 @@ extern "C" __global__ void __launch_bounds__(256) mt_sgd_f32(const unsigned long
     }
 }
 
-template <typename T>
-__device__ void mt_weights_krsc(const unsigned long long* __restrict__ tab, const int2* __restrict__ chunks,
-                                T* __restrict__ out) {
+// The (k, r, s, c) index of element j = (k * c + ci) * rs + t of a (k, c, r, s) tensor: (k * rs + t) * c + ci.
+__device__ __forceinline__ long long krsc_of(long long j, int c, int rs) {
+    const long long kc = j / rs;
+    const int t = (int)(j - kc * rs);
+    const long long k = kc / c;
+    const int ci = (int)(kc - k * c);
+    return (k * rs + t) * c + ci;
+}
+
+// Layout copy with a dtype conversion over the chunks of the table: (k, c, r, s) S -> (k, r, s, c) D when TO_KRSC
+// (reading in order), else (k, r, s, c) S -> (k, c, r, s) D (writing in order: coalesced stores).
+template <typename S, typename D, bool TO_KRSC>
+__device__ void mt_relayout(const unsigned long long* __restrict__ tab, const int2* __restrict__ chunks,
+                            D* __restrict__ out) {
     const int2 ch = chunks[blockIdx.x];
-    const float* src = reinterpret_cast<const float*>(tab[4 * ch.x]);
+    const S* src = reinterpret_cast<const S*>(tab[4 * ch.x]);
     const long long off = (long long)tab[4 * ch.x + 1], len = (long long)tab[4 * ch.x + 2];
     const int c = (int)(tab[4 * ch.x + 3] & 0xffffffffu), rs = (int)(tab[4 * ch.x + 3] >> 32);
     const long long end = min(len, (long long)ch.y + CHUNK);
     for (long long j = ch.y + threadIdx.x; j < end; j += blockDim.x) {
-        // j = (k * c + ci) * rs + t  ->  (k * rs + t) * c + ci
-        const long long kc = j / rs;
-        const int t = (int)(j - kc * rs);
-        const long long k = kc / c;
-        const int ci = (int)(kc - k * c);
-        out[off + (k * rs + t) * c + ci] = from_f32<T>(src[j]);
+        if (TO_KRSC) {
+            out[off + krsc_of(j, c, rs)] = from_f32<D>(to_f32(src[j]));
+        } else {
+            out[off + j] = from_f32<D>(to_f32(src[krsc_of(j, c, rs)]));
+        }
     }
 }
 
 extern "C" __global__ void __launch_bounds__(256) mt_weights_krsc_bf16(const unsigned long long* __restrict__ tab,
                                                                         const int2* __restrict__ chunks,
                                                                         __nv_bfloat16* __restrict__ out) {
-    mt_weights_krsc(tab, chunks, out);
+    mt_relayout<float, __nv_bfloat16, true>(tab, chunks, out);
 }
 
 extern "C" __global__ void __launch_bounds__(256) mt_weights_krsc_f16(const unsigned long long* __restrict__ tab,
                                                                        const int2* __restrict__ chunks,
                                                                        __half* __restrict__ out) {
-    mt_weights_krsc(tab, chunks, out);
-}
-
-template <typename T>
-__device__ void mt_grads_kcrs(const unsigned long long* __restrict__ tab, const int2* __restrict__ chunks,
-                              float* __restrict__ out) {
-    const int2 ch = chunks[blockIdx.x];
-    const T* src = reinterpret_cast<const T*>(tab[4 * ch.x]);
-    const long long off = (long long)tab[4 * ch.x + 1], len = (long long)tab[4 * ch.x + 2];
-    const int c = (int)(tab[4 * ch.x + 3] & 0xffffffffu), rs = (int)(tab[4 * ch.x + 3] >> 32);
-    const long long end = min(len, (long long)ch.y + CHUNK);
-    for (long long j = ch.y + threadIdx.x; j < end; j += blockDim.x) {
-        // j = (k * c + ci) * rs + t  <-  (k * rs + t) * c + ci  (written in the output's order: coalesced stores)
-        const long long kc = j / rs;
-        const int t = (int)(j - kc * rs);
-        const long long k = kc / c;
-        const int ci = (int)(kc - k * c);
-        out[off + j] = to_f32(src[(k * rs + t) * c + ci]);
-    }
+    mt_relayout<float, __half, true>(tab, chunks, out);
 }
 
 extern "C" __global__ void __launch_bounds__(256) mt_grads_kcrs_bf16(const unsigned long long* __restrict__ tab,
                                                                       const int2* __restrict__ chunks,
                                                                       float* __restrict__ out) {
-    mt_grads_kcrs<__nv_bfloat16>(tab, chunks, out);
+    mt_relayout<__nv_bfloat16, float, false>(tab, chunks, out);
 }
 
 extern "C" __global__ void __launch_bounds__(256) mt_grads_kcrs_f16(const unsigned long long* __restrict__ tab,
                                                                      const int2* __restrict__ chunks,
                                                                      float* __restrict__ out) {
-    mt_grads_kcrs<__half>(tab, chunks, out);
+    mt_relayout<__half, float, false>(tab, chunks, out);
 }
 
 extern "C" __global__ void __launch_bounds__(256) mt_adamw_f32(const unsigned long long* __restrict__ tab,

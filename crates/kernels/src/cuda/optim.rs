@@ -234,14 +234,17 @@ pub fn weights_krsc(weights: &[&Tensor], out: &candle_core::CudaStorage) -> Resu
         let (a, _) = f32_addr(w, &format!("weight {i}"))?;
         entries.push((a, offs[i], lens[i], c as u64 | ((r * s) as u64) << 32));
     }
-    let (name, dst) = match out.dtype() {
-        DType::BF16 => ("mt_weights_krsc_bf16", out.as_cuda_slice::<half::bf16>()?.device_ptr(&dev.cuda_stream()).0),
-        DType::F16 => ("mt_weights_krsc_f16", out.as_cuda_slice::<half::f16>()?.device_ptr(&dev.cuda_stream()).0),
+    let stream = dev.cuda_stream();
+    let (name, dst, held) = match out.dtype() {
+        DType::BF16 => {
+            let o = out.as_cuda_slice::<half::bf16>()?;
+            ("mt_weights_krsc_bf16", o.device_ptr(&stream).0, o.len())
+        }
+        DType::F16 => {
+            let o = out.as_cuda_slice::<half::f16>()?;
+            ("mt_weights_krsc_f16", o.device_ptr(&stream).0, o.len())
+        }
         other => candle_core::bail!("weights_krsc: output dtype {other:?} (bf16 or f16 only)"),
-    };
-    let held = match out.dtype() {
-        DType::BF16 => out.as_cuda_slice::<half::bf16>()?.len(),
-        _ => out.as_cuda_slice::<half::f16>()?.len(),
     };
     if held < total {
         candle_core::bail!("weights_krsc: output holds {held} elements, {total} needed");
