@@ -62,8 +62,19 @@ fn learns_generated_data_and_writes_run_folder() {
 
 #[test]
 fn adamw_grad_accum_clipping_and_smoothing_train() {
-    let dir = TempDir::new("adamw");
-    let cfg = tiny(&[
+    adamw_grad_accum_clipping_and_smoothing("adamw", &[]);
+}
+
+/// The same on the explicit step (kernels.step = "fused", fp32 on the CPU): AdamW, gradient accumulation,
+/// clipping, label smoothing and a multistep schedule.
+#[test]
+fn adamw_grad_accum_clipping_and_smoothing_train_on_the_fused_step() {
+    adamw_grad_accum_clipping_and_smoothing("adamw-fused", &["kernels.conv=\"custom\"", "kernels.step=\"fused\""]);
+}
+
+fn adamw_grad_accum_clipping_and_smoothing(name: &str, extra: &[&str]) {
+    let dir = TempDir::new(name);
+    let mut sets = vec![
         "optim.name=\"adamw\"",
         "optim.lr=0.003",
         "optim.weight_decay=0.05",
@@ -75,7 +86,9 @@ fn adamw_grad_accum_clipping_and_smoothing_train() {
         "sched.name=\"multistep\"",
         "sched.milestones=[1]",
         "train.epochs=3",
-    ]);
+    ];
+    sets.extend_from_slice(extra);
+    let cfg = tiny(&sets);
     let s = train::train(&cfg, dir.path(), false).unwrap();
     // 64 samples / 8 per micro-batch / 2 per step = 4 steps per epoch.
     assert_eq!(s.steps, 12);
@@ -89,6 +102,25 @@ fn adamw_grad_accum_clipping_and_smoothing_train() {
         .collect();
     assert_eq!(grad_norms.len(), 12);
     assert!(s.losses[8..].iter().sum::<f64>() < s.losses[..4].iter().sum::<f64>());
+}
+
+/// Checkpoint and `--resume` on the explicit step: a run of 2 epochs, and a run stopped after epoch 1 then
+/// resumed to 2 epochs, log the same losses and end with the same weights (the FP32 masters are the ParamStore's
+/// tensors, so the checkpoint files are those of the autograd path).
+#[test]
+fn fused_step_resumes_exactly() {
+    let fused = ["kernels.conv=\"custom\"", "kernels.step=\"fused\"", "checkpoint.every_epochs=1"];
+    let with = |epochs: &str| tiny(&[&fused[..], &[epochs]].concat());
+    let (full, cut) = (TempDir::new("fused-full"), TempDir::new("fused-cut"));
+    train::train(&with("train.epochs=2"), full.path(), false).unwrap();
+    train::train(&with("train.epochs=1"), cut.path(), false).unwrap();
+    train::train(&with("train.epochs=2"), cut.path(), true).unwrap();
+    let (a, b) = (common::step_losses(full.path()), common::step_losses(cut.path()));
+    assert_eq!(a.len(), 8, "{a:?}");
+    assert_eq!(a, b, "resumed losses differ from the uninterrupted run");
+    let wa = std::fs::read(full.path().join("model.safetensors")).unwrap();
+    let wb = std::fs::read(cut.path().join("model.safetensors")).unwrap();
+    assert!(wa == wb, "final weights differ");
 }
 
 #[test]
