@@ -26,6 +26,8 @@ LIBS = {
     "cublas": ("cublas", "libcublas.so.13"),
     "cublaslt": ("cublasLt", "libcublasLt.so.13"),
     "cudnn": ("cudnn", "libcudnn.so.9"),
+    # The trainer's `nccl` feature (data-parallel training): the nvidia-nccl wheel's library on the GPU machine.
+    "nccl": ("nccl", "libnccl.so.2"),
 }
 
 FN = re.compile(r"^\s*pub unsafe fn (\w+)\s*[(<]", re.M)

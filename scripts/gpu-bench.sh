@@ -15,7 +15,7 @@ fi
 bin="$(mktemp -d /tmp/gpu-bench.XXXXXX)"
 gunzip -c "$dist/trainer.gz" > "$bin/trainer" && chmod +x "$bin/trainer"
 site=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
-export LD_LIBRARY_PATH="$site/cu13/lib:$site/cudnn/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export LD_LIBRARY_PATH="$site/cu13/lib:$site/cudnn/lib:$site/nccl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 echo "== bench vs PyTorch: resnet152 ${DTYPES:-fp32,bf16,fp16} x ${SIZES:-64,128,256}"
 OUT="$out" bash "$here/bench-vs-torch.sh" "$bin/trainer" resnet152 "${DTYPES:-fp32,bf16,fp16}" "${SIZES:-64,128,256}" || fails=$((fails + 1))
 if [ -n "${BASELINE_SIZES:-64}" ]; then

@@ -15,7 +15,7 @@ dist="$(cd "${1:-dist}" && pwd)" || exit 2
 out="${OUT:-$PWD/gpu-out}"
 mkdir -p "$out"
 site=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
-export LD_LIBRARY_PATH="$site/cu13/lib:$site/cudnn/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export LD_LIBRARY_PATH="$site/cu13/lib:$site/cudnn/lib:$site/nccl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 bin="$(mktemp -d /tmp/gpu-kernels.XXXXXX)"
 for f in trainer gpu-tests gpu-kernel-tests; do
     gunzip -c "$dist/$f.gz" > "$bin/$f" && chmod +x "$bin/$f" || exit 2

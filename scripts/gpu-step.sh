@@ -34,7 +34,7 @@ main() {
         gunzip -c "$dist/$f.gz" > "$bin/$f" && chmod +x "$bin/$f" || { echo "gpu-step: missing $dist/$f.gz"; return 2; }
     done
     site=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
-    export LD_LIBRARY_PATH="$site/cu13/lib:$site/cudnn/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export LD_LIBRARY_PATH="$site/cu13/lib:$site/cudnn/lib:$site/nccl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
     if [ -n "${GPU_TESTS_FILTER:-}" ] && [ -f "$dist/gpu-tests.gz" ]; then
         echo "== gpu-tests $GPU_TESTS_FILTER"

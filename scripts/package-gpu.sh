@@ -16,8 +16,11 @@ source scripts/setup-cuda.sh
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$repo/target-cuda}"
 max_mib="${DIST_MAX_MIB:-60}"
 
-echo "== cargo build --release -p trainer --features cuda (trainer, kernels-bench)"
-cargo build --release -p trainer --features cuda
+# NCCL=1: the trainer with the `nccl` feature (data-parallel collectives; needs libnccl.so.2 on the GPU machine).
+features=cuda
+[ "${NCCL:-0}" = 1 ] && features=nccl
+echo "== cargo build --release -p trainer --features $features (trainer, kernels-bench)"
+cargo build --release -p trainer --features "$features"
 
 
 # test_bin NAME: path of the integration test binary NAME built with the cuda feature.

@@ -48,7 +48,7 @@ print(os.path.dirname(p[0]["manifest_path"]) if p else "")')"
     if [ -z "$cudarc_dir" ] || [ ! -d "$cudarc_dir/src" ]; then
         echo "setup-cuda: cudarc sources not found via cargo metadata" >&2; return 1
     fi
-    if [ "$(cat "$lib/stubs.stamp" 2>/dev/null)" != "$cudarc_dir" ] || [ ! -e "$lib/libcuda.so" ]; then
+    if [ "$(cat "$lib/stubs.stamp" 2>/dev/null)" != "$cudarc_dir" ] || [ ! -e "$lib/libcuda.so" ] || [ ! -e "$lib/libnccl.so" ]; then
         echo "setup-cuda: generating link stubs from $cudarc_dir"
         rm -rf "$lib"
         python3 "$repo/scripts/gen_link_stubs.py" "$cudarc_dir" "$lib" >/dev/null || {

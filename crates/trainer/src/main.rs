@@ -178,6 +178,10 @@ struct DistCheckArgs {
     /// These ranks hang after the first barrier (comma-separated).
     #[arg(long, value_delimiter = ',')]
     hang_ranks: Vec<usize>,
+    /// Also test NCCL: rank 0's payload is an NCCL unique id, every rank opens a communicator on cuda:LOCAL_RANK
+    /// and all-reduces a tensor, checking the sum (a build with the `nccl` feature).
+    #[arg(long)]
+    nccl: bool,
 }
 
 /// Seconds from a flag, checked.
@@ -221,6 +225,7 @@ fn run() -> Result<()> {
             fail_rank: a.fail_rank,
             exit_code: a.exit_code,
             hang_ranks: a.hang_ranks,
+            nccl: a.nccl,
         }),
         Some(Command::DataBench { cfg, workers, batches }) => data_bench(cfg, workers, batches),
         Some(Command::Prepare { cfg, out, max_side, quality, shard_mib }) => {

@@ -199,6 +199,9 @@ fn bad_environments_and_arguments_give_one_line() {
         .unwrap();
     let line = error_line(&o);
     assert!(line.contains("rank 0/2") && line.contains("not wired into the train loop yet"), "{line}");
+    // NCCL needs the `nccl` build (the CPU test build has no CUDA).
+    let o = trainer().args(["dist-check", "--nccl"]).output().unwrap();
+    assert_eq!(error_line(&o), "error: dist-check --nccl: this trainer was built without NCCL (cargo feature `nccl`)");
     let o = trainer().args(["launch", "--nnodes", "2", "--node-rank", "2", "--", "dist-check"]).output().unwrap();
     assert_eq!(error_line(&o), "error: launch: --node-rank 2 is not below --nnodes 2");
     let o = trainer().args(["launch", "--nnodes", "2", "--master-port", "0", "--", "dist-check"]).output().unwrap();

@@ -4,6 +4,8 @@
 
 pub mod env;
 pub mod launch;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod rendezvous;
 pub mod shard;
 
@@ -58,6 +60,9 @@ pub struct CheckOptions {
     pub exit_code: i32,
     /// These ranks hang after the first barrier (their heartbeats go on: a stuck training loop).
     pub hang_ranks: Vec<usize>,
+    /// The payload is an NCCL unique id; after the first barrier every rank all-reduces a tensor on
+    /// cuda:LOCAL_RANK through NCCL and checks the sum ([`nccl_check`]).
+    pub nccl: bool,
 }
 
 /// Rendezvous with a random 128-byte id from rank 0, print what this rank got, barrier, watch, barrier.
@@ -65,8 +70,25 @@ pub fn check(o: &CheckOptions) -> anyhow::Result<()> {
     let env = DistEnv::from_process_env()?;
     eprintln!("dist-check: {}", env.describe());
     let opts = Options { timeout: o.timeout, ..Options::default() };
-    let make_id = || (0..NCCL_UNIQUE_ID_BYTES).map(|_| rand::random::<u8>()).collect();
+    if o.nccl && !cfg!(feature = "nccl") {
+        anyhow::bail!("dist-check --nccl: this trainer was built without NCCL (cargo feature `nccl`)");
+    }
+    #[cfg_attr(not(feature = "nccl"), allow(unused_mut))]
+    let mut id_error = None;
+    let make_id = || {
+        if o.nccl {
+            #[cfg(feature = "nccl")]
+            match nccl::unique_id() {
+                Ok(id) => return id,
+                Err(e) => id_error = Some(e),
+            }
+        }
+        (0..NCCL_UNIQUE_ID_BYTES).map(|_| rand::random::<u8>()).collect()
+    };
     let (id, mut group) = rendezvous(&env, make_id, &opts)?;
+    if let Some(e) = id_error {
+        return Err(e);
+    }
     println!(
         "dist-check: rank {}/{} local {} node {} payload {} bytes fingerprint {}",
         env.rank,
@@ -77,6 +99,9 @@ pub fn check(o: &CheckOptions) -> anyhow::Result<()> {
         fingerprint(&id)
     );
     group.barrier(o.timeout)?;
+    if o.nccl {
+        nccl_check(&env, &id)?;
+    }
     if o.hang_ranks.contains(&env.rank) {
         eprintln!("dist-check: rank {} hangs (--hang-ranks)", env.rank);
         loop {
@@ -94,6 +119,35 @@ pub fn check(o: &CheckOptions) -> anyhow::Result<()> {
     group.close();
     println!("dist-check: rank {} ok", env.rank);
     Ok(())
+}
+
+/// NCCL on this rank: a communicator on cuda:LOCAL_RANK from the rendezvous' id, then a sum all-reduce of 2^20
+/// floats holding rank + 1, which must come back as world (world + 1) / 2 everywhere.
+fn nccl_check(env: &DistEnv, id: &[u8]) -> anyhow::Result<()> {
+    #[cfg(feature = "nccl")]
+    {
+        use anyhow::Context;
+        let device = candle_core::Device::new_cuda(env.local_rank)
+            .with_context(|| format!("rank {}: cannot open cuda:{} (LOCAL_RANK)", env.rank, env.local_rank))?;
+        let comm = nccl::NcclComm::new(&device, id, env.rank, env.world_size)?;
+        let t = candle_core::Tensor::full((env.rank + 1) as f32, 1 << 20, &device)?;
+        comm.all_reduce_sum(&t)?;
+        let want = (env.world_size * (env.world_size + 1) / 2) as f32;
+        let (lo, hi) = (t.min(0)?.to_scalar::<f32>()?, t.max(0)?.to_scalar::<f32>()?);
+        if lo != want || hi != want {
+            anyhow::bail!("rank {}: NCCL all-reduce gave values in [{lo}, {hi}], expected {want}", env.rank);
+        }
+        println!(
+            "dist-check: rank {} nccl all-reduce of 2^20 floats over {} rank(s) ok ({want})",
+            env.rank, env.world_size
+        );
+        Ok(())
+    }
+    #[cfg(not(feature = "nccl"))]
+    {
+        let _ = (env, id);
+        anyhow::bail!("dist-check --nccl: this trainer was built without NCCL (cargo feature `nccl`)")
+    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,97 @@
+//! NCCL collectives for data-parallel training (cargo feature `nccl`): one communicator per rank on the stream of
+//! the rank's candle device, built from the unique id that rank 0 hands out through the rendezvous
+//! ([`super::rendezvous`]), and an in-place sum all-reduce of a contiguous CUDA tensor. We write no collectives of
+//! our own: every reduction is NCCL's.
+
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::cuda_backend::cudarc::driver::sys::CUdeviceptr;
+use candle_core::cuda_backend::cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
+use candle_core::{DType, Device, Storage, Tensor};
+use cudarc::nccl::safe::{Comm, Id, ReduceOp};
+use std::sync::Arc;
+
+/// A fresh NCCL unique id (rank 0 makes it; the rendezvous carries it to the others) as its 128 bytes.
+pub fn unique_id() -> Result<Vec<u8>> {
+    let id = Id::new().map_err(|e| anyhow!("ncclGetUniqueId failed: {e:?}"))?;
+    Ok(id.internal().iter().map(|&c| c as u8).collect())
+}
+
+/// A rank's NCCL communicator, on its device's stream (the stream candle queues every kernel on).
+pub struct NcclComm {
+    comm: Comm,
+    stream: Arc<CudaStream>,
+}
+
+impl NcclComm {
+    /// Joins the group of `world` ranks as `rank` on `device` (a CUDA device) with the id from [`unique_id`].
+    /// Blocks until every rank has joined (ncclCommInitRank).
+    pub fn new(device: &Device, id: &[u8], rank: usize, world: usize) -> Result<Self> {
+        let Device::Cuda(dev) = device else { bail!("NCCL needs a CUDA device, got {device:?}") };
+        let bytes: [u8; 128] =
+            id.try_into().map_err(|_| anyhow!("NCCL unique id: {} bytes, expected 128", id.len()))?;
+        let id = Id::uninit(bytes.map(|b| b as std::ffi::c_char));
+        let stream = dev.cuda_stream();
+        let comm = Comm::from_rank(stream.clone(), rank, world, id)
+            .map_err(|e| anyhow!("ncclCommInitRank (rank {rank} of {world}) failed: {e:?}"))?;
+        Ok(Self { comm, stream })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    /// Sums `t` over all ranks, in place (every rank ends with the sum). `t`: contiguous f32 on this
+    /// communicator's device (the flat FP32 gradient buffer); queued on the device's stream like any other kernel
+    /// (no host synchronisation).
+    pub fn all_reduce_sum(&self, t: &Tensor) -> Result<()> {
+        if t.dtype() != DType::F32 {
+            bail!("all-reduce: dtype {:?} (f32 only)", t.dtype());
+        }
+        let (storage, layout) = t.storage_and_layout();
+        let (start, end) = layout.contiguous_offsets().context("all-reduce: the tensor is not contiguous")?;
+        let Storage::Cuda(cs) = &*storage else { bail!("all-reduce: the tensor is not on a CUDA device") };
+        let len = end - start;
+        let (base, _sync) = cs.as_cuda_slice::<f32>()?.device_ptr(&self.stream);
+        let mut buf = Raw::<f32>::new(base + (start * std::mem::size_of::<f32>()) as u64, len, &self.stream);
+        self.comm
+            .all_reduce_in_place(&mut buf, &ReduceOp::Sum)
+            .map_err(|e| anyhow!("ncclAllReduce of {len} elements failed: {e:?}"))?;
+        Ok(())
+    }
+}
+
+/// A device range given by address and length, for NCCL calls on memory that candle owns (its tensors hand out
+/// shared slices only). Valid while the tensor it was taken from is alive and not resized: the caller holds it.
+struct Raw<'a, T> {
+    ptr: CUdeviceptr,
+    len: usize,
+    stream: &'a Arc<CudaStream>,
+    _t: std::marker::PhantomData<T>,
+}
+
+impl<'a, T> Raw<'a, T> {
+    fn new(ptr: CUdeviceptr, len: usize, stream: &'a Arc<CudaStream>) -> Self {
+        Self { ptr, len, stream, _t: std::marker::PhantomData }
+    }
+}
+
+impl<T> DeviceSlice<T> for Raw<'_, T> {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn stream(&self) -> &Arc<CudaStream> {
+        self.stream
+    }
+}
+
+impl<T> DevicePtrMut<T> for Raw<'_, T> {
+    fn device_ptr_mut<'a>(&'a mut self, _stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
+        // Same stream as every kernel that reads or writes the tensor: stream order is all the ordering needed.
+        (self.ptr, SyncOnDrop::Sync(None))
+    }
+}
