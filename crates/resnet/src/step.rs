@@ -16,8 +16,11 @@
 //! the BatchNorm backward (sums, dx), grad-weight and grad-input.
 //!
 //! Kernels: the ops of the `kernels` crate (our convolutions, BatchNorm, pooling and fused residual kernels on
-//! CUDA in bf16/fp16, their CPU references elsewhere). Buffers are still allocated per op by candle's caching
-//! allocator and the step is not yet captured as a CUDA graph.
+//! CUDA in bf16/fp16, their CPU references elsewhere). Per step, every conv weight is cast to the activation
+//! dtype and (k, r, r, c) layout at the start and every grad-weight converted back to FP32 (k, c, r, r) at the end,
+//! one launch each on CUDA ([`kernels::ops::weights`]); the BatchNorm statistics update the running statistics
+//! inside their finaliser. Buffers are still allocated per op by candle's caching allocator and the step is not
+//! yet captured as a CUDA graph.
 
 use crate::layers::{BatchNorm2d, Conv2d, Linear};
 use crate::model::{Block, ResNet, Stem};
