@@ -3,7 +3,9 @@
 //!   implicit-GEMM kernels and on candle's;
 //! - `matmul`: our GEMM against cuBLAS (candle's matmul) at 8192^3 and at the FC layer's shapes;
 //! - `pool`: max-pool (NCHW, NHWC) of the stem and the NHWC global average pool, forward and backward;
-//! - `bn`: the channels-last BatchNorm(+ReLU) passes on ResNet's first and last BatchNorm shapes.
+//! - `bn`: the channels-last BatchNorm(+ReLU) passes on ResNet's first and last BatchNorm shapes;
+//! - `optim`: the multi-tensor kernels over ResNet-152's parameters (gradient gather + unscale + sum of squares,
+//!   SGD, AdamW) and the fused step's conv weight conversions (FP32 (k, c, r, s) <-> bf16/f16 (k, r, s, c)).
 //!
 //! Prints tables and writes JSON (`--json PATH`) that scripts/kernels-bench.sh joins with cuDNN's figures
 //! (scripts/torch_conv_shapes.py) from the same run. Times are GPU times between two CUDA events around
@@ -35,6 +37,7 @@ enum Section {
     Matmul,
     Pool,
     Bn,
+    Optim,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -57,7 +60,7 @@ struct Args {
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..))]
     iters: u64,
     /// Sections to run (comma-separated; default: all).
-    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Section::Convs, Section::Matmul, Section::Pool, Section::Bn])]
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Section::Convs, Section::Matmul, Section::Pool, Section::Bn, Section::Optim])]
     only: Vec<Section>,
     /// Skip candle's convolutions (slow: ~1.4 s per ResNet-152 step).
     #[arg(long)]
@@ -176,6 +179,9 @@ fn run(a: &Args) -> Result<()> {
     }
     if a.only.contains(&Section::Bn) {
         out["batchnorm"] = batchnorms(&timer, &dev, dt, batch)?;
+    }
+    if a.only.contains(&Section::Optim) {
+        out["optim"] = optims(&timer, &dev, dt)?;
     }
     if let Some(path) = &a.json {
         std::fs::write(path, serde_json::to_string(&out)? + "\n")
@@ -437,14 +443,14 @@ fn batchnorms(timer: &Timer, dev: &Device, dt: DType, n: usize) -> Result<Value>
         let bytes = (n * h * h * c * dt.size_in_bytes()) as f64;
         let tag = format!("{n}x{h}x{h}x{c}");
         rows.push(mem_row(
-            &format!("bn {tag} stats (2 reads of x)"),
+            &format!("bn {tag} stats (1 read of x: one pass)"),
             timer.time(|| x.apply_op1_no_bwd(&BnStats { eps: 1e-5 }))?,
-            2.0 * bytes,
+            bytes,
         ));
         rows.push(mem_row(
-            &format!("bn {tag} fwd: stats + apply (3 reads, 1 write)"),
+            &format!("bn {tag} fwd: stats + apply (2 reads, 1 write)"),
             timer.time(|| Ok(kernels::batch_norm_nhwc_train(&x, &w, &b, 1e-5, true)?.0))?,
-            4.0 * bytes,
+            3.0 * bytes,
         ));
         rows.push(mem_row(
             &format!("bn {tag} bwd sums (x, dy)"),
@@ -457,5 +463,66 @@ fn batchnorms(timer: &Timer, dev: &Device, dt: DType, n: usize) -> Result<Value>
             3.0 * bytes,
         ));
     }
+    Ok(Value::Array(rows))
+}
+
+/// The multi-tensor kernels over ResNet-152's parameters (FP32 masters of a fresh model, random gradients) and the
+/// fused step's conv weight conversions, in GB/s of the bytes each must move.
+fn optims(timer: &Timer, dev: &Device, dt: DType) -> Result<Value> {
+    use kernels::cuda::optim::{adamw_step, gather_scaled, sgd_step, SgdParam};
+    println!(
+        "
+multi-tensor kernels over ResNet-152's parameters, {dt:?} conversions (GB/s of the bytes moved)"
+    );
+    let cfg = resnet::ResNetConfig { arch: resnet::Arch::ResNet152, ..Default::default() };
+    let model = resnet::ResNet::new(cfg, dev)?;
+    let params: Vec<(String, candle_core::Var)> = model.store().trainable();
+    let grads: Vec<Tensor> =
+        params.iter().map(|(_, v)| Tensor::randn(0f32, 1.0, v.dims(), dev)).collect::<candle_core::Result<_>>()?;
+    let n: usize = params.iter().map(|(_, v)| v.elem_count()).sum();
+    let f4 = 4.0 * n as f64;
+    let mut rows = Vec::new();
+    let (flat, _) = gather_scaled(&grads, 1.0 / 1024.0)?;
+    rows.push(mem_row(
+        &format!("gather + unscale + sum of squares, {} tensors, {n} floats", grads.len()),
+        timer.time(|| Ok(gather_scaled(&grads, 1.0 / 1024.0)?.0))?,
+        2.0 * f4,
+    ));
+    let sgd: Vec<SgdParam> =
+        params.iter().map(|(_, v)| SgdParam { tensor: v.as_tensor(), weight_decay: 1e-4, lr_mult: 1.0 }).collect();
+    let (m, v) = (Tensor::zeros(n, DType::F32, dev)?, Tensor::zeros(n, DType::F32, dev)?);
+    rows.push(mem_row(
+        "SGD, momentum + Nesterov + weight decay (p, g, m read; p, m written)",
+        timer.time(|| {
+            sgd_step(&sgd, &flat, &m, 1.0, 1e-6, 0.9, true, false)?;
+            Ok(flat.clone())
+        })?,
+        5.0 * f4,
+    ));
+    let mut step = 0u64;
+    rows.push(mem_row(
+        "AdamW (p, g, m, v read; p, m, v written)",
+        timer.time(|| {
+            step += 1;
+            adamw_step(&sgd, &flat, &m, &v, 1.0, 1e-6, (0.9, 0.999, 1e-8), step)?;
+            Ok(flat.clone())
+        })?,
+        7.0 * f4,
+    ));
+    let convs: Vec<Tensor> = params.iter().filter(|(_, v)| v.rank() == 4).map(|(_, v)| v.as_tensor().clone()).collect();
+    let refs: Vec<&Tensor> = convs.iter().collect();
+    let nc: usize = convs.iter().map(|w| w.elem_count()).sum();
+    let (f4c, lpc) = (4.0 * nc as f64, (dt.size_in_bytes() * nc) as f64);
+    rows.push(mem_row(
+        &format!("conv weights FP32 -> {dt:?} (k, r, s, c), {} tensors", convs.len()),
+        timer.time(|| Ok(kernels::ops::weights::conv_weights_krsc(&refs, dt)?.swap_remove(0)))?,
+        f4c + lpc,
+    ));
+    let lp = kernels::ops::weights::conv_weights_krsc(&refs, dt)?;
+    rows.push(mem_row(
+        &format!("conv grad-weights {dt:?} (k, r, s, c) -> FP32, {} tensors", lp.len()),
+        timer.time(|| Ok(kernels::ops::weights::conv_grads_kcrs(&lp)?.swap_remove(0)))?,
+        f4c + lpc,
+    ));
     Ok(Value::Array(rows))
 }
