@@ -109,3 +109,44 @@ impl candle_core::CustomOp1 for WeightsKrsc {
         Ok((out, candle_core::Shape::from(total)))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// The CPU paths: (k, c, r, s) -> (k, r, s, c) in the dtype and back to FP32 (k, c, r, s), element by element.
+    #[test]
+    fn weights_round_trip_on_the_cpu() -> Result<()> {
+        let dev = Device::Cpu;
+        let ws: Vec<Tensor> = [(4, 3, 7, 7), (8, 4, 1, 1), (2, 5, 3, 3)]
+            .iter()
+            .map(|&s| Tensor::randn(0f32, 1.0, s, &dev))
+            .collect::<Result<_>>()?;
+        let refs: Vec<&Tensor> = ws.iter().collect();
+        for dt in [DType::F32, DType::BF16] {
+            let krsc = conv_weights_krsc(&refs, dt)?;
+            for (w, k) in ws.iter().zip(&krsc) {
+                let (ko, c, r, s) = w.dims4()?;
+                assert_eq!(k.dims(), &[ko, r, s, c]);
+                assert_eq!(k.dtype(), dt);
+                // Element (o, ci, y, x) of the master sits at (o, y, x, ci).
+                let (wv, kv) = (w.to_dtype(dt)?.to_dtype(DType::F32)?, k.to_dtype(DType::F32)?);
+                for (o, ci, y, x) in [(0, 0, 0, 0), (ko - 1, c - 1, r - 1, s - 1), (ko / 2, c / 2, r / 2, s / 2)] {
+                    let a = wv.get(o)?.get(ci)?.get(y)?.get(x)?.to_scalar::<f32>()?;
+                    let b = kv.get(o)?.get(y)?.get(x)?.get(ci)?.to_scalar::<f32>()?;
+                    assert_eq!(a, b, "{dt:?} {:?} ({o}, {ci}, {y}, {x})", w.dims());
+                }
+            }
+            let back = conv_grads_kcrs(&krsc)?;
+            for (w, b) in ws.iter().zip(&back) {
+                assert_eq!(b.dims(), w.dims());
+                assert_eq!(b.dtype(), DType::F32);
+                let want = w.to_dtype(dt)?.to_dtype(DType::F32)?;
+                let d = (b - &want)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+                assert_eq!(d, 0.0, "{dt:?} {:?}: the way back differs", w.dims());
+            }
+        }
+        Ok(())
+    }
+}
