@@ -526,6 +526,7 @@ pub fn loader_options(
             OnCorrupt::Error => false,
         },
         skip_batches,
+        shard: None,
     }
 }
 

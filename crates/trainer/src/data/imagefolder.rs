@@ -248,6 +248,7 @@ pub(crate) mod tests {
             prefetch: 2,
             skip_corrupt,
             skip_batches: 0,
+            shard: None,
         };
         let results: Vec<_> = Loader::new(ds.clone(), opts(false)).collect();
         let e = results.iter().find_map(|r| r.as_ref().err()).expect("an error").to_string();

@@ -115,6 +115,10 @@ pub struct LoaderOptions {
     pub skip_corrupt: bool,
     /// Batches at the start of the epoch to leave out, undecoded (resuming mid-epoch).
     pub skip_batches: usize,
+    /// Data-parallel training: this process's (rank, world size). The epoch order stays the global one (seed,
+    /// epoch) and the rank takes its share of every global batch of `batch_size x world` samples
+    /// ([`crate::dist::shard`]); the rank's last batch may be short or empty. None: the whole epoch.
+    pub shard: Option<(usize, usize)>,
 }
 
 /// Number of batches per epoch: the last partial batch is kept.
@@ -180,12 +184,21 @@ impl Loader {
     pub fn new(ds: Arc<dyn Dataset>, opts: LoaderOptions) -> Self {
         let len = ds.len();
         let bs = opts.batch_size.max(1);
-        let num_batches = num_batches(len, bs);
+        let order = epoch_order(len, opts.shuffle, opts.seed, opts.epoch);
+        // Each batch's slots in the epoch order: consecutive chunks, or this rank's share of each global batch.
+        let ranges: Vec<(usize, usize)> = match opts.shard {
+            Some((rank, world)) if world > 0 && rank < world => {
+                (0..crate::dist::shard::steps_per_epoch(len, world, bs))
+                    .map(|step| crate::dist::shard::batch_range(len, rank, world, bs, step))
+                    .collect()
+            }
+            _ => (0..num_batches(len, bs)).map(|b| (b * bs, ((b + 1) * bs).min(len))).collect(),
+        };
+        let num_batches = ranges.len();
         let first = opts.skip_batches.min(num_batches);
         let (tx, rx) = bounded::<Message>(opts.prefetch.min(num_batches - first));
         let stop = Arc::new(AtomicBool::new(false));
         let stats = Arc::new(Stats::default());
-        let order = epoch_order(len, opts.shuffle, opts.seed, opts.epoch);
         let (stop2, stats2) = (stop.clone(), stats.clone());
         let work = move || {
             let pool = match rayon::ThreadPoolBuilder::new()
@@ -202,11 +215,11 @@ impl Loader {
             };
             stats2.workers.store(pool.current_num_threads() as u64, Ordering::Relaxed);
             let buffers = Arc::new(BufferPool::default());
-            for b in first..num_batches {
+            for &(start, end) in &ranges[first..] {
                 if stop2.load(Ordering::Relaxed) {
                     return;
                 }
-                let slots = &order[b * bs..((b + 1) * bs).min(len)];
+                let slots = &order[start..end];
                 let t0 = Instant::now();
                 let batch = pool.install(|| load_batch(&*ds, slots, &opts, &stop2, &buffers, &stats2));
                 stats2.images.fetch_add(slots.len() as u64, Ordering::Relaxed);
@@ -453,6 +466,7 @@ mod tests {
             prefetch: 2,
             skip_corrupt: false,
             skip_batches: 0,
+            shard: None,
         }
     }
 
@@ -535,6 +549,45 @@ mod tests {
         let s = loader.stats();
         assert!(s.images == 64 && s.workers == 1 && s.wall_s > 0.0, "{s:?}");
         assert!((1..=3).contains(&s.buffers), "{} buffers allocated for 8 batches", s.buffers);
+    }
+
+    /// Sharded loaders: rank r's batch s is its part of global batch s, the ranks together see every sample of
+    /// the single-process order exactly once, in order, and each rank's order depends only on (seed, epoch, rank,
+    /// world, batch size); resuming skips the rank's own batches.
+    #[test]
+    fn shards_split_every_global_batch() {
+        let ds: Arc<dyn Dataset> = Arc::new(Indexed { len: 23, delay: Duration::ZERO });
+        let single = labels(&ds, opts(8, 5, 1, 2));
+        for world in [1, 2, 3, 4] {
+            let batches: Vec<Vec<Vec<u32>>> = (0..world)
+                .map(|rank| {
+                    Loader::new(ds.clone(), LoaderOptions { shard: Some((rank, world)), ..opts(2, 5, 1, 2) })
+                        .map(|b| b.unwrap().labels)
+                        .collect()
+                })
+                .collect();
+            let steps = 23usize.div_ceil(2 * world);
+            assert!(batches.iter().all(|b| b.len() == steps), "world {world}: every rank runs {steps} steps");
+            // Step by step, rank by rank: the single-process order.
+            let joined: Vec<u32> = (0..steps).flat_map(|s| batches.iter().flat_map(move |b| b[s].clone())).collect();
+            assert_eq!(joined, single, "world {world}");
+            let again: Vec<u32> =
+                Loader::new(ds.clone(), LoaderOptions { shard: Some((world - 1, world)), ..opts(2, 5, 1, 1) })
+                    .flat_map(|b| b.unwrap().labels)
+                    .collect();
+            assert_eq!(again, batches[world - 1].concat(), "world {world}: deterministic for any worker count");
+            let resumed: Vec<Vec<u32>> =
+                Loader::new(ds.clone(), LoaderOptions { shard: Some((0, world)), skip_batches: 1, ..opts(2, 5, 1, 2) })
+                    .map(|b| b.unwrap().labels)
+                    .collect();
+            assert_eq!(resumed, batches[0][1..], "world {world}: resume skips the rank's own batches");
+        }
+        // 23 samples, 4 ranks of 5: the last global batch holds 3, so rank 3's last batch is empty (it still
+        // takes part in the step).
+        let sizes: Vec<usize> = Loader::new(ds, LoaderOptions { shard: Some((3, 4)), ..opts(5, 5, 1, 2) })
+            .map(|b| b.unwrap().n)
+            .collect();
+        assert_eq!(sizes, [5, 0]);
     }
 
     #[test]

@@ -517,6 +517,7 @@ mod tests {
             prefetch: 2,
             skip_corrupt: false,
             skip_batches,
+            shard: None,
         }
     }
 
