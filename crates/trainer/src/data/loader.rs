@@ -584,9 +584,8 @@ mod tests {
         }
         // 23 samples, 4 ranks of 5: the last global batch holds 3, so rank 3's last batch is empty (it still
         // takes part in the step).
-        let sizes: Vec<usize> = Loader::new(ds, LoaderOptions { shard: Some((3, 4)), ..opts(5, 5, 1, 2) })
-            .map(|b| b.unwrap().n)
-            .collect();
+        let sizes: Vec<usize> =
+            Loader::new(ds, LoaderOptions { shard: Some((3, 4)), ..opts(5, 5, 1, 2) }).map(|b| b.unwrap().n).collect();
         assert_eq!(sizes, [5, 0]);
     }
 
