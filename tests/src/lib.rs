@@ -90,6 +90,28 @@ pub fn check_rel(what: &str, got: &Tensor, want: &Tensor, tol: f64) -> Result<f6
     Ok(rel)
 }
 
+/// Freezes every BatchNorm of `m` (`finetune.bn_frozen`) at running statistics moved off their (0, 1) initial
+/// values: in the range of real statistics, so that most units stay alive, and with no channel of mean 0. With
+/// frozen statistics a conv output of exact zeros (a dead input patch) would otherwise normalise to exactly 0 with a
+/// zero bias, and at a pre-activation of exactly 0 the block-output ReLU gradient differs by convention (candle's
+/// autograd passes it, the explicit step masks it from the saved output, as PyTorch does).
+pub fn freeze_bn_at_test_stats(m: &resnet::ResNet) -> Result<()> {
+    let dev = m.device().clone();
+    let names: Vec<String> = m.store().snapshot()?.into_keys().filter(|k| k.ends_with("running_mean")).collect();
+    for (i, name) in names.iter().enumerate() {
+        let entry = |n: &str| m.store().get(n).ok_or_else(|| anyhow::anyhow!("no buffer {n}"));
+        let rm = entry(name)?.param.var().clone();
+        let rv = entry(&name.replace("running_mean", "running_var"))?.param.var().clone();
+        let c = rm.dim(0)?;
+        let mean: Vec<f32> = (0..c).map(|j| ((j + i) % 7) as f32 * 0.05 - 0.137).collect();
+        let var: Vec<f32> = (0..c).map(|j| 0.5 + ((j + 2 * i) % 5) as f32 * 0.2).collect();
+        rm.set(&Tensor::from_vec(mean, c, &dev)?)?;
+        rv.set(&Tensor::from_vec(var, c, &dev)?)?;
+    }
+    m.freeze_bn_stats(true);
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -240,21 +240,7 @@ fn fused_step_matches_autograd_on_cuda() -> Result<()> {
 #[test]
 fn fused_step_with_frozen_batchnorm_matches_autograd_on_cuda() -> Result<()> {
     let gpu = cuda()?;
-    let frozen = |m: &ResNet| -> Result<()> {
-        let names: Vec<String> = m.store().snapshot()?.into_keys().filter(|k| k.ends_with("running_mean")).collect();
-        for (i, name) in names.iter().enumerate() {
-            let rm = m.store().get(name).context("running_mean")?.param.var().clone();
-            let rv =
-                m.store().get(&name.replace("running_mean", "running_var")).context("running_var")?.param.var().clone();
-            let c = rm.dim(0)?;
-            let mean: Vec<f32> = (0..c).map(|j| ((j + i) % 7) as f32 * 0.05 - 0.137).collect();
-            let var: Vec<f32> = (0..c).map(|j| 0.5 + ((j + 2 * i) % 5) as f32 * 0.2).collect();
-            rm.set(&Tensor::from_vec(mean, c, &gpu)?)?;
-            rv.set(&Tensor::from_vec(var, c, &gpu)?)?;
-        }
-        m.freeze_bn_stats(true);
-        Ok(())
-    };
+    let frozen = integration_tests::freeze_bn_at_test_stats;
     let x = Tensor::randn(0f32, 1.0, (8, 3, 64, 64), &Device::Cpu)?.to_device(&gpu)?;
     let labels = Tensor::new(&[3u32, 0, 9, 4, 1, 1, 7, 2], &gpu)?;
     let a = model(Arch::ResNet18, Stem::ImageNet, &gpu)?;

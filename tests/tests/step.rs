@@ -43,22 +43,7 @@ fn compare_with(arch: Arch, stem: Stem, size: usize, freeze: Option<&str>, bn_fr
     }
     if bn_frozen {
         for m in [&a, &b] {
-            let names: Vec<String> = m.store().snapshot().unwrap().into_keys().collect();
-            for (i, name) in names.iter().filter(|k| k.ends_with("running_mean")).enumerate() {
-                let rm = m.store().get(name).unwrap().param.var().clone();
-                let rv = m.store().get(&name.replace("running_mean", "running_var")).unwrap().param.var().clone();
-                // Values in the range of the real statistics, so that most units stay alive, and no channel with
-                // a zero mean: with frozen statistics a conv output of exact zeros (a dead input patch) would
-                // normalise to exactly 0 with a zero bias, and at a pre-activation of exactly 0 the block-output
-                // ReLU gradient differs by convention (candle's autograd passes it, the explicit step masks it
-                // from the saved output, as PyTorch does).
-                let c = rm.dim(0).unwrap();
-                let mean: Vec<f32> = (0..c).map(|j| ((j + i) % 7) as f32 * 0.05 - 0.137).collect();
-                let var: Vec<f32> = (0..c).map(|j| 0.5 + ((j + 2 * i) % 5) as f32 * 0.2).collect();
-                rm.set(&Tensor::from_vec(mean, c, &dev).unwrap()).unwrap();
-                rv.set(&Tensor::from_vec(var, c, &dev).unwrap()).unwrap();
-            }
-            m.freeze_bn_stats(true);
+            integration_tests::freeze_bn_at_test_stats(m).unwrap();
         }
     }
     let x = Tensor::randn(0f32, 1., (4, 3, size, size), &dev).unwrap();

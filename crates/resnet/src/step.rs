@@ -117,11 +117,10 @@ struct Engine<'a> {
 
 impl<'a> Engine<'a> {
     fn weight(&self, conv: &'a Conv2d) -> Result<ConvW<'a>> {
-        let master = conv.weight.var().as_tensor();
-        let w = match self.weights.get(&master.id()) {
-            Some(w) => w.clone(),
-            None => master.detach().to_dtype(self.act)?.permute((0, 2, 3, 1))?.contiguous()?,
-        };
+        let w =
+            self.weights.get(&conv.weight.var().as_tensor().id()).cloned().ok_or_else(|| {
+                candle_core::Error::Msg("explicit training step: a conv weight was not converted".into())
+            })?;
         Ok(ConvW { conv, w })
     }
 

@@ -172,25 +172,6 @@ pub struct RunningAddrs {
     pub momentum: f32,
 }
 
-/// Address of the first element of a contiguous CUDA tensor of dtype `T` (`len` elements), for in-place writes.
-pub fn addr_of<T: CudaDType + DeviceRepr + WithDType>(t: &Tensor, len: usize, what: &str) -> Result<u64> {
-    use candle_core::cuda_backend::cudarc::driver::DevicePtr;
-    let (st, l) = t.storage_and_layout();
-    let (o0, o1) =
-        l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg(format!("{what} is not contiguous")))?;
-    if o1 - o0 != len || t.dtype() != T::DTYPE {
-        candle_core::bail!("{what}: {:?} {:?}, expected {len} elements of {:?}", t.dims(), t.dtype(), T::DTYPE);
-    }
-    match &*st {
-        Storage::Cuda(cs) => {
-            let stream = cs.device.cuda_stream();
-            let (p, _sync) = cs.as_cuda_slice::<T>()?.device_ptr(&stream);
-            Ok(p + (o0 * std::mem::size_of::<T>()) as u64)
-        }
-        _ => candle_core::bail!("{what} is not on a CUDA device"),
-    }
-}
-
 fn stats_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     x: Arg,
     sp: Split,

@@ -72,6 +72,30 @@ pub(crate) fn alloc_out<T: DeviceRepr + WithDType + 'static>(dev: &CudaDevice, l
     Ok(out)
 }
 
+/// Address of the first element of a contiguous CUDA tensor of dtype `T` (`len` elements), for in-place writes.
+/// The multi-tensor tables and in-place updates (running statistics, NCCL) pass such addresses to kernels.
+pub fn addr_of<T: candle_core::cuda_backend::CudaDType + DeviceRepr + WithDType>(
+    t: &candle_core::Tensor,
+    len: usize,
+    what: &str,
+) -> Result<u64> {
+    use candle_core::cuda_backend::cudarc::driver::DevicePtr;
+    let (st, l) = t.storage_and_layout();
+    let (o0, o1) =
+        l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg(format!("{what} is not contiguous")))?;
+    if o1 - o0 != len || t.dtype() != T::DTYPE {
+        candle_core::bail!("{what}: {:?} {:?}, expected {len} elements of {:?}", t.dims(), t.dtype(), T::DTYPE);
+    }
+    match &*st {
+        candle_core::Storage::Cuda(cs) => {
+            let stream = cs.device.cuda_stream();
+            let (p, _sync) = cs.as_cuda_slice::<T>()?.device_ptr(&stream);
+            Ok(p + (o0 * std::mem::size_of::<T>()) as u64)
+        }
+        _ => candle_core::bail!("{what} is not on a CUDA device"),
+    }
+}
+
 /// Grid-stride launch shape for `n` independent elements: 256 threads a block, at most 2^20 blocks.
 pub(crate) fn grid_for(n: usize) -> LaunchConfig {
     let blocks = n.div_ceil(256).clamp(1, 1 << 20) as u32;

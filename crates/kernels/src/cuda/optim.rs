@@ -10,30 +10,18 @@
 use super::ptx;
 use candle_core::cuda_backend::cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
-use candle_core::{DType, Result, Storage, Tensor};
+use candle_core::{DType, Result, Tensor};
 
 const MODULE: &str = "optim/01_multi_tensor";
 /// Elements per block (CHUNK in the .cu file).
 const CHUNK: usize = 16384;
 
-/// Device address of the first element of a contiguous FP32 CUDA tensor.
+/// Device address of the first element of a contiguous FP32 CUDA tensor, and its device.
 fn f32_addr(t: &Tensor, what: &str) -> Result<(u64, CudaDevice)> {
-    if t.dtype() != DType::F32 {
-        candle_core::bail!("multi-tensor: {what} is {:?}, not f32", t.dtype());
-    }
-    let (st, l) = t.storage_and_layout();
-    let Some((o0, _)) = l.contiguous_offsets() else {
-        candle_core::bail!("multi-tensor: {what} is not contiguous");
+    let candle_core::Device::Cuda(dev) = t.device() else {
+        candle_core::bail!("multi-tensor: {what} is not on a CUDA device");
     };
-    match &*st {
-        Storage::Cuda(cs) => {
-            let dev = cs.device.clone();
-            let stream = dev.cuda_stream();
-            let (p, _sync) = cs.as_cuda_slice::<f32>()?.device_ptr(&stream);
-            Ok((p + (o0 * 4) as u64, dev))
-        }
-        _ => candle_core::bail!("multi-tensor: {what} is not on a CUDA device"),
-    }
+    Ok((super::addr_of::<f32>(t, t.elem_count(), &format!("multi-tensor: {what}"))?, dev.clone()))
 }
 
 /// Tensor table and block -> (tensor, first element) chunk list on the device; the number of blocks.
@@ -285,8 +273,8 @@ pub fn grads_kcrs(grads: &[&Tensor], shapes: &[(usize, usize, usize, usize)], ou
             );
         }
         let a = match dtype {
-            DType::BF16 => super::bn::addr_of::<half::bf16>(g, lens[i], "gradient")?,
-            DType::F16 => super::bn::addr_of::<half::f16>(g, lens[i], "gradient")?,
+            DType::BF16 => super::addr_of::<half::bf16>(g, lens[i], "gradient")?,
+            DType::F16 => super::addr_of::<half::f16>(g, lens[i], "gradient")?,
             other => candle_core::bail!("grads_kcrs: dtype {other:?} (bf16 or f16 only)"),
         };
         entries.push((a, offs[i], lens[i], c as u64 | ((r * s) as u64) << 32));

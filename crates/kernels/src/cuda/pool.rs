@@ -36,9 +36,9 @@ fn geom_args(p: &MaxPool2d, dims: (usize, usize, usize, usize)) -> Result<[i32; 
     ])
 }
 
-fn contiguous_range(l: &Layout, what: &str) -> Result<(usize, usize)> {
+fn input_range(l: &Layout, op: &str, what: &str) -> Result<(usize, usize)> {
     l.contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg(format!("max_pool2d (cuda): {what} must be contiguous, got {l:?}")))
+        .ok_or_else(|| candle_core::Error::Msg(format!("{op} (cuda): {what} must be contiguous, got {l:?}")))
 }
 
 fn fwd_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
@@ -48,7 +48,7 @@ fn fwd_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     dims: (usize, usize, usize, usize),
 ) -> Result<CudaStorage> {
     let dev = &s.device;
-    let (a, b) = contiguous_range(l, "input")?;
+    let (a, b) = input_range(l, "max_pool2d", "input")?;
     let x = s.as_cuda_slice::<T>()?.slice(a..b);
     let args = geom_args(p, dims)?;
     let out_len = dims.0 * dims.1 * p.out_size(dims.2) * p.out_size(dims.3);
@@ -76,9 +76,9 @@ fn bwd_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     dims: (usize, usize, usize, usize),
 ) -> Result<CudaStorage> {
     let dev = &xs.device;
-    let (a, b) = contiguous_range(xl, "x")?;
+    let (a, b) = input_range(xl, "max_pool2d", "x")?;
     let x = xs.as_cuda_slice::<T>()?.slice(a..b);
-    let (a, b) = contiguous_range(gl, "grad")?;
+    let (a, b) = input_range(gl, "max_pool2d", "grad")?;
     let g = gs.as_cuda_slice::<T>()?.slice(a..b);
     let args = geom_args(p, dims)?;
     let in_len = dims.0 * dims.1 * dims.2 * dims.3;
@@ -171,11 +171,6 @@ fn i32_arg(v: usize, op: &str, what: &str) -> Result<i32> {
     i32::try_from(v).map_err(|_| candle_core::Error::Msg(format!("{op} (cuda): {what} = {v} exceeds i32")))
 }
 
-fn input_range(l: &Layout, op: &str, what: &str) -> Result<(usize, usize)> {
-    l.contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg(format!("{op} (cuda): {what} must be contiguous, got {l:?}")))
-}
-
 /// Kernel arguments of the NHWC max-pool, forward and backward: `n, h, w, c, oh, ow, k, s, p`.
 fn nhwc_geom_args(p: &MaxPool2d, dims: (usize, usize, usize, usize)) -> Result<[i32; 9]> {
     const OP: &str = "max_pool2d_nhwc";
@@ -209,30 +204,22 @@ fn maxpool_nhwc_fwd_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     let args = nhwc_geom_args(p, dims)?;
     let out_len = dims.0 * p.out_size(dims.1) * p.out_size(dims.2) * dims.3;
     let y = alloc_out::<T>(dev, out_len)?;
-    if nhwc_v8(p, dims, &[a]) {
-        let name = format!("maxpool2d_nhwc_fwd_v8_{}", suffix(T::DTYPE, "max_pool2d_nhwc")?);
-        let func = dev.get_or_load_custom_func(&name, MAXPOOL_NHWC_VEC_MODULE, ptx::MAXPOOL_04_NHWC_VEC)?;
-        let mut builder = func.builder();
-        builder.arg(&x).arg(&y);
-        for v in &args {
-            builder.arg(v);
-        }
-        // SAFETY: argument types and count match maxpool2d_nhwc_fwd_v8_* (x, y, n, h, w, c, oh, ow, k, s, p); x
-        // holds n*h*w*c elements and y n*oh*ow*c, both 16-byte aligned with c % 8 == 0 (nhwc_v8); gridDim.y = n.
-        unsafe { builder.launch(nhwc_v8_cfg(out_len / dims.0 / 8, dims.0)) }.w()?;
-        return Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()));
-    }
-    let name = format!("maxpool2d_nhwc_fwd_{}", suffix(T::DTYPE, "max_pool2d_nhwc")?);
-    let func = dev.get_or_load_custom_func(&name, MAXPOOL_NHWC_MODULE, ptx::MAXPOOL_02_NHWC)?;
+    let v8 = nhwc_v8(p, dims, &[a]);
+    let (module, image, v, cfg) = if v8 {
+        (MAXPOOL_NHWC_VEC_MODULE, ptx::MAXPOOL_04_NHWC_VEC, "_v8", nhwc_v8_cfg(out_len / dims.0 / 8, dims.0))
+    } else {
+        (MAXPOOL_NHWC_MODULE, ptx::MAXPOOL_02_NHWC, "", grid_for(out_len))
+    };
+    let name = format!("maxpool2d_nhwc_fwd{v}_{}", suffix(T::DTYPE, "max_pool2d_nhwc")?);
+    let func = dev.get_or_load_custom_func(&name, module, image)?;
     let mut builder = func.builder();
-    builder.arg(&x);
-    builder.arg(&y);
+    builder.arg(&x).arg(&y);
     for v in &args {
         builder.arg(v);
     }
-    // SAFETY: argument types and count match maxpool2d_nhwc_fwd_* (x, y, n, h, w, c, oh, ow, k, s, p); x holds
-    // n*h*w*c elements and y n*oh*ow*c.
-    unsafe { builder.launch(grid_for(out_len)) }.w()?;
+    // SAFETY: argument types and count match maxpool2d_nhwc_fwd[_v8]_* (x, y, n, h, w, c, oh, ow, k, s, p); x holds
+    // n*h*w*c elements and y n*oh*ow*c (v8: both 16-byte aligned with c % 8 == 0 (nhwc_v8), gridDim.y = n).
+    unsafe { builder.launch(cfg) }.w()?;
     Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
 }
 

@@ -250,7 +250,7 @@ pub fn batch_stats(x: &Tensor, eps: f64, running: &Running) -> Result<Tensor> {
     }
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() {
-        use crate::cuda::bn::addr_of;
+        use crate::cuda::addr_of;
         let c = x.dims()[x.rank() - 1];
         let addrs = crate::cuda::bn::RunningAddrs {
             mean: addr_of::<f32>(running.mean.as_tensor(), c, "running_mean")?,

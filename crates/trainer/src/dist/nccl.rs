@@ -3,10 +3,10 @@
 //! ([`super::rendezvous`]), and an in-place sum all-reduce of a contiguous CUDA tensor. We write no collectives of
 //! our own: every reduction is NCCL's.
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, bail, Result};
 use candle_core::cuda_backend::cudarc::driver::sys::CUdeviceptr;
-use candle_core::cuda_backend::cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
-use candle_core::{DType, Device, Storage, Tensor};
+use candle_core::cuda_backend::cudarc::driver::{CudaStream, DevicePtrMut, DeviceSlice, SyncOnDrop};
+use candle_core::{DType, Device, Tensor};
 use cudarc::nccl::safe::{Comm, Id, ReduceOp};
 use std::sync::Arc;
 
@@ -51,12 +51,9 @@ impl NcclComm {
         if t.dtype() != DType::F32 {
             bail!("all-reduce: dtype {:?} (f32 only)", t.dtype());
         }
-        let (storage, layout) = t.storage_and_layout();
-        let (start, end) = layout.contiguous_offsets().context("all-reduce: the tensor is not contiguous")?;
-        let Storage::Cuda(cs) = &*storage else { bail!("all-reduce: the tensor is not on a CUDA device") };
-        let len = end - start;
-        let (base, _sync) = cs.as_cuda_slice::<f32>()?.device_ptr(&self.stream);
-        let mut buf = Raw::<f32>::new(base + (start * std::mem::size_of::<f32>()) as u64, len, &self.stream);
+        let len = t.elem_count();
+        let addr = kernels::cuda::addr_of::<f32>(t, len, "all-reduce: the tensor").map_err(|e| anyhow!("{e}"))?;
+        let mut buf = Raw::<f32>::new(addr, len, &self.stream);
         self.comm
             .all_reduce_in_place(&mut buf, &ReduceOp::Sum)
             .map_err(|e| anyhow!("ncclAllReduce of {len} elements failed: {e:?}"))?;
