@@ -13,8 +13,9 @@
 #   5. with KTRACE=DIR (a folder holding ktrace.c and ktrace_report.py, ../shared/tools/ktrace copied into the
 #      carried tree): a kernel timeline of the fused bf16 step, summarised here (the CSV stays on the machine),
 #      when at least 100 s of TIME_BUDGET_S (default 600) are left;
-#   6. with DATA_E2E=1: ResNet-152 bf16 training from 3,072 generated JPEGs (scripts/data-bench-gpu.sh,
-#      ONLY_TRAIN=1): the step rate against the loader rate.
+#   6. with NCCL_CHECK=1 (a trainer built with NCCL=1): `trainer launch --nproc-per-node 1 -- dist-check --nccl`;
+#   7. with DATA_E2E=1: ResNet-152 bf16 training from 3,072 generated JPEGs (scripts/data-bench-gpu.sh,
+#      ONLY_TRAIN=1, THREADS loader threads, default 16): the step rate against the loader rate.
 # Logs under $OUT (./gpu-out when unset).   usage: bash scripts/gpu-step.sh [DIST_DIR]
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -101,6 +102,12 @@ main() {
         else
             echo "ktrace: build failed"
         fi
+    fi
+    if [ -n "${NCCL_CHECK:-}" ]; then
+        echo "== dist-check --nccl at world size 1 (trainer launch --nproc-per-node 1; a build with NCCL=1)"
+        timeout 120 "$bin/trainer" launch --nproc-per-node 1 --master-port 29517 -- dist-check --nccl \
+            > "$out/dist-check.log" 2>&1 || { echo "dist-check --nccl: FAILED"; fails=$((fails + 1)); }
+        tail -5 "$out/dist-check.log"
     fi
     if [ -n "${DATA_E2E:-}" ]; then
         echo "== ResNet-152 bf16 training from a generated JPEG folder (scripts/data-bench-gpu.sh, ONLY_TRAIN=1)"

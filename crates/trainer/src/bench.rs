@@ -114,7 +114,15 @@ pub fn bench_one(cfg: &Config, dtype: Precision, bs: usize, warmup: usize, steps
         device.synchronize()?;
         Ok((secs, mem.map(PeakMemory::finish)))
     };
-    match run() {
+    let result = run();
+    // Give the pool's memory back so that the next run's peak starts from an empty pool (and after an OOM).
+    #[cfg(feature = "cuda")]
+    if let Ok(device) = select_device(&cfg.device) {
+        if let candle_core::Device::Cuda(d) = &device {
+            let _ = kernels::cuda::release_pool_memory(d);
+        }
+    }
+    match result {
         Ok((secs, peak)) => {
             r.step_ms = Some(1000.0 * secs / steps as f64);
             r.img_per_s = Some((bs * steps) as f64 / secs);

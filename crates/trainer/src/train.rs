@@ -29,6 +29,8 @@ pub fn select_device(spec: &str) -> Result<Device> {
             "device = \"{spec}\": this trainer was built without CUDA (rebuild with `--features cuda`, see the README)"
         );
     }
+    #[cfg(feature = "cuda")]
+    kernels::cuda::prefer_blocking_sync(ordinal).map_err(|e| anyhow!("device = \"{spec}\": {e}"))?;
     let dev = Device::new_cuda(ordinal).map_err(|e| anyhow!("device = \"{spec}\": cannot open the GPU ({e})"))?;
     #[cfg(feature = "cuda")]
     if let Device::Cuda(d) = &dev {
@@ -37,6 +39,7 @@ pub fn select_device(spec: &str) -> Result<Device> {
         // so the events only cost host time (thousands of allocations and launches per training step).
         // SAFETY: no buffer created from here on is used from a second stream.
         unsafe { d.disable_event_tracking() };
+        kernels::cuda::keep_pool_memory(d).map_err(|e| anyhow!("device = \"{spec}\": {e}"))?;
     }
     Ok(dev)
 }

@@ -124,3 +124,68 @@ pub(crate) fn aligned_range(l: &Layout, op: &str, what: &str) -> Result<(usize, 
         _ => candle_core::bail!("{op} (cuda): {what} must be contiguous and 16-byte aligned, got {l:?}"),
     }
 }
+
+/// Makes the device's default memory pool keep the memory freed back to it, instead of returning it to the
+/// driver at every synchronisation. cudarc allocates with `cuMemAllocAsync` from that pool, whose release threshold
+/// is 0 by default: after each host sync (one per training step) the pool would unmap every free block, and the
+/// next step would map them again. With the threshold at its maximum the pool behaves like PyTorch's caching
+/// allocator: freed blocks are reused, and memory already mapped stays mapped until the process ends.
+pub fn keep_pool_memory(dev: &CudaDevice) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let pool = default_pool(dev)?;
+    let mut threshold: u64 = u64::MAX;
+    // SAFETY: the pool is the device's default pool (owned by the driver); the attribute takes a pointer to a u64
+    // that lives across the call.
+    unsafe {
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            &mut threshold as *mut u64 as *mut std::ffi::c_void,
+        )
+        .result()
+        .map_err(|e| candle_core::Error::Msg(format!("memory pool: release threshold: {e}")))?;
+    }
+    Ok(())
+}
+
+/// Returns the free memory held by the device's default pool to the driver (after [`keep_pool_memory`]), once
+/// the stream is idle: `trainer bench` and `sweep` call it between runs so that each run's peak is measured from
+/// an empty pool, and after an out-of-memory batch.
+pub fn release_pool_memory(dev: &CudaDevice) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    dev.cuda_stream().synchronize().map_err(|e| candle_core::Error::Msg(format!("memory pool: {e}")))?;
+    let pool = default_pool(dev)?;
+    // SAFETY: trimming only releases blocks that no allocation uses.
+    unsafe { sys::cuMemPoolTrimTo(pool, 0) }
+        .result()
+        .map_err(|e| candle_core::Error::Msg(format!("memory pool: trim: {e}")))
+}
+
+/// The default memory pool of `dev`'s device, with its context bound to this thread.
+fn default_pool(dev: &CudaDevice) -> Result<candle_core::cuda_backend::cudarc::driver::sys::CUmemoryPool> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let stream = dev.cuda_stream();
+    let ctx = stream.context();
+    ctx.bind_to_thread().map_err(|e| candle_core::Error::Msg(format!("memory pool: {e}")))?;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: `pool` receives the device's default pool, which the driver owns and which is never destroyed here.
+    unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) }
+        .result()
+        .map_err(|e| candle_core::Error::Msg(format!("memory pool: cuDeviceGetDefaultMemPool: {e}")))?;
+    Ok(pool)
+}
+
+/// Asks for blocking synchronisation on device `ordinal`'s primary context, before candle opens it: a host thread
+/// that waits for the GPU (the training step's one read-back, evaluation) then sleeps instead of spinning on a core,
+/// so a data loader with one thread per core keeps all of them. The wake-up costs microseconds per wait, against
+/// a step of tens of milliseconds.
+pub fn prefer_blocking_sync(ordinal: usize) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::{result, sys};
+    let err = |what: &str, e: result::DriverError| candle_core::Error::Msg(format!("cuda:{ordinal}: {what}: {e}"));
+    result::init().map_err(|e| err("cuInit", e))?;
+    let dev = result::device::get(ordinal as i32).map_err(|e| err("cuDeviceGet", e))?;
+    // SAFETY: `dev` is a valid device handle; the flag only sets how host waits behave.
+    unsafe { sys::cuDevicePrimaryCtxSetFlags_v2(dev, sys::CUctx_flags_enum::CU_CTX_SCHED_BLOCKING_SYNC as u32) }
+        .result()
+        .map_err(|e| err("cuDevicePrimaryCtxSetFlags", e))
+}

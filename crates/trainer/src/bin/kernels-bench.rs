@@ -150,6 +150,7 @@ fn run(a: &Args) -> Result<()> {
     let dev = Device::new_cuda(0)?;
     // SAFETY: all device work below is issued from this thread on candle's one stream (see trainer::train).
     unsafe { dev.as_cuda_device()?.disable_event_tracking() };
+    kernels::cuda::keep_pool_memory(dev.as_cuda_device()?)?;
     let dt = match a.dtype {
         Dt::Bf16 => DType::BF16,
         Dt::F16 => DType::F16,
