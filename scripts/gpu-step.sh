@@ -13,7 +13,9 @@
 #   5. with KTRACE=DIR (a folder holding ktrace.c and ktrace_report.py, ../shared/tools/ktrace copied into the
 #      carried tree): a kernel timeline of the fused bf16 step, summarised here (the CSV stays on the machine),
 #      when at least 100 s of TIME_BUDGET_S (default 600) are left;
-#   6. with NCCL_CHECK=1 (a trainer built with NCCL=1): `trainer launch --nproc-per-node 1 -- dist-check --nccl`;
+#   6. with NCCL_CHECK=1 (a trainer built with NCCL=1): `trainer launch --nproc-per-node 1 -- dist-check --nccl`,
+#      then quickstart.toml on cuda in bf16 trained twice plainly and once as rank 0 of 1 through NCCL: the step
+#      losses must agree within the run-to-run noise;
 #   7. with DATA_E2E=1: ResNet-152 bf16 training from 3,072 generated JPEGs (scripts/data-bench-gpu.sh,
 #      ONLY_TRAIN=1, THREADS loader threads, default 16): the step rate against the loader rate.
 # Logs under $OUT (./gpu-out when unset).   usage: bash scripts/gpu-step.sh [DIST_DIR]
@@ -108,6 +110,27 @@ main() {
         timeout 120 "$bin/trainer" launch --nproc-per-node 1 --master-port 29517 -- dist-check --nccl \
             > "$out/dist-check.log" 2>&1 || { echo "dist-check --nccl: FAILED"; fails=$((fails + 1)); }
         tail -5 "$out/dist-check.log"
+        echo "== data-parallel training at world size 1 through NCCL against a plain run (quickstart on cuda, bf16)"
+        local dp=(--config "$here/configs/quickstart.toml" --set 'device="cuda"' --set 'amp.dtype="bf16"'
+            --set train.epochs=1 --set log.every_steps=1)
+        rm -rf "$bin/plain" "$bin/plain2" "$bin/dp1"
+        timeout 120 "$bin/trainer" "${dp[@]}" --run-dir "$bin/plain" > "$out/dp1.log" 2>&1 \
+            && timeout 120 "$bin/trainer" "${dp[@]}" --run-dir "$bin/plain2" >> "$out/dp1.log" 2>&1 \
+            && timeout 180 "$bin/trainer" launch --nproc-per-node 1 --master-port 29518 -- "${dp[@]}" \
+                --run-dir "$bin/dp1" >> "$out/dp1.log" 2>&1 \
+            && python3 - "$bin/plain" "$bin/plain2" "$bin/dp1" <<'PYEOF' 2>&1 | tee -a "$out/dp1.log" \
+            || { echo "data-parallel world size 1: FAILED"; fails=$((fails + 1)); }
+import json, sys
+def losses(d):
+    return [r["loss"] for r in map(json.loads, open(d + "/metrics.jsonl")) if r.get("kind") == "step"]
+a, b, c = (losses(d) for d in sys.argv[1:4])
+assert len(a) == len(b) == len(c) > 0, (len(a), len(b), len(c))
+noise = max(abs(x - y) for x, y in zip(a, b))
+diff = max(abs(x - y) for x, y in zip(a, c))
+print(f"{len(a)} steps: plain vs plain max |dloss| {noise:.3g}; plain vs NCCL world 1 {diff:.3g}; last {a[-1]:.4f} / {c[-1]:.4f}")
+assert diff <= max(1e-3, 4 * noise), "the NCCL path at world size 1 trains differently"
+PYEOF
+        tail -3 "$out/dp1.log"
     fi
     if [ -n "${DATA_E2E:-}" ]; then
         echo "== ResNet-152 bf16 training from a generated JPEG folder (scripts/data-bench-gpu.sh, ONLY_TRAIN=1)"

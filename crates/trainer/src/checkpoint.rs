@@ -40,6 +40,16 @@ pub struct TrainState {
     pub best_top1: Option<f64>,
     /// Lines of metrics.jsonl written when this checkpoint was taken (a resume truncates to it).
     pub metrics_lines: usize,
+    /// Data-parallel ranks and per-rank batch size of the run that wrote it (absent in older checkpoints: one
+    /// rank, the config's batch size): with them a resume at another world size finds its place in the epoch.
+    #[serde(default = "one")]
+    pub world_size: usize,
+    #[serde(default)]
+    pub batch_size: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 pub struct Loaded {

@@ -18,7 +18,8 @@ pub const SLOTS: usize = 3;
 
 /// A batch whose pixels are on their way to the GPU.
 struct Staged {
-    slot: Slot,
+    /// None for an empty batch (a data-parallel rank's last batch of an epoch may hold no samples).
+    slot: Option<Slot>,
     n: usize,
     size: usize,
     flips: Vec<u8>,
@@ -71,6 +72,13 @@ impl DeviceFeed {
                         return;
                     }
                 };
+                if b.n == 0 {
+                    let HostBatch { size, flips, labels, .. } = b;
+                    if tx.send(Ok(Staged { slot: None, n: 0, size, flips, labels })).is_err() {
+                        return;
+                    }
+                    continue;
+                }
                 // Blocks while every slot is in use: the feed stays at most SLOTS batches ahead.
                 let Ok(mut slot) = free.recv() else { return };
                 let t0 = Instant::now();
@@ -81,7 +89,7 @@ impl DeviceFeed {
                 sn.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
                 si.fetch_add(b.n as u64, Ordering::Relaxed);
                 let HostBatch { n, size, flips, labels, .. } = b;
-                if tx.send(Ok(Staged { slot, n, size, flips, labels })).is_err() {
+                if tx.send(Ok(Staged { slot: Some(slot), n, size, flips, labels })).is_err() {
                     return;
                 }
             }
@@ -127,13 +135,16 @@ impl Iterator for DeviceFeed {
         let staged = self.rx.as_ref()?.recv().ok()?;
         Some((|| {
             let mut s = staged.map_err(|e| anyhow!(e))?;
+            let Some(mut slot) = s.slot.take() else {
+                return crate::train::Batch::empty(&self.device, s.size, self.dtype, self.layout);
+            };
             let Device::Cuda(dev) = &self.device else { return Err(anyhow!("not a CUDA device")) };
             let flips = Tensor::from_slice(&s.flips, s.n, &self.device)?;
-            let images = s.slot.convert(dev, &flips, (s.n, s.size, s.size), self.dtype, self.layout)?;
+            let images = slot.convert(dev, &flips, (s.n, s.size, s.size), self.dtype, self.layout)?;
             let labels = Tensor::from_vec(std::mem::take(&mut s.labels), s.n, &self.device)?;
             if let Some(back) = &self.back {
                 // The slot is free for the host once the conversion just queued has run (its event says when).
-                let _ = back.send(s.slot);
+                let _ = back.send(slot);
             }
             Ok(crate::train::Batch { images, labels, n: s.n })
         })())

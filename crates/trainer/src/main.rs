@@ -279,16 +279,29 @@ fn launch(a: LaunchArgs) -> Result<()> {
 }
 
 fn train(a: TrainArgs) -> Result<()> {
-    let (cfg, path) = a.cfg.load()?;
-    // Until the NCCL all-reduce is wired in, N ranks would train N independent copies into one run directory.
+    let (mut cfg, path) = a.cfg.load()?;
+    // Under a launcher (trainer launch, torchrun, Slurm) this process is one rank of a data-parallel run, even at
+    // world size 1 (which then runs the NCCL path with nothing to sum).
     let dist = trainer::dist::DistEnv::from_process_env()?;
-    if dist.is_distributed() {
-        bail!(
-            "{}: data-parallel training is not wired into the train loop yet (run one process, or `trainer \
-             dist-check` to test the launch)",
-            dist.describe()
-        );
+    let launched = dist.source != trainer::dist::EnvSource::Single;
+    if launched {
+        if trainer::config::parse_device(&cfg.device) == Some(None) {
+            bail!(
+                "device = \"{}\": data-parallel training ({}) runs one rank per CUDA GPU; set device = \"cuda\"",
+                cfg.device,
+                dist.describe()
+            );
+        }
+        if !cfg!(feature = "nccl") {
+            bail!(
+                "{}: data-parallel training needs a trainer built with NCCL (cargo feature `nccl`, see the README)",
+                dist.describe()
+            );
+        }
+        // Each rank trains on the GPU of its LOCAL_RANK.
+        cfg.device = format!("cuda:{}", dist.local_rank);
     }
+    let rank0 = dist.rank == 0;
     let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("run").to_string();
     let run_dir = a.run_dir.unwrap_or_else(|| PathBuf::from("runs").join(stem));
     if !a.resume && trainer::checkpoint::latest(&run_dir.join("checkpoints")).is_some() {
@@ -297,12 +310,22 @@ fn train(a: TrainArgs) -> Result<()> {
             run_dir.display()
         );
     }
-    std::fs::create_dir_all(&run_dir).with_context(|| format!("cannot create run directory {}", run_dir.display()))?;
-    let text = cfg.to_toml();
-    eprintln!("# resolved config ({})\n{text}", path.display());
-    std::fs::write(run_dir.join("config.toml"), &text)
-        .with_context(|| format!("cannot write {}/config.toml", run_dir.display()))?;
-    let s = trainer::train::train(&cfg, &run_dir, a.resume)?;
+    if rank0 {
+        std::fs::create_dir_all(&run_dir)
+            .with_context(|| format!("cannot create run directory {}", run_dir.display()))?;
+        let text = cfg.to_toml();
+        eprintln!("# resolved config ({})\n{text}", path.display());
+        std::fs::write(run_dir.join("config.toml"), &text)
+            .with_context(|| format!("cannot write {}/config.toml", run_dir.display()))?;
+    }
+    let s = if launched {
+        train_data_parallel(&cfg, &run_dir, a.resume, &dist)?
+    } else {
+        trainer::train::train(&cfg, &run_dir, a.resume)?
+    };
+    if !rank0 {
+        return Ok(());
+    }
     eprintln!(
         "done: {} steps, last loss {:.4}{}; run directory {}",
         s.steps,
@@ -311,6 +334,63 @@ fn train(a: TrainArgs) -> Result<()> {
         s.run_dir.display()
     );
     Ok(())
+}
+
+/// One rank of a data-parallel run: the rendezvous (rank 0 hands out the NCCL id), a watchdog that ends this
+/// process when another rank fails (exit code 75, naming that rank; finished checkpoints are complete files),
+/// the NCCL communicator on this rank's GPU, then the training loop.
+fn train_data_parallel(
+    cfg: &Config,
+    run_dir: &std::path::Path,
+    resume: bool,
+    env: &trainer::dist::DistEnv,
+) -> Result<trainer::train::Summary> {
+    #[cfg(feature = "nccl")]
+    {
+        use trainer::dist::{nccl, rendezvous, Options};
+        if env.rank == 0 {
+            eprintln!(
+                "{}",
+                trainer::dist::batch_summary(cfg.train.batch_size, env.world_size, cfg.train.grad_accum, cfg.optim.lr)
+            );
+        }
+        let mut id_error = None;
+        let (id, mut group) = rendezvous(
+            env,
+            || {
+                nccl::unique_id().unwrap_or_else(|e| {
+                    id_error = Some(e);
+                    Vec::new()
+                })
+            },
+            &Options::default(),
+        )?;
+        if let Some(e) = id_error {
+            return Err(e);
+        }
+        let me = env.rank;
+        group.on_failure(move |e| {
+            eprintln!("error: rank {me}: {e}; stopping this rank (the finished checkpoints are intact)");
+            std::process::exit(trainer::dist::PEER_FAILED_EXIT_CODE);
+        })?;
+        // The communicator queues its all-reduces on candle's stream for this thread and device, the stream the
+        // training loop (same thread, same device) queues every kernel on.
+        let device = trainer::train::select_device(&cfg.device)?;
+        let comm = nccl::NcclComm::new(&device, &id, env.rank, env.world_size)?;
+        let ranks = trainer::train::Ranks {
+            collective: Box::new(comm),
+            local_world_size: env.local_world_size.unwrap_or(env.world_size),
+        };
+        let summary = trainer::train::train_ranks(cfg, run_dir, resume, Some(ranks))?;
+        group.barrier(Options::default().timeout)?;
+        group.close();
+        Ok(summary)
+    }
+    #[cfg(not(feature = "nccl"))]
+    {
+        let _ = (cfg, run_dir, resume);
+        bail!("{}: data-parallel training needs a trainer built with NCCL (cargo feature `nccl`)", env.describe())
+    }
 }
 
 /// The config's model without `model.init_from` (eval loads its own weights; info needs none).

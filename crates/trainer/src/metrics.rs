@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 
 pub struct MetricsWriter {
     path: PathBuf,
-    file: std::fs::File,
+    /// None: a data-parallel rank other than 0, which counts records but writes none.
+    file: Option<std::fs::File>,
     lines: usize,
 }
 
@@ -34,11 +35,18 @@ impl MetricsWriter {
             .append(true)
             .open(path)
             .with_context(|| format!("cannot open {}", path.display()))?;
-        Ok(Self { path: path.to_path_buf(), file, lines })
+        Ok(Self { path: path.to_path_buf(), file: Some(file), lines })
+    }
+
+    /// A writer that counts records and writes none (data-parallel ranks other than 0: rank 0 writes the file).
+    pub fn discard(path: &Path, keep_lines: Option<usize>) -> Self {
+        Self { path: path.to_path_buf(), file: None, lines: keep_lines.unwrap_or(0) }
     }
 
     pub fn write(&mut self, record: &serde_json::Value) -> Result<()> {
-        writeln!(self.file, "{record}").with_context(|| format!("cannot write {}", self.path.display()))?;
+        if let Some(f) = &mut self.file {
+            writeln!(f, "{record}").with_context(|| format!("cannot write {}", self.path.display()))?;
+        }
         self.lines += 1;
         Ok(())
     }

@@ -30,7 +30,8 @@ pub fn select_device(spec: &str) -> Result<Device> {
         );
     }
     #[cfg(feature = "cuda")]
-    kernels::cuda::prefer_blocking_sync(ordinal).map_err(|e| anyhow!("device = \"{spec}\": {e}"))?;
+    // A preference only: where the driver refuses it (the context already open), waits keep spinning.
+    let _ = kernels::cuda::prefer_blocking_sync(ordinal);
     let dev = Device::new_cuda(ordinal).map_err(|e| anyhow!("device = \"{spec}\": cannot open the GPU ({e})"))?;
     #[cfg(feature = "cuda")]
     if let Device::Cuda(d) = &dev {
@@ -124,6 +125,18 @@ pub struct Batch {
     pub n: usize,
 }
 
+impl Batch {
+    /// A batch of no samples (a data-parallel rank's share of a short last global batch): the step skips its
+    /// forward and backward, and the rank joins the all-reduce with zeros.
+    pub fn empty(device: &Device, size: usize, dtype: DType, layout: kernels::input::InputLayout) -> Result<Self> {
+        let images = match layout {
+            kernels::input::InputLayout::Nchw => Tensor::zeros((0, 3, size, size), dtype, device)?,
+            kernels::input::InputLayout::Nhwc => Tensor::zeros((0, size, size, 3), dtype, device)?,
+        };
+        Ok(Self { images, labels: Tensor::zeros(0, DType::U32, device)?, n: 0 })
+    }
+}
+
 /// The dtype and memory layout the model takes its input in: the activation dtype of `prec`, NHWC for a
 /// channels-last model (the tensor is then a (n, 3, h, w) view of NHWC memory, see `kernels::input`).
 pub fn input_format(model: &ResNet, prec: Precision) -> (DType, kernels::input::InputLayout) {
@@ -138,6 +151,9 @@ pub fn input_format(model: &ResNet, prec: Precision) -> (DType, kernels::input::
 /// A uint8 host batch as the model's input on `device`: the bytes are copied as they are and converted,
 /// normalised and flipped there (one CUDA kernel, or the same arithmetic in Rust on the CPU).
 pub fn to_device(b: &HostBatch, device: &Device, dtype: DType, layout: kernels::input::InputLayout) -> Result<Batch> {
+    if b.n == 0 {
+        return Batch::empty(device, b.size, dtype, layout);
+    }
     let images = Tensor::from_slice(b.images.as_slice(), (b.n, b.size, b.size, 3), device)?;
     let flips = Tensor::from_slice(&b.flips, b.n, device)?;
     let images = kernels::input::u8_to_input(&images, &flips, dtype, layout)?;
@@ -169,6 +185,10 @@ pub struct StepRunner {
     /// When set, `step` synchronizes the device between phases and adds each phase's wall time here
     /// (`trainer bench --phases`); the synchronizations themselves slow the step a little.
     pub phases: Option<PhaseTimes>,
+    /// Data-parallel training: the other ranks. Each step's gradients (every rank's mean gradient weighted by its
+    /// sample count), loss, correct count and sample count are summed over the ranks before the inf/NaN check, so
+    /// the skip decision, the clipping and the update are the same on every rank.
+    pub collective: Option<Box<dyn crate::dist::Collective>>,
 }
 
 /// Seconds spent per training-step phase, summed over steps (see [`StepRunner::phases`]).
@@ -233,6 +253,7 @@ impl StepRunner {
             label_smoothing: cfg.train.label_smoothing,
             clip_grad_norm: cfg.train.clip_grad_norm,
             phases: None,
+            collective: None,
             model,
         })
     }
@@ -263,7 +284,8 @@ impl StepRunner {
         let mut loss_sum: Option<Tensor> = None;
         let mut correct_sum: Option<Tensor> = None;
         let mut samples = 0;
-        for b in micro {
+        // A data-parallel rank's last batch of an epoch may be empty: it still joins the all-reduce, with zeros.
+        for b in micro.iter().filter(|b| b.n > 0) {
             // The loss and every trainable parameter's gradient of loss * scale / accum (None: no gradient).
             let (logits, loss, grads): (Tensor, Tensor, Vec<Option<Tensor>>) = match self.engine {
                 StepEngine::Autograd => {
@@ -318,15 +340,48 @@ impl StepRunner {
                 None => Ok(v.as_tensor().zeros_like()?.flatten_all()?),
             })
             .collect::<Result<_>>()?;
+        let zero = || Tensor::zeros((), DType::F32, &device);
+        let loss_sum = match loss_sum {
+            Some(l) => l.to_dtype(DType::F32)?,
+            None if self.collective.is_some() => zero()?,
+            None => bail!("empty step: every micro-batch has 0 samples"),
+        };
+        let correct_sum = match correct_sum {
+            Some(c) => c.to_dtype(DType::F32)?,
+            None => zero()?,
+        };
         // Sum of squares of all unscaled gradients: non-finite iff some gradient is inf/NaN (or overflows). On CUDA
         // one multi-tensor kernel gathers, unscales and squares (kernels/optim/01_multi_tensor.cu).
-        let (all, total_sq) = gather_unscaled(&flat, 1.0 / scale)?;
+        let (all, total_sq, totals) = match &self.collective {
+            None => {
+                let (all, total_sq) = gather_unscaled(&flat, 1.0 / scale)?;
+                (all, total_sq, Tensor::stack(&[(loss_sum / accum)?, correct_sum], 0)?)
+            }
+            Some(c) => {
+                // Rank r contributes n_r x its mean gradient; the sum over ranks divided by the global sample count
+                // is the gradient of the mean loss over the global batch (the single-process result when every
+                // rank's micro-batches are full).
+                let n = samples as f64;
+                let (all, _) = gather_unscaled(&flat, n / scale)?;
+                let counts =
+                    Tensor::stack(&[Tensor::full(n as f32, (), &device)?, ((loss_sum / accum)? * n)?, correct_sum], 0)?;
+                c.all_reduce_sum(&all)?;
+                c.all_reduce_sum(&counts)?;
+                let global_n = counts.narrow(0, 0, 1)?;
+                let all = all.broadcast_div(&global_n)?;
+                let total_sq = all.sqr()?.sum_all()?;
+                // (mean loss, correct, samples) over all ranks.
+                let mean_loss = counts.narrow(0, 1, 1)?.broadcast_div(&global_n)?;
+                (all, total_sq, Tensor::cat(&[mean_loss, counts.narrow(0, 2, 1)?, global_n], 0)?)
+            }
+        };
         drop(flat);
-        let (loss_sum, correct_sum) =
-            (loss_sum.ok_or_else(|| anyhow!("empty step"))?, correct_sum.ok_or_else(|| anyhow!("empty step"))?);
-        let host: Vec<f32> = Tensor::stack(&[loss_sum.to_dtype(DType::F32)?, correct_sum, total_sq], 0)?.to_vec1()?;
-        let loss = host[0] as f64 / accum;
-        let norm_sq = host[2] as f64;
+        let host: Vec<f32> = Tensor::cat(&[totals, total_sq.reshape(1)?], 0)?.to_vec1()?;
+        let loss = host[0] as f64;
+        if self.collective.is_some() {
+            samples = host[2] as usize;
+        }
+        let norm_sq = host[host.len() - 1] as f64;
         let found_inf = !norm_sq.is_finite();
         let skipped = found_inf;
         let grad_norm = norm_sq.sqrt();
@@ -443,18 +498,22 @@ pub enum BatchSource {
 }
 
 impl BatchSource {
-    /// The training batches of `epoch` from batch `skip` on, as `model` takes them at `prec`.
+    /// The training batches of `epoch` from batch `skip` on, as `model` takes them at `prec`; with `shard` =
+    /// (rank, world), this rank's share of every global batch.
     pub fn new(
         cfg: &Config,
         ds: &Arc<dyn Dataset>,
         device: &Device,
         (dtype, layout): (DType, kernels::input::InputLayout),
-        epoch: usize,
-        skip: usize,
+        (epoch, skip): (usize, usize),
+        shard: Option<(usize, usize)>,
     ) -> Result<Self> {
-        let batches = data::num_batches(ds.len(), cfg.train.batch_size);
+        let (rank, world) = shard.unwrap_or((0, 1));
+        let batches = crate::dist::steps_per_epoch(ds.len(), world, cfg.train.batch_size);
         if cfg.data.kind == DataKind::Synthetic && device.is_cuda() {
             let seed = cfg.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(epoch as u64);
+            // Each rank draws its own batches (every one of full size).
+            let seed = seed.wrapping_add((rank as u64) << 40);
             return Ok(Self::Device {
                 device: device.clone(),
                 seed,
@@ -466,7 +525,10 @@ impl BatchSource {
                 t: 0.0,
             });
         }
-        let loader = Loader::new(ds.clone(), loader_options(cfg, cfg.train.batch_size, true, epoch, skip));
+        let loader = Loader::new(
+            ds.clone(),
+            LoaderOptions { shard, ..loader_options(cfg, cfg.train.batch_size, true, epoch, skip) },
+        );
         #[cfg(feature = "cuda")]
         if device.is_cuda() {
             let feed =
@@ -533,6 +595,28 @@ pub fn loader_options(
     }
 }
 
+/// Where a resumed run continues inside its epoch: the checkpoint's `batch_in_epoch` micro-batches of
+/// `batch_size x world_size` samples (as saved) in micro-batches of `batch_size x world` (now). Mid-epoch, the
+/// samples done must fill whole global batches of the new shape; at an epoch boundary any shape resumes.
+pub fn resume_position(state: &TrainState, batch_size: usize, world: usize) -> std::result::Result<usize, String> {
+    let saved_bs = if state.batch_size > 0 { state.batch_size } else { batch_size };
+    let (saved, now) = (saved_bs * state.world_size.max(1), batch_size * world);
+    if state.batch_in_epoch == 0 || saved == now {
+        return Ok(state.batch_in_epoch);
+    }
+    let done = state.batch_in_epoch * saved;
+    if done % now != 0 {
+        return Err(format!(
+            "it stopped {done} samples into epoch {} (global batch {saved_bs} x {} rank(s)), which is not a whole \
+             number of global batches of {batch_size} x {world} rank(s); resume with a global batch that divides \
+             {done}, or from a checkpoint taken at the end of an epoch",
+            state.epoch + 1,
+            state.world_size.max(1)
+        ));
+    }
+    Ok(done / now)
+}
+
 /// Final figures of a run (also written to metrics.jsonl).
 #[derive(Debug, Clone)]
 pub struct Summary {
@@ -565,16 +649,41 @@ pub fn open_data(cfg: &Config) -> Result<(Arc<dyn Dataset>, Arc<dyn Dataset>)> {
 
 /// Trains as the config says, in `run_dir`; with `resume`, continues from the latest checkpoint there.
 pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
-    std::fs::create_dir_all(run_dir.join("checkpoints"))
-        .with_context(|| format!("cannot create run directory {}", run_dir.display()))?;
+    train_ranks(cfg, run_dir, resume, None)
+}
+
+/// This process's part in a data-parallel run.
+pub struct Ranks {
+    /// Sums over the ranks (NCCL in the trainer).
+    pub collective: Box<dyn crate::dist::Collective>,
+    /// Ranks on this node, on cuda:0.. (rank 0's telemetry samples all of their GPUs).
+    pub local_world_size: usize,
+}
+
+/// [`train`] as one rank of a data-parallel run when `ranks` is given (`trainer launch`, torchrun, Slurm):
+/// the rank trains on its share of every global batch (`dist::shard`), the gradients are summed over the ranks
+/// every step, and only rank 0 writes (metrics.jsonl, checkpoints, plots, model.safetensors), validates and prints.
+pub fn train_ranks(cfg: &Config, run_dir: &Path, resume: bool, ranks: Option<Ranks>) -> Result<Summary> {
+    let (collective, ranks_info) = match ranks {
+        Some(r) => (Some(r.collective), Some(r.local_world_size)),
+        None => (None, None),
+    };
+    let (rank, world) = collective.as_ref().map(|c| (c.rank(), c.world_size())).unwrap_or((0, 1));
+    let writer = rank == 0;
+    if writer {
+        std::fs::create_dir_all(run_dir.join("checkpoints"))
+            .with_context(|| format!("cannot create run directory {}", run_dir.display()))?;
+    }
     let ckpt_dir = run_dir.join("checkpoints");
     let device = select_device(&cfg.device)?;
     let (train_ds, val_ds) = open_data(cfg)?;
     let model = build_model(cfg, &device)?;
     let mut runner = StepRunner::new(cfg, model)?;
+    runner.collective = collective;
 
     let accum = cfg.train.grad_accum;
-    let batches_per_epoch = data::num_batches(train_ds.len(), cfg.train.batch_size);
+    // Micro-batches per epoch, the same on every rank (each takes its share of every global batch).
+    let batches_per_epoch = crate::dist::steps_per_epoch(train_ds.len(), world, cfg.train.batch_size);
     let steps_per_epoch = batches_per_epoch.div_ceil(accum);
     let mut total_steps = steps_per_epoch * cfg.train.epochs;
     if cfg.train.max_steps > 0 {
@@ -595,6 +704,8 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
         meters: EpochMeters::default(),
         best_top1: None,
         metrics_lines: 0,
+        world_size: world,
+        batch_size: cfg.train.batch_size,
     };
     let mut metrics_keep = None;
     if resume {
@@ -618,16 +729,34 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
             .with_context(|| path.display().to_string())?;
         runner.scaler = loaded.state.scaler.clone();
         state = loaded.state;
+        state.batch_in_epoch = resume_position(&state, cfg.train.batch_size, world)
+            .map_err(|m| anyhow!("--resume from {}: {m}", path.display()))?;
+        (state.world_size, state.batch_size) = (world, cfg.train.batch_size);
         metrics_keep = Some(state.metrics_lines);
-        eprintln!("resuming from {} (epoch {}, step {})", path.display(), state.epoch + 1, state.step);
+        if writer {
+            eprintln!("resuming from {} (epoch {}, step {})", path.display(), state.epoch + 1, state.step);
+        }
     }
-    let mut metrics = MetricsWriter::open(&run_dir.join("metrics.jsonl"), metrics_keep)?;
-    let telemetry = match (&device, cfg.telemetry.enabled) {
-        (Device::Cuda(_), true) => crate::telemetry::Telemetry::start(
-            cfg.cuda_ordinal(),
-            std::time::Duration::from_millis(cfg.telemetry.interval_ms.max(50)),
-        ),
-        _ => None,
+    let metrics_path = run_dir.join("metrics.jsonl");
+    let mut metrics = if writer {
+        MetricsWriter::open(&metrics_path, metrics_keep)?
+    } else {
+        MetricsWriter::discard(&metrics_path, metrics_keep)
+    };
+    // Rank 0 samples every GPU of its node (ranks on cuda:LOCAL_RANK: ordinals 0..local_world_size).
+    let gpus: Vec<u32> = match &ranks_info {
+        Some(local) if *local > 1 => (0..*local as u32).collect(),
+        _ => vec![cfg.cuda_ordinal()],
+    };
+    let telemetry: Vec<(u32, crate::telemetry::Telemetry)> = match (&device, cfg.telemetry.enabled && writer) {
+        (Device::Cuda(_), true) => gpus
+            .iter()
+            .filter_map(|&g| {
+                let every = std::time::Duration::from_millis(cfg.telemetry.interval_ms.max(50));
+                crate::telemetry::Telemetry::start(g, every).map(|t| (g, t))
+            })
+            .collect(),
+        _ => Vec::new(),
     };
     let mut losses = Vec::new();
     let mut last_val = None;
@@ -637,18 +766,28 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
         state.optimizer_steps = runner.opt.steps;
         state.metrics_lines = metrics.lines();
         let path = ckpt_dir.join(name);
+        if !writer {
+            return Ok(path);
+        }
         checkpoint::save(&path, &runner.model.store().snapshot()?, &runner.opt.state_tensors()?, state)?;
         Ok(path)
     };
 
-    let show_progress = cfg.log.progress && std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let show_progress = writer && cfg.log.progress && std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let prune = |keep: usize| if writer { checkpoint::prune(&ckpt_dir, keep) } else { Ok(()) };
+    let shard = (world > 1).then_some((rank, world));
+    // The next epoch's batches, started as soon as this epoch's last batch has been taken.
+    let mut ahead: Option<(usize, BatchSource)> = None;
     'epochs: while state.epoch < cfg.train.epochs {
         if state.step >= total_steps && state.batch_in_epoch == 0 {
             break;
         }
         let epoch = state.epoch;
         let input = input_format(&runner.model, runner.precision);
-        let mut loader = BatchSource::new(cfg, &train_ds, &device, input, epoch, state.batch_in_epoch)?;
+        let mut loader = match ahead.take() {
+            Some((e, l)) if e == epoch && state.batch_in_epoch == 0 => l,
+            _ => BatchSource::new(cfg, &train_ds, &device, input, (epoch, state.batch_in_epoch), shard)?,
+        };
         let bar = if show_progress { ProgressBar::new(steps_per_epoch as u64) } else { ProgressBar::hidden() };
         bar.set_style(
             ProgressStyle::with_template("epoch {prefix} [{bar:30}] {pos}/{len} {msg} eta {eta}")
@@ -671,6 +810,12 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
             }
             if micro.is_empty() {
                 break;
+            }
+            // Every batch of this epoch taken: the loader of the next one starts now, so that its first batches
+            // are decoded while the last steps and the validation of this epoch run (no gap at the boundary).
+            let last_step = state.step + 1 >= total_steps;
+            if state.batch_in_epoch + micro.len() >= batches_per_epoch && epoch + 1 < cfg.train.epochs && !last_step {
+                ahead = Some((epoch + 1, BatchSource::new(cfg, &train_ds, &device, input, (epoch + 1, 0), shard)?));
             }
             let lr = sched.lr(state.step);
             let out = runner.step(&micro, lr)?;
@@ -714,18 +859,22 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
                 let acc = 100.0 * state.meters.correct as f64 / state.meters.seen.max(1) as f64;
                 let mut msg =
                     format!("loss {:.4} acc {acc:.1}% lr {lr:.2e} scale {} {ips:.0} img/s", out.loss, out.loss_scale);
-                if let Some(t) = &telemetry {
+                for (g, t) in &telemetry {
                     if let Some(sample) = t.latest() {
                         let mut rec = serde_json::to_value(&sample)?;
                         rec["kind"] = json!("telemetry");
                         rec["step"] = json!(state.step);
+                        if telemetry.len() > 1 {
+                            rec["gpu"] = json!(g);
+                        }
                         metrics.write(&rec)?;
                     }
-                    msg.push_str(&format!(" | {}", t.summary()));
+                    let prefix = if telemetry.len() > 1 { format!("gpu{g} ") } else { String::new() };
+                    msg.push_str(&format!(" | {prefix}{}", t.summary()));
                 }
                 bar.set_message(msg);
             }
-            if let Some(t) = &telemetry {
+            for (_, t) in &telemetry {
                 for ev in t.events() {
                     match ev {
                         crate::telemetry::Event::Warning(w) => bar.suspend(|| eprintln!("warning: {w}")),
@@ -741,7 +890,7 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
             if cfg.checkpoint.every_steps > 0 && state.step.is_multiple_of(cfg.checkpoint.every_steps) {
                 let name = checkpoint::step_name(state.step);
                 save(&runner, &mut state, &metrics, &name)?;
-                checkpoint::prune(&ckpt_dir, cfg.checkpoint.keep_last)?;
+                prune(cfg.checkpoint.keep_last)?;
             }
         }
         bar.finish_and_clear();
@@ -752,7 +901,8 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
         drop(loader);
         let train_loss = state.meters.loss_sum / state.meters.seen.max(1) as f64;
         let train_top1 = 100.0 * state.meters.correct as f64 / state.meters.seen.max(1) as f64;
-        let val = if !val_ds.is_empty() {
+        // Rank 0 validates alone (the others go on to the next epoch's first all-reduce and wait there).
+        let val = if writer && !val_ds.is_empty() {
             Some(validate(&runner.model, val_ds.clone(), cfg, runner.precision)?)
         } else {
             None
@@ -762,13 +912,16 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
             "val_loss": val.map(|v| v.loss), "val_top1": val.map(|v| v.top1), "val_top5": val.map(|v| v.top5),
             "img_per_s": train_ips, "loader_img_per_s": loader_ips, "complete": epoch_done,
         }))?;
-        eprintln!(
-            "epoch {}/{}: train loss {train_loss:.4} top1 {train_top1:.2}%{} | {train_ips:.1} img/s (loader {loader_ips:.0} img/s)",
-            epoch + 1,
-            cfg.train.epochs,
-            val.map(|v| format!(" | val loss {:.4} top1 {:.2}% top5 {:.2}%", v.loss, v.top1, v.top5))
-                .unwrap_or_default()
-        );
+        if writer {
+            eprintln!(
+                "epoch {}/{}: train loss {train_loss:.4} top1 {train_top1:.2}%{} | {train_ips:.1} img/s (loader {loader_ips:.0} img/s{})",
+                epoch + 1,
+                cfg.train.epochs,
+                val.map(|v| format!(" | val loss {:.4} top1 {:.2}% top5 {:.2}%", v.loss, v.top1, v.top5))
+                    .unwrap_or_default(),
+                if world > 1 { " on rank 0" } else { "" }
+            );
+        }
         last_val = val;
         if epoch_done {
             state.epoch += 1;
@@ -785,17 +938,19 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
         if last || (cfg.checkpoint.every_epochs > 0 && state.epoch.is_multiple_of(cfg.checkpoint.every_epochs)) {
             let name = checkpoint::step_name(state.step);
             save(&runner, &mut state, &metrics, &name)?;
-            checkpoint::prune(&ckpt_dir, cfg.checkpoint.keep_last)?;
+            prune(cfg.checkpoint.keep_last)?;
         }
         if last {
             break 'epochs;
         }
     }
-    weights::save(&runner.model, &run_dir.join("model.safetensors"))?;
     drop(telemetry);
-    // curves.png and curves.svg (same plot; the SVG's text is real text).
-    if let Err(e) = crate::plot::training_curves(metrics.path(), &run_dir.join("curves.png")) {
-        eprintln!("warning: no training-curve plot: {e:#}");
+    if writer {
+        weights::save(&runner.model, &run_dir.join("model.safetensors"))?;
+        // curves.png and curves.svg (same plot; the SVG's text is real text).
+        if let Err(e) = crate::plot::training_curves(metrics.path(), &run_dir.join("curves.png")) {
+            eprintln!("warning: no training-curve plot: {e:#}");
+        }
     }
     Ok(Summary {
         steps: state.step,

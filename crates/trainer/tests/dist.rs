@@ -190,15 +190,33 @@ fn bad_environments_and_arguments_give_one_line() {
     );
     let o = trainer().args(["dist-check"]).envs([("SLURM_PROCID", "4"), ("SLURM_NTASKS", "4")]).output().unwrap();
     assert_eq!(error_line(&o), "error: environment variable SLURM_PROCID=4 is not below SLURM_NTASKS=4");
-    // Training refuses to run as several uncoordinated copies.
+    // A rank trains on a CUDA GPU through NCCL: a CPU config, or a build without NCCL, is refused in one line
+    // before anything is written.
+    let ranks = [("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")];
     let o = trainer()
         .args(["--config", "quickstart.toml"])
         .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .envs([("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")])
+        .envs(ranks)
         .output()
         .unwrap();
     let line = error_line(&o);
-    assert!(line.contains("rank 0/2") && line.contains("not wired into the train loop yet"), "{line}");
+    assert!(
+        line.starts_with("error: device = \"cpu\": data-parallel training (rank 0/2")
+            && line.ends_with("runs one rank per CUDA GPU; set device = \"cuda\""),
+        "{line}"
+    );
+    let o = trainer()
+        .args(["--config", "quickstart.toml", "--set", "device=\"cuda\""])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .envs(ranks)
+        .output()
+        .unwrap();
+    let line = error_line(&o);
+    assert!(
+        line.contains("rank 0/2")
+            && line.ends_with("needs a trainer built with NCCL (cargo feature `nccl`, see the README)"),
+        "{line}"
+    );
     // NCCL needs the `nccl` build (the CPU test build has no CUDA).
     let o = trainer().args(["dist-check", "--nccl"]).output().unwrap();
     assert_eq!(error_line(&o), "error: dist-check --nccl: this trainer was built without NCCL (cargo feature `nccl`)");

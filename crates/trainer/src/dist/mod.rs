@@ -1,6 +1,6 @@
 //! Data-parallel foundations (one process per GPU): the launcher's environment, a TCP rendezvous that hands out
 //! the NCCL unique id and watches for failed ranks, `trainer launch`, and each rank's shard of an epoch.
-//! Not yet wired into the training loop (no NCCL all-reduce yet): see README "Multi-GPU (in progress)".
+//! The training loop takes a [`Collective`] (`train::train_ranks`); see README "Multi-GPU (in progress)".
 
 pub mod env;
 pub mod launch;
@@ -19,6 +19,16 @@ use std::time::Duration;
 /// Exit status of a rank that stops because another rank failed (`trainer launch` then names the rank that
 /// failed first on its own, not this one).
 pub const PEER_FAILED_EXIT_CODE: i32 = 75;
+
+/// What data-parallel training needs from the other ranks: an in-place sum over all ranks of a contiguous f32
+/// tensor on this rank's device, queued in the device's stream order. [`nccl::NcclComm`] is the implementation
+/// (cargo feature `nccl`); the training loop sees only this trait.
+pub trait Collective {
+    fn rank(&self) -> usize;
+    fn world_size(&self) -> usize;
+    /// Every rank's `t` becomes the sum of all ranks' `t`.
+    fn all_reduce_sum(&self, t: &candle_core::Tensor) -> anyhow::Result<()>;
+}
 
 /// The process exit status for an error: [`PEER_FAILED_EXIT_CODE`] when it is another rank's failure, else 1.
 pub fn exit_code(e: &anyhow::Error) -> i32 {

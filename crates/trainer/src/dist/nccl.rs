@@ -36,18 +36,24 @@ impl NcclComm {
         Ok(Self { comm, stream })
     }
 
-    pub fn rank(&self) -> usize {
-        self.comm.rank()
-    }
-
-    pub fn world_size(&self) -> usize {
-        self.comm.world_size()
-    }
-
     /// Sums `t` over all ranks, in place (every rank ends with the sum). `t`: contiguous f32 on this
     /// communicator's device (the flat FP32 gradient buffer); queued on the device's stream like any other kernel
     /// (no host synchronisation).
     pub fn all_reduce_sum(&self, t: &Tensor) -> Result<()> {
+        <Self as super::Collective>::all_reduce_sum(self, t)
+    }
+}
+
+impl super::Collective for NcclComm {
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    fn all_reduce_sum(&self, t: &Tensor) -> Result<()> {
         if t.dtype() != DType::F32 {
             bail!("all-reduce: dtype {:?} (f32 only)", t.dtype());
         }

@@ -463,6 +463,29 @@ impl Group {
         st.failure.clone().map(|(rank, msg)| RendezvousError::RankFailed { rank, msg })
     }
 
+    /// Runs `f` on a background thread as soon as a rank failure is seen (never, if the group closes first).
+    /// The training loop uses it to exit while its own thread may be blocked inside a collective that the failed
+    /// rank will never join.
+    pub fn on_failure(&mut self, f: impl FnOnce(RendezvousError) + Send + 'static) -> Result<()> {
+        let shared = self.shared.clone();
+        let t = std::thread::Builder::new()
+            .name("dist-watchdog".into())
+            .spawn(move || {
+                let mut st = shared.lock();
+                while st.failure.is_none() && !st.closing {
+                    st = shared.cv.wait(st).unwrap_or_else(|p| p.into_inner());
+                }
+                let failure = if st.closing { None } else { st.failure.clone() };
+                drop(st);
+                if let Some((rank, msg)) = failure {
+                    f(RendezvousError::RankFailed { rank, msg });
+                }
+            })
+            .map_err(|e| RendezvousError::RankFailed { rank: self.rank, msg: format!("cannot start a thread: {e}") })?;
+        self.threads.push(t);
+        Ok(())
+    }
+
     /// Returns when every rank has called `barrier` as often as this one; fails naming a failed rank, or on a
     /// timeout naming the ranks that did not arrive.
     pub fn barrier(&mut self, timeout: Duration) -> Result<()> {
@@ -673,6 +696,35 @@ mod tests {
             g.close();
         }
         root.close();
+    }
+
+    #[test]
+    fn the_failure_callback_runs_on_a_crash_and_not_on_a_clean_close() {
+        let (addr, root) = server(3, fast(10_000));
+        let mut leaves = joiners(&addr, &[1, 2], 3, fast(10_000));
+        let mut root = root.join().unwrap().unwrap();
+        let (_, g2) = leaves.pop().unwrap().join().unwrap().unwrap();
+        let (_, mut g1) = leaves.pop().unwrap().join().unwrap().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let tx0 = tx.clone();
+        root.on_failure(move |e| tx0.send((0, e.to_string())).unwrap()).unwrap();
+        g1.on_failure(move |e| tx.send((1, e.to_string())).unwrap()).unwrap();
+        g2.abort();
+        let mut got: Vec<(usize, String)> = (0..2).map(|_| rx.recv_timeout(Duration::from_secs(10)).unwrap()).collect();
+        got.sort();
+        assert_eq!(got[0].0, 0);
+        assert_eq!(got[1].0, 1);
+        assert!(got.iter().all(|(_, e)| e.starts_with("rank 2 ")), "{got:?}");
+        // A group that closes cleanly never calls back.
+        let (addr, root) = server(2, fast(10_000));
+        let leaf = joiners(&addr, &[1], 2, fast(10_000)).pop().unwrap();
+        let mut root = root.join().unwrap().unwrap();
+        let (_, g1) = leaf.join().unwrap().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel::<String>();
+        root.on_failure(move |e| tx.send(e.to_string()).unwrap()).unwrap();
+        root.close();
+        g1.close();
+        assert!(rx.recv_timeout(Duration::from_millis(300)).is_err());
     }
 
     #[test]
