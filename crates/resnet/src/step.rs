@@ -45,6 +45,14 @@ pub struct StepOutput {
     pub grads: HashMap<TensorId, Tensor>,
 }
 
+/// Synchronised BatchNorm (`train.sync_bn`): an in-place sum over the data-parallel ranks of a contiguous f32
+/// tensor, called in the same order on every rank (the trainer passes its NCCL communicator). With it, the
+/// explicit step normalises with the statistics of the global batch and its BatchNorm backward uses the global
+/// gradient sums, so N ranks compute what one process computes on their batches together.
+pub trait BnSync {
+    fn all_reduce_sum(&self, t: &Tensor) -> Result<()>;
+}
+
 /// Why the explicit step cannot train `model` in `precision`, or None when it can.
 pub fn unsupported(model: &ResNet, precision: Precision) -> Option<String> {
     unsupported_for(model.config.channels_last(), model.device().is_cuda(), precision)
@@ -82,6 +90,8 @@ impl<'a> ConvW<'a> {
 struct BnSaved {
     z: Tensor,
     stats: Tensor,
+    /// Synchronised BatchNorm: the values per channel over all ranks (f32, shape (1)).
+    global_rows: Option<Tensor>,
 }
 
 /// What a block's backward reads.
@@ -103,6 +113,7 @@ struct BlockSaved {
 
 struct Engine<'a> {
     model: &'a ResNet,
+    sync: Option<&'a dyn BnSync>,
     act: DType,
     policy: &'a KernelPolicy,
     grads: HashMap<TensorId, Tensor>,
@@ -157,14 +168,20 @@ impl<'a> Engine<'a> {
     /// CUDA inside the statistics' finaliser);
     /// for a BatchNorm with frozen statistics (`finetune.bn_frozen`), its running statistics in the same
     /// [mean, var, invstd] form, left unchanged (eval-mode normalisation, as the autograd forward does).
-    fn stats(&self, z: &Tensor, bn: &BatchNorm2d) -> Result<Tensor> {
+    fn stats(&self, z: &Tensor, bn: &BatchNorm2d) -> Result<BnSaved> {
         if frozen(bn) {
             let rm = bn.running_mean.tensor().detach();
             let rv = bn.running_var.tensor().detach();
             let invstd = (&rv + bn.eps)?.sqrt()?.recip()?;
-            return Tensor::stack(&[rm, rv, invstd], 0)?.to_dtype(DType::F32);
+            let stats = Tensor::stack(&[rm, rv, invstd], 0)?.to_dtype(DType::F32)?;
+            return Ok(BnSaved { z: z.clone(), stats, global_rows: None });
         }
-        kernels::ops::batchnorm::batch_stats(z, bn.eps, &bn.running())
+        if let Some(sync) = self.sync {
+            let (stats, rows) = sync_stats(sync, Some(z), bn)?;
+            return Ok(BnSaved { z: z.clone(), stats, global_rows: Some(rows) });
+        }
+        let stats = kernels::ops::batchnorm::batch_stats(z, bn.eps, &bn.running())?;
+        Ok(BnSaved { z: z.clone(), stats, global_rows: None })
     }
 
     fn bn_params(bn: &BatchNorm2d, stats: &Tensor) -> BnParams {
@@ -188,7 +205,11 @@ impl<'a> Engine<'a> {
         let p = Self::bn_params(bn, &s.stats);
         let op = BnGrad { relu, stats: p.stats, weight: p.weight, bias: p.bias, sums: None };
         let sums = s.z.apply_op2_no_bwd(g, &op)?;
-        let dx_sums = if frozen(bn) { sums.zeros_like()? } else { sums.clone() };
+        let dx_sums = match (&s.global_rows, self.sync) {
+            _ if frozen(bn) => sums.zeros_like()?,
+            (Some(w), Some(sync)) => sync_grad_sums(sync, &sums, local_rows(&s.z)?, w)?,
+            _ => sums.clone(),
+        };
         let dz = s.z.apply_op2_no_bwd(g, &BnGrad { sums: Some(dx_sums), ..op })?;
         self.put(&bn.weight, || sums.get(1))?;
         self.put(&bn.bias, || sums.get(0))?;
@@ -218,7 +239,7 @@ impl<'a> Engine<'a> {
             let cw = self.weight(conv)?;
             let z = self.conv(&inp, &cw)?;
             weights.push(cw.w);
-            let saved = BnSaved { stats: self.stats(&z, bn)?, z };
+            let saved = self.stats(&z, bn)?;
             if i != last {
                 inp = self.bn_apply(&saved, bn, true)?;
                 acts.push(inp.clone());
@@ -230,7 +251,7 @@ impl<'a> Engine<'a> {
             Some(d) => {
                 let cw = self.weight(&d.conv)?;
                 let zd = self.conv(&x, &cw)?;
-                let saved = BnSaved { stats: self.stats(&zd, &d.bn)?, z: zd };
+                let saved = self.stats(&zd, &d.bn)?;
                 let res = Self::bn_params(&d.bn, &saved.stats);
                 (kernels::bn_add_relu(&bns[last].z, &saved.z, &main, Some(&res))?, Some(saved), Some(cw.w))
             }
@@ -298,7 +319,95 @@ pub fn softmax_cross_entropy(logits: &Tensor, labels: &Tensor, eps: f64, scale: 
     Ok((loss, grad))
 }
 
+/// Values per channel of a channels-last activation (everything but the last dim).
+fn local_rows(z: &Tensor) -> Result<usize> {
+    Ok(z.elem_count() / z.dims().last().copied().unwrap_or(1).max(1))
+}
+
+/// Synchronised batch statistics: this rank's statistics of z (None: a rank with no samples this step, which
+/// still takes part) combined over the ranks exactly, as Chan et al.'s parallel variance does, in two sum
+/// all-reduces: first n_r mean_r and n_r (the global mean and count), then n_r (var_r + (mean_r - mean)^2) (the
+/// global sum of squared deviations). Returns the global [mean, biased var, invstd] (3, c) and the global number
+/// of values per channel (1), with the running statistics updated from them as one process would (the same values
+/// on every rank). (One all-reduce of sums shifted by a common constant would do with one round, but loses the
+/// variance to cancellation when it is small against the squared mean.)
+fn sync_stats(sync: &dyn BnSync, z: Option<&Tensor>, bn: &BatchNorm2d) -> Result<(Tensor, Tensor)> {
+    let dev = bn.running_mean.tensor().device().clone();
+    let c = bn.running_mean.tensor().elem_count();
+    let local = match z {
+        Some(z) => {
+            let n = local_rows(z)? as f64;
+            let st = z.apply_op1_no_bwd(&kernels::ops::batchnorm::BnStats { eps: bn.eps })?;
+            Some((n, st.get(0)?, st.get(1)?))
+        }
+        None => None,
+    };
+    let first = match &local {
+        Some((n, mean, _)) => Tensor::cat(&[(mean * *n)?, Tensor::full(*n as f32, 1, &dev)?], 0)?,
+        None => Tensor::zeros(c + 1, DType::F32, &dev)?,
+    };
+    sync.all_reduce_sum(&first)?;
+    let w = first.narrow(0, c, 1)?;
+    let mean = first.narrow(0, 0, c)?.broadcast_div(&w)?;
+    let second = match &local {
+        Some((n, m, v)) => ((v + (m - &mean)?.sqr()?)? * *n)?,
+        None => Tensor::zeros(c, DType::F32, &dev)?,
+    };
+    sync.all_reduce_sum(&second)?;
+    let var = second.broadcast_div(&w)?;
+    let invstd = (&var + bn.eps)?.sqrt()?.recip()?;
+    // PyTorch's running update with the unbiased variance of the global batch.
+    let r = bn.running();
+    let m = r.momentum;
+    let unbiased = var.broadcast_mul(&w.broadcast_div(&(&w - 1.0)?)?)?;
+    r.mean.set(&((r.mean.as_tensor().detach() * (1.0 - m))? + (&mean * m)?)?)?;
+    r.var.set(&((r.var.as_tensor().detach() * (1.0 - m))? + (unbiased * m)?)?)?;
+    r.num_batches_tracked.set(&(r.num_batches_tracked.as_tensor().detach() + 1.0)?)?;
+    Ok((Tensor::stack(&[mean, var, invstd], 0)?, w))
+}
+
+/// The BatchNorm backward's sums (2, c) for the dx pass under synchronised statistics: each rank's sums of the
+/// gradient of its own mean loss, weighted by its value count `rows` and summed over the ranks, divided by the
+/// global count `w`. The dx pass divides by the local count, so it sees global sum / global count, and the
+/// result is this rank's part of the global-batch gradient in the local-mean convention that the trainer's
+/// gradient all-reduce weights by sample count.
+fn sync_grad_sums(sync: &dyn BnSync, sums: &Tensor, rows: usize, w: &Tensor) -> Result<Tensor> {
+    let u = (sums * rows as f64)?.contiguous()?;
+    sync.all_reduce_sum(&u)?;
+    u.broadcast_div(w)
+}
+
 impl ResNet {
+    /// A rank's part of a synchronised-BatchNorm step when it has no samples: the same all-reduces, in the same
+    /// order, as [`Self::train_step_explicit_synced`] runs (forward: every BatchNorm's statistics, with the
+    /// running statistics updated from the global batch; backward: every BatchNorm's gradient sums), with zeros.
+    pub fn sync_bn_idle_step(&self, sync: &dyn BnSync) -> Result<()> {
+        let blocks: Vec<&Block> = self.stages.iter().flatten().collect();
+        let mut order: Vec<&BatchNorm2d> = vec![&self.bn1];
+        for b in &blocks {
+            order.extend(&b.bns);
+            if let Some(d) = &b.downsample {
+                order.push(&d.bn);
+            }
+        }
+        for bn in order.iter().filter(|bn| !frozen(bn)) {
+            sync_stats(sync, None, bn)?;
+        }
+        let mut back: Vec<&BatchNorm2d> = Vec::new();
+        for b in blocks.iter().rev() {
+            back.extend(b.bns.iter().rev());
+            if let Some(d) = &b.downsample {
+                back.push(&d.bn);
+            }
+        }
+        back.push(&self.bn1);
+        for bn in back.iter().filter(|bn| !frozen(bn)) {
+            let c = bn.running_mean.tensor().elem_count();
+            sync.all_reduce_sum(&Tensor::zeros((2, c), DType::F32, bn.running_mean.tensor().device())?)?;
+        }
+        Ok(())
+    }
+
     /// One explicit training step (see the module docs): forward in training mode on `x` ((n, 3, h, w), or its
     /// channels-last view), softmax cross-entropy against `labels` with `label_smoothing`, and the gradients of
     /// `loss * grad_scale` for every trainable parameter. Updates the BatchNorm running statistics as the
@@ -312,12 +421,27 @@ impl ResNet {
         grad_scale: f64,
         precision: Precision,
     ) -> Result<StepOutput> {
+        self.train_step_explicit_synced(x, labels, label_smoothing, grad_scale, precision, None)
+    }
+
+    /// [`Self::train_step_explicit`] with synchronised BatchNorm over the ranks of `sync` (None: per-rank
+    /// statistics, the same as [`Self::train_step_explicit`]).
+    pub fn train_step_explicit_synced(
+        &self,
+        x: &Tensor,
+        labels: &Tensor,
+        label_smoothing: f64,
+        grad_scale: f64,
+        precision: Precision,
+        sync: Option<&dyn BnSync>,
+    ) -> Result<StepOutput> {
         if let Some(why) = unsupported(self, precision) {
             candle_core::bail!("explicit training step: {why}");
         }
         let policy = self.config.kernels.clone();
         let mut e = Engine {
             model: self,
+            sync,
             act: precision.act_dtype(),
             policy: &policy,
             grads: HashMap::new(),
@@ -331,7 +455,8 @@ impl ResNet {
         // ----- forward
         let stem_w = e.weight(&m.conv1)?;
         let z0 = e.conv(&input, &stem_w)?;
-        let stem = BnSaved { stats: e.stats(&z0, &m.bn1)?, z: z0 };
+        let stem = e.stats(&z0, &m.bn1)?;
+        drop(z0);
         let a0 = e.bn_apply(&stem, &m.bn1, true)?;
         let pool = MaxPool2d { kernel: 3, stride: 2, padding: 1 };
         let mut h = match m.config.stem {

@@ -208,6 +208,9 @@ pub struct TrainSection {
     pub label_smoothing: f64,
     /// Validation batch size (0: train.batch_size).
     pub eval_batch_size: usize,
+    /// Data-parallel runs: BatchNorm statistics (and their gradient sums) over the global batch, all-reduced
+    /// across the ranks every layer (the fused step only). Off: each GPU normalises with its own batch.
+    pub sync_bn: bool,
 }
 
 impl Default for TrainSection {
@@ -220,6 +223,7 @@ impl Default for TrainSection {
             clip_grad_norm: 0.0,
             label_smoothing: 0.0,
             eval_batch_size: 0,
+            sync_bn: false,
         }
     }
 }

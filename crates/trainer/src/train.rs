@@ -189,6 +189,17 @@ pub struct StepRunner {
     /// sample count), loss, correct count and sample count are summed over the ranks before the inf/NaN check, so
     /// the skip decision, the clipping and the update are the same on every rank.
     pub collective: Option<Box<dyn crate::dist::Collective>>,
+    /// `train.sync_bn`: with a collective, BatchNorm statistics over the global batch (fused step only).
+    pub sync_bn: bool,
+}
+
+/// The trainer's collective as the explicit step's [`resnet::step::BnSync`].
+struct SyncVia<'a>(&'a dyn crate::dist::Collective);
+
+impl resnet::step::BnSync for SyncVia<'_> {
+    fn all_reduce_sum(&self, t: &Tensor) -> candle_core::Result<()> {
+        self.0.all_reduce_sum(t).map_err(|e| candle_core::Error::Msg(format!("sync BatchNorm: {e:#}")))
+    }
 }
 
 /// Seconds spent per training-step phase, summed over steps (see [`StepRunner::phases`]).
@@ -241,6 +252,12 @@ impl StepRunner {
         }
         let cuda = model.device().is_cuda();
         let (engine, note) = cfg.kernels.step_engine(model.config.channels_last(), precision(cfg), cuda)?;
+        if cfg.train.sync_bn && engine == StepEngine::Autograd {
+            bail!(
+                "train.sync_bn = true needs the fused step, but this run takes autograd (kernels.step = \"fused\" \
+                 with the channels-last model: kernels.conv = \"custom\", or \"auto\" on CUDA in bf16/fp16)"
+            );
+        }
         // On the CPU autograd is the expected engine: the note is for CUDA runs that miss the fused step.
         if let (Some(note), true) = (note, cuda) {
             eprintln!("note: {note}");
@@ -254,6 +271,7 @@ impl StepRunner {
             clip_grad_norm: cfg.train.clip_grad_norm,
             phases: None,
             collective: None,
+            sync_bn: cfg.train.sync_bn,
             model,
         })
     }
@@ -284,8 +302,19 @@ impl StepRunner {
         let mut loss_sum: Option<Tensor> = None;
         let mut correct_sum: Option<Tensor> = None;
         let mut samples = 0;
-        // A data-parallel rank's last batch of an epoch may be empty: it still joins the all-reduce, with zeros.
-        for b in micro.iter().filter(|b| b.n > 0) {
+        let sync = match (&self.collective, self.sync_bn) {
+            (Some(c), true) => Some(SyncVia(c.as_ref())),
+            _ => None,
+        };
+        // A data-parallel rank's last batch of an epoch may be empty: it still joins the all-reduce, with zeros
+        // (and, with synchronised BatchNorm, every BatchNorm's all-reduces of the step).
+        for b in micro {
+            if b.n == 0 {
+                if let Some(s) = &sync {
+                    self.model.sync_bn_idle_step(s)?;
+                }
+                continue;
+            }
             // The loss and every trainable parameter's gradient of loss * scale / accum (None: no gradient).
             let (logits, loss, grads): (Tensor, Tensor, Vec<Option<Tensor>>) = match self.engine {
                 StepEngine::Autograd => {
@@ -297,12 +326,13 @@ impl StepRunner {
                 }
                 StepEngine::Fused => {
                     // Forward and backward in one call: its time is booked as backward.
-                    let mut o = self.model.train_step_explicit(
+                    let mut o = self.model.train_step_explicit_synced(
                         &b.images,
                         &b.labels,
                         self.label_smoothing,
                         scale / accum,
                         self.precision,
+                        sync.as_ref().map(|s| s as &dyn resnet::step::BnSync),
                     )?;
                     let grads = vars.iter().map(|v| o.grads.remove(&v.as_tensor().id())).collect();
                     (o.logits, o.loss, grads)

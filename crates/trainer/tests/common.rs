@@ -1,7 +1,9 @@
 //! Shared helpers of the trainer's integration tests: tiny configs and temporary run folders.
 #![allow(dead_code)]
 
+use candle_core::Tensor;
 use std::path::PathBuf;
+use std::sync::{Arc, Condvar, Mutex};
 use trainer::config::Config;
 
 /// A tiny run on the generated `shapes` data: ResNet-18, small-image stem, 8x8 inputs.
@@ -73,4 +75,90 @@ pub fn step_losses(run: &std::path::Path) -> Vec<(u64, f64)> {
         .filter(|v| v["kind"] == "step")
         .map(|v| (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap()))
         .collect()
+}
+
+/// A test-only stand-in for NCCL's sum all-reduce between ranks that run as threads of one test (the trainer
+/// itself uses NCCL): every rank's values are summed on the host in rank order (deterministic) and written back
+/// to every rank's tensor. It serves the trainer's gradient all-reduce ([`trainer::dist::Collective`]) and the
+/// explicit step's synchronised BatchNorm ([`resnet::step::BnSync`]).
+pub struct ThreadGroup {
+    pub rank: usize,
+    pub world: usize,
+    shared: Arc<(Mutex<Round>, Condvar)>,
+}
+
+/// One all-reduce: each rank's values by rank; the sum once all have arrived; how many have taken it.
+#[derive(Default)]
+struct Round {
+    parts: Vec<Option<Vec<f32>>>,
+    result: Option<Arc<Vec<f32>>>,
+    taken: usize,
+}
+
+/// The `world` ranks of one group, rank order.
+pub fn thread_group(world: usize) -> Vec<ThreadGroup> {
+    let shared = Arc::new((Mutex::new(Round::default()), Condvar::new()));
+    (0..world).map(|rank| ThreadGroup { rank, world, shared: shared.clone() }).collect()
+}
+
+impl ThreadGroup {
+    fn sum(&self, t: &Tensor) -> anyhow::Result<()> {
+        let mine: Vec<f32> = t.flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1()?;
+        let (m, cv) = &*self.shared;
+        let mut r = m.lock().unwrap();
+        // The previous round must be taken by every rank first.
+        while r.result.is_some() {
+            r = cv.wait(r).unwrap();
+        }
+        if r.parts.is_empty() {
+            r.parts = vec![None; self.world];
+        }
+        r.parts[self.rank] = Some(mine);
+        if r.parts.iter().all(Option::is_some) {
+            let parts: Vec<Vec<f32>> = std::mem::take(&mut r.parts).into_iter().flatten().collect();
+            let len = parts[0].len();
+            anyhow::ensure!(parts.iter().all(|p| p.len() == len), "ranks reduce different lengths");
+            let sum = (0..len).map(|i| parts.iter().map(|p| p[i]).sum()).collect();
+            r.result = Some(Arc::new(sum));
+            cv.notify_all();
+        }
+        while r.result.is_none() {
+            r = cv.wait(r).unwrap();
+        }
+        let sum = r.result.clone().unwrap();
+        r.taken += 1;
+        if r.taken == self.world {
+            *r = Round::default();
+            cv.notify_all();
+        }
+        drop(r);
+        t.slice_set(&Tensor::from_vec(sum.to_vec(), t.shape(), t.device())?, 0, 0)?;
+        Ok(())
+    }
+
+    /// The trainer's view of this rank.
+    pub fn ranks(self) -> trainer::train::Ranks {
+        let local_world_size = self.world;
+        trainer::train::Ranks { collective: Box::new(self), local_world_size }
+    }
+}
+
+impl trainer::dist::Collective for ThreadGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    fn all_reduce_sum(&self, t: &Tensor) -> anyhow::Result<()> {
+        self.sum(t)
+    }
+}
+
+impl resnet::step::BnSync for ThreadGroup {
+    fn all_reduce_sum(&self, t: &Tensor) -> candle_core::Result<()> {
+        self.sum(t).map_err(|e| candle_core::Error::Msg(e.to_string()))
+    }
 }
