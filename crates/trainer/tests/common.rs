@@ -106,9 +106,16 @@ impl ThreadGroup {
         let mine: Vec<f32> = t.flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1()?;
         let (m, cv) = &*self.shared;
         let mut r = m.lock().unwrap();
+        // A rank that skips an all-reduce would leave the others waiting: fail instead of hanging the test.
+        let limit = std::time::Duration::from_secs(120);
+        let wait = |r, what: &str| {
+            let (r, t) = cv.wait_timeout(r, limit).unwrap();
+            anyhow::ensure!(!t.timed_out(), "all-reduce: rank {} waited {limit:?} for {what}", self.rank);
+            Ok(r)
+        };
         // The previous round must be taken by every rank first.
         while r.result.is_some() {
-            r = cv.wait(r).unwrap();
+            r = wait(r, "the previous round")?;
         }
         if r.parts.is_empty() {
             r.parts = vec![None; self.world];
@@ -123,7 +130,7 @@ impl ThreadGroup {
             cv.notify_all();
         }
         while r.result.is_none() {
-            r = cv.wait(r).unwrap();
+            r = wait(r, "the other ranks")?;
         }
         let sum = r.result.clone().unwrap();
         r.taken += 1;
