@@ -13,7 +13,8 @@
 #   5. with KTRACE=DIR (a folder holding ktrace.c and ktrace_report.py, ../shared/tools/ktrace copied into the
 #      carried tree): a kernel timeline of the fused bf16 step, summarised here (the CSV stays on the machine),
 #      when at least 100 s of TIME_BUDGET_S (default 600) are left;
-#   6. with NCCL_CHECK=1 (a trainer built with NCCL=1): `trainer launch --nproc-per-node 1 -- dist-check --nccl`,
+#   6. with dist/dp-tests.gz: the trainer's data_parallel test synced_step_on_cuda (synchronised BatchNorm in bf16);
+#      with NCCL_CHECK=1 (a trainer built with NCCL=1): `trainer launch --nproc-per-node 1 -- dist-check --nccl`,
 #      then quickstart.toml on cuda in bf16 trained twice plainly and once as rank 0 of 1 through NCCL: the step
 #      losses must agree within the run-to-run noise;
 #   7. with DATA_E2E=1: ResNet-152 bf16 training from 3,072 generated JPEGs (scripts/data-bench-gpu.sh,
@@ -104,6 +105,16 @@ main() {
         else
             echo "ktrace: build failed"
         fi
+    fi
+    if [ -f "$dist/dp-tests.gz" ]; then
+        echo "== dp-tests synced_step_on_cuda (synchronised BatchNorm, 4 ranks as threads on this GPU, bf16)"
+        gunzip -c "$dist/dp-tests.gz" > "$bin/dp-tests" && chmod +x "$bin/dp-tests"
+        if RUST_BACKTRACE=1 timeout 120 "$bin/dp-tests" synced_step_on_cuda --nocapture > "$out/dp-tests.log" 2>&1; then
+            echo "dp-tests: ok"
+        else
+            echo "dp-tests: FAILED"; fails=$((fails + 1))
+        fi
+        grep -E "^test |test result|median|panicked" "$out/dp-tests.log" | head -8
     fi
     if [ -n "${NCCL_CHECK:-}" ]; then
         echo "== dist-check --nccl at world size 1 (trainer launch --nproc-per-node 1; a build with NCCL=1)"

@@ -23,9 +23,10 @@ echo "== cargo build --release -p trainer --features $features (trainer, kernels
 cargo build --release -p trainer --features "$features"
 
 
-# test_bin NAME: path of the integration test binary NAME built with the cuda feature.
+# test_bin NAME [PACKAGE]: path of the test binary NAME of PACKAGE (default integration-tests) built with the
+# cuda feature.
 test_bin() {
-    cargo test --release --features cuda -p integration-tests --test "$1" --no-run --message-format=json \
+    cargo test --release --features cuda -p "${2:-integration-tests}" --test "$1" --no-run --message-format=json \
         | python3 -c '
 import json, sys
 name = sys.argv[1]
@@ -37,7 +38,9 @@ echo "== cargo test --release --features cuda -p integration-tests --test gpu --
 tests_bin="$(test_bin gpu)"
 kernel_tests_bin="$(test_bin gpu_kernels)"
 step_tests_bin="$(test_bin gpu_step)"
-for b in "$tests_bin" "$kernel_tests_bin" "$step_tests_bin"; do
+echo "== cargo test --release --features cuda -p trainer --test data_parallel --no-run"
+dp_tests_bin="$(test_bin data_parallel trainer)"
+for b in "$tests_bin" "$kernel_tests_bin" "$step_tests_bin" "$dp_tests_bin"; do
     [ -n "$b" ] && [ -x "$b" ] || { echo "package-gpu: GPU test binary not found" >&2; exit 1; }
 done
 
@@ -52,6 +55,7 @@ pack "$CARGO_TARGET_DIR/release/trainer" trainer
 pack "$tests_bin" gpu-tests
 pack "$kernel_tests_bin" gpu-kernel-tests
 pack "$step_tests_bin" gpu-step-tests
+pack "$dp_tests_bin" dp-tests
 pack "$CARGO_TARGET_DIR/release/kernels-bench" kernels-bench
 {
     echo "commit: $(git rev-parse HEAD)$(git diff --quiet HEAD -- . ':!dist' 2>/dev/null || echo ' (with uncommitted changes)')"

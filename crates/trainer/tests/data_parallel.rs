@@ -177,21 +177,31 @@ fn sync_batchnorm_needs_the_fused_step() {
     assert!(e.starts_with("train.sync_bn = true needs the fused step, but this run takes autograd"), "{e}");
 }
 
-/// The explicit step with synchronised BatchNorm, compared directly (no training): 3 ranks with 5, 4 and 3
+/// The explicit step with synchronised BatchNorm, compared directly (no training): 4 ranks with 5, 4, 3 and 0
 /// images compute, once weighted by their share of the images and summed, the gradients one process computes on
-/// all 12; every rank ends with the single process's running statistics. A rank with no image (the idle step)
-/// takes part as well.
-#[test]
-fn synced_step_gradients_sum_to_the_single_process_gradients() {
-    let cfg = tiny(&["kernels.conv=\"custom\"", "kernels.step=\"fused\"", "data.image_size=16", "data.val_resize=16"]);
-    let (n, size) = (12usize, 16usize);
-    let x = Tensor::randn(0f32, 1.0, (n, 3, size, size), &Device::Cpu).unwrap();
-    let labels = Tensor::new((0..n as u32).map(|i| (i * 7) % 4).collect::<Vec<_>>(), &Device::Cpu).unwrap();
-    let named = |m: &resnet::ResNet, grads: &std::collections::HashMap<candle_core::TensorId, Tensor>| {
+/// all 12 (relative L2 error below `tol`); every rank, the idle one included, ends with the single process's
+/// running statistics (below `tol_running`).
+fn synced_step_matches_one_process(
+    cfg: &Config,
+    device: &Device,
+    prec: resnet::Precision,
+    (tol, tol_worst): (f64, f64),
+    tol_running: f64,
+) {
+    let (n, size) = (12usize, cfg.data.image_size);
+    // Fixed pseudo-random images (a run is reproducible).
+    let pixels: Vec<f32> =
+        (0..n * 3 * size * size).map(|i| ((i as f32 * 12.9898).sin() * 43758.547).fract() * 2.0).collect();
+    let x = Tensor::from_vec(pixels, (n, 3, size, size), device).unwrap().to_dtype(prec.act_dtype()).unwrap();
+    let labels = Tensor::new((0..n as u32).map(|i| (i * 7) % 4).collect::<Vec<_>>(), device).unwrap();
+    let named = |m: &resnet::ResNet, grads: &HashMap<candle_core::TensorId, Tensor>| {
         m.store()
             .trainable()
             .into_iter()
-            .map(|(k, v)| (k, grads[&v.as_tensor().id()].flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+            .map(|(k, v)| {
+                let g = grads[&v.as_tensor().id()].flatten_all().unwrap().to_dtype(DType::F32).unwrap();
+                (k, g.to_vec1::<f32>().unwrap())
+            })
             .collect::<HashMap<String, Vec<f32>>>()
     };
     let running = |m: &resnet::ResNet| {
@@ -203,8 +213,8 @@ fn synced_step_gradients_sum_to_the_single_process_gradients() {
             .map(|(k, t)| (k, t.flatten_all().unwrap().to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap()))
             .collect::<HashMap<String, Vec<f32>>>()
     };
-    let single = train::build_model(&cfg, &Device::Cpu).unwrap();
-    let o = single.train_step_explicit(&x, &labels, 0.0, 1.0, resnet::Precision::F32).unwrap();
+    let single = train::build_model(cfg, device).unwrap();
+    let o = single.train_step_explicit(&x, &labels, 0.0, 1.0, prec).unwrap();
     let want = named(&single, &o.grads);
     let want_running = running(&single);
 
@@ -213,16 +223,16 @@ fn synced_step_gradients_sum_to_the_single_process_gradients() {
     let handles: Vec<_> = thread_group(4)
         .into_iter()
         .map(|g| {
-            let (cfg, x, labels) = (cfg.clone(), x.clone(), labels.clone());
+            let (cfg, x, labels, device) = (cfg.clone(), x.clone(), labels.clone(), device.clone());
             std::thread::spawn(move || {
-                let m = train::build_model(&cfg, &Device::Cpu).unwrap();
+                let m = train::build_model(&cfg, &device).unwrap();
                 let (a, b) = (starts[g.rank], starts[g.rank + 1]);
                 if a == b {
                     m.sync_bn_idle_step(&g).unwrap();
                     return (0, None, running(&m));
                 }
                 let (xr, lr) = (x.narrow(0, a, b - a).unwrap(), labels.narrow(0, a, b - a).unwrap());
-                let o = m.train_step_explicit_synced(&xr, &lr, 0.0, 1.0, resnet::Precision::F32, Some(&g)).unwrap();
+                let o = m.train_step_explicit_synced(&xr, &lr, 0.0, 1.0, prec, Some(&g)).unwrap();
                 (b - a, Some(named(&m, &o.grads)), running(&m))
             })
         })
@@ -242,12 +252,44 @@ fn synced_step_gradients_sum_to_the_single_process_gradients() {
         let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
         (num / den.max(1e-30)).sqrt()
     };
-    let mut worst: Vec<(f64, &String)> = want.iter().map(|(k, w)| (rel(&got[k], w), k)).collect();
-    worst.sort_by(|a, b| b.0.total_cmp(&a.0));
-    assert!(worst[0].0 < 1e-4, "gradients differ (relative L2): {:?}", &worst[..3]);
+    // The per-rank statistics differ from the single process's by rounding, which can flip the ReLU mask of a
+    // pre-activation within an ulp of 0; one flipped element moves the sums of its layer and those upstream by up
+    // to ~1e-2 here. So: most parameters within `tol`, none beyond `tol_worst` (a wrong weighting is off by ~1
+    // everywhere).
+    let mut errs: Vec<(f64, &String)> = want.iter().map(|(k, w)| (rel(&got[k], w), k)).collect();
+    errs.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let (median, worst) = (errs[errs.len() / 2], errs[errs.len() - 1]);
+    eprintln!("synced step, {prec:?}: gradient relative L2 error median {median:?}, worst {worst:?}");
+    assert!(
+        median.0 < tol && worst.0 < tol_worst,
+        "gradients differ (relative L2): median {median:?}, worst {worst:?}"
+    );
     for (_, _, r) in &results {
         let mut worst: Vec<(f64, &String)> = want_running.iter().map(|(k, w)| (rel(&r[k], w), k)).collect();
         worst.sort_by(|a, b| b.0.total_cmp(&a.0));
-        assert!(worst[0].0 < 1e-5, "running statistics differ: {:?}", &worst[..3]);
+        assert!(worst[0].0 < tol_running, "running statistics differ: {:?}", &worst[..3]);
     }
+}
+
+#[test]
+fn synced_step_gradients_sum_to_the_single_process_gradients() {
+    let cfg = tiny(&["kernels.conv=\"custom\"", "kernels.step=\"fused\"", "data.image_size=16", "data.val_resize=16"]);
+    synced_step_matches_one_process(&cfg, &Device::Cpu, resnet::Precision::F32, (1e-4, 5e-2), 1e-5);
+}
+
+/// The same on the GPU in bf16 (the CUDA build of this test binary, run by scripts/gpu-step.sh): the ranks are
+/// threads on one device, each on its own stream; bf16 activations round differently per batch composition,
+/// hence the wider tolerances.
+#[cfg(feature = "cuda")]
+#[test]
+fn synced_step_on_cuda_in_bf16() {
+    let cfg = tiny(&[
+        "device=\"cuda\"",
+        "kernels.step=\"fused\"",
+        "amp.dtype=\"bf16\"",
+        "data.image_size=32",
+        "data.val_resize=32",
+    ]);
+    let device = train::select_device(&cfg.device).unwrap();
+    synced_step_matches_one_process(&cfg, &device, resnet::Precision::Bf16, (3e-2, 0.3), 1e-3);
 }
