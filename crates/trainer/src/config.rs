@@ -211,6 +211,10 @@ pub struct TrainSection {
     /// Data-parallel runs: BatchNorm statistics (and their gradient sums) over the global batch, all-reduced
     /// across the ranks every layer (the fused step only). Off: each GPU normalises with its own batch.
     pub sync_bn: bool,
+    /// Data-parallel runs: a rank that has not reached a collective (gradient all-reduce, synchronised
+    /// BatchNorm) this many seconds after another rank did is declared hung, and every rank stops naming it.
+    /// Must exceed rank 0's validation and checkpoint time (the other ranks wait for it then).
+    pub stall_timeout_s: f64,
 }
 
 impl Default for TrainSection {
@@ -224,6 +228,7 @@ impl Default for TrainSection {
             label_smoothing: 0.0,
             eval_batch_size: 0,
             sync_bn: false,
+            stall_timeout_s: 600.0,
         }
     }
 }
@@ -696,6 +701,9 @@ impl Config {
             if !(v.is_finite() && v >= 0.0) {
                 bail!("{k} must be a non-negative number, got {v}");
             }
+        }
+        if !(self.train.stall_timeout_s.is_finite() && self.train.stall_timeout_s > 0.0) {
+            bail!("train.stall_timeout_s must be a number of seconds above 0, got {}", self.train.stall_timeout_s);
         }
         if !(0.0..1.0).contains(&self.train.label_smoothing) {
             bail!("train.label_smoothing must be in [0, 1), got {}", self.train.label_smoothing);

@@ -369,7 +369,8 @@ fn train_data_parallel(
             return Err(e);
         }
         let me = env.rank;
-        group.on_failure(move |e| {
+        let stall = std::time::Duration::from_secs_f64(cfg.train.stall_timeout_s);
+        group.on_failure(Some(stall), move |e| {
             eprintln!("error: rank {me}: {e}; stopping this rank (the finished checkpoints are intact)");
             std::process::exit(trainer::dist::PEER_FAILED_EXIT_CODE);
         })?;
@@ -380,6 +381,7 @@ fn train_data_parallel(
         let ranks = trainer::train::Ranks {
             collective: Box::new(comm),
             local_world_size: env.local_world_size.unwrap_or(env.world_size),
+            progress: Some(group.progress()),
         };
         let summary = trainer::train::train_ranks(cfg, run_dir, resume, Some(ranks))?;
         group.barrier(Options::default().timeout)?;

@@ -191,14 +191,25 @@ pub struct StepRunner {
     pub collective: Option<Box<dyn crate::dist::Collective>>,
     /// `train.sync_bn`: with a collective, BatchNorm statistics over the global batch (fused step only).
     pub sync_bn: bool,
+    /// Data-parallel: counted up on arrival at every collective ([`Ranks::progress`]).
+    pub progress: Option<Arc<std::sync::atomic::AtomicU64>>,
 }
 
-/// The trainer's collective as the explicit step's [`resnet::step::BnSync`].
-struct SyncVia<'a>(&'a dyn crate::dist::Collective);
+/// The trainer's collective as the explicit step's [`resnet::step::BnSync`], counting arrivals like the
+/// gradient all-reduce does.
+struct SyncVia<'a>(&'a dyn crate::dist::Collective, Option<&'a std::sync::atomic::AtomicU64>);
 
 impl resnet::step::BnSync for SyncVia<'_> {
     fn all_reduce_sum(&self, t: &Tensor) -> candle_core::Result<()> {
+        arrive(self.1);
         self.0.all_reduce_sum(t).map_err(|e| candle_core::Error::Msg(format!("sync BatchNorm: {e:#}")))
+    }
+}
+
+/// One more arrival at a collective ([`Ranks::progress`]).
+fn arrive(progress: Option<&std::sync::atomic::AtomicU64>) {
+    if let Some(p) = progress {
+        p.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -272,6 +283,7 @@ impl StepRunner {
             phases: None,
             collective: None,
             sync_bn: cfg.train.sync_bn,
+            progress: None,
             model,
         })
     }
@@ -303,7 +315,7 @@ impl StepRunner {
         let mut correct_sum: Option<Tensor> = None;
         let mut samples = 0;
         let sync = match (&self.collective, self.sync_bn) {
-            (Some(c), true) => Some(SyncVia(c.as_ref())),
+            (Some(c), true) => Some(SyncVia(c.as_ref(), self.progress.as_deref())),
             _ => None,
         };
         // A data-parallel rank's last batch of an epoch may be empty: it still joins the all-reduce, with zeros
@@ -395,6 +407,7 @@ impl StepRunner {
                 let (all, _) = gather_unscaled(&flat, n / scale)?;
                 let counts =
                     Tensor::stack(&[Tensor::full(n as f32, (), &device)?, ((loss_sum / accum)? * n)?, correct_sum], 0)?;
+                arrive(self.progress.as_deref());
                 c.all_reduce_sum(&all)?;
                 c.all_reduce_sum(&counts)?;
                 let global_n = counts.narrow(0, 0, 1)?;
@@ -688,15 +701,18 @@ pub struct Ranks {
     pub collective: Box<dyn crate::dist::Collective>,
     /// Ranks on this node, on cuda:0.. (rank 0's telemetry samples all of their GPUs).
     pub local_world_size: usize,
+    /// Counted up each time this rank arrives at a collective (the rendezvous group's heartbeats carry
+    /// it, so that a rank that stops arriving is named: `dist::Group::on_failure`).
+    pub progress: Option<Arc<std::sync::atomic::AtomicU64>>,
 }
 
 /// [`train`] as one rank of a data-parallel run when `ranks` is given (`trainer launch`, torchrun, Slurm):
 /// the rank trains on its share of every global batch (`dist::shard`), the gradients are summed over the ranks
 /// every step, and only rank 0 writes (metrics.jsonl, checkpoints, plots, model.safetensors), validates and prints.
 pub fn train_ranks(cfg: &Config, run_dir: &Path, resume: bool, ranks: Option<Ranks>) -> Result<Summary> {
-    let (collective, ranks_info) = match ranks {
-        Some(r) => (Some(r.collective), Some(r.local_world_size)),
-        None => (None, None),
+    let (collective, ranks_info, progress) = match ranks {
+        Some(r) => (Some(r.collective), Some(r.local_world_size), r.progress),
+        None => (None, None, None),
     };
     let (rank, world) = collective.as_ref().map(|c| (c.rank(), c.world_size())).unwrap_or((0, 1));
     let writer = rank == 0;
@@ -710,6 +726,7 @@ pub fn train_ranks(cfg: &Config, run_dir: &Path, resume: bool, ranks: Option<Ran
     let model = build_model(cfg, &device)?;
     let mut runner = StepRunner::new(cfg, model)?;
     runner.collective = collective;
+    runner.progress = progress;
 
     let accum = cfg.train.grad_accum;
     // Micro-batches per epoch, the same on every rank (each takes its share of every global batch).

@@ -146,7 +146,7 @@ impl ThreadGroup {
     /// The trainer's view of this rank.
     pub fn ranks(self) -> trainer::train::Ranks {
         let local_world_size = self.world;
-        trainer::train::Ranks { collective: Box::new(self), local_world_size }
+        trainer::train::Ranks { collective: Box::new(self), local_world_size, progress: None }
     }
 }
 

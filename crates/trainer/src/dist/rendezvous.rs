@@ -10,6 +10,7 @@
 use super::env::DistEnv;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -353,11 +354,17 @@ struct State {
     /// Ranks that said goodbye (their connection closing is not a failure).
     left: Vec<bool>,
     closing: bool,
+    /// Each peer's progress (how many collectives it has arrived at, from its heartbeats) and since when it has
+    /// been behind the furthest rank this one knows of (None: not behind).
+    progress: Vec<u32>,
+    behind_since: Vec<Option<Instant>>,
 }
 
 struct Shared {
     state: Mutex<State>,
     cv: Condvar,
+    /// This rank's progress, sent with every heartbeat ([`Group::progress`]).
+    mine: Arc<AtomicU64>,
 }
 
 impl Shared {
@@ -389,8 +396,15 @@ pub struct Group {
 impl Group {
     fn start(rank: usize, world: usize, streams: Vec<(usize, TcpStream)>, opts: &Options) -> Result<Self> {
         let shared = Arc::new(Shared {
-            state: Mutex::new(State { reached: vec![0; world], left: vec![false; world], ..Default::default() }),
+            state: Mutex::new(State {
+                reached: vec![0; world],
+                left: vec![false; world],
+                progress: vec![0; world],
+                behind_since: vec![None; world],
+                ..Default::default()
+            }),
             cv: Condvar::new(),
+            mine: Arc::new(AtomicU64::new(0)),
         });
         let mut links = Vec::new();
         let mut readers = Vec::new();
@@ -423,9 +437,10 @@ impl Group {
                         let mut st = shared.lock();
                         while !st.closing {
                             drop(st);
+                            let mine = shared.mine.load(Ordering::Relaxed) as u32;
                             for l in links.iter() {
                                 // A dead peer is reported by its watch thread.
-                                let _ = send(l, HEARTBEAT, 0, &[]);
+                                let _ = send(l, HEARTBEAT, mine, &[]);
                             }
                             st = shared.lock();
                             if st.closing {
@@ -463,17 +478,39 @@ impl Group {
         st.failure.clone().map(|(rank, msg)| RendezvousError::RankFailed { rank, msg })
     }
 
+    /// This rank's progress counter: the training loop adds 1 each time it arrives at a collective, and the
+    /// heartbeats carry it to the peers (see [`Group::on_failure`]'s `stall`).
+    pub fn progress(&self) -> Arc<AtomicU64> {
+        self.shared.mine.clone()
+    }
+
     /// Runs `f` on a background thread as soon as a rank failure is seen (never, if the group closes first).
     /// The training loop uses it to exit while its own thread may be blocked inside a collective that the failed
-    /// rank will never join.
-    pub fn on_failure(&mut self, f: impl FnOnce(RendezvousError) + Send + 'static) -> Result<()> {
-        let shared = self.shared.clone();
+    /// rank will never join. With `stall`, a peer whose progress ([`Group::progress`]) stays behind the furthest
+    /// rank's for that long counts as failed too (hung): rank 0 watches every rank, the others rank 0.
+    pub fn on_failure(
+        &mut self,
+        stall: Option<Duration>,
+        f: impl FnOnce(RendezvousError) + Send + 'static,
+    ) -> Result<()> {
+        let (shared, links, me) = (self.shared.clone(), self.links.clone(), self.rank);
+        let tick = stall.map(|s| (s / 4).clamp(Duration::from_millis(10), Duration::from_secs(1)));
         let t = std::thread::Builder::new()
             .name("dist-watchdog".into())
             .spawn(move || {
                 let mut st = shared.lock();
                 while st.failure.is_none() && !st.closing {
-                    st = shared.cv.wait(st).unwrap_or_else(|p| p.into_inner());
+                    st = match tick {
+                        Some(t) => shared.cv.wait_timeout(st, t).unwrap_or_else(|p| p.into_inner()).0,
+                        None => shared.cv.wait(st).unwrap_or_else(|p| p.into_inner()),
+                    };
+                    if let (Some(stall), None, false) = (stall, &st.failure, st.closing) {
+                        let mine = shared.mine.load(Ordering::Relaxed) as u32;
+                        if let Some(failure) = stalled(me, &mut st, mine, stall) {
+                            report(me, &mut st, failure, &links);
+                            shared.cv.notify_all();
+                        }
+                    }
                 }
                 let failure = if st.closing { None } else { st.failure.clone() };
                 drop(st);
@@ -581,7 +618,10 @@ fn watch(me: usize, peer: usize, mut s: TcpStream, shared: &Shared, links: &[Lin
             return;
         }
         let failure = match frame {
-            Ok((HEARTBEAT, _, _)) => continue,
+            Ok((HEARTBEAT, progress, _)) => {
+                st.progress[peer] = progress;
+                continue;
+            }
             Ok((BARRIER, seq, _)) if me == 0 => {
                 st.reached[peer] = seq;
                 shared.cv.notify_all();
@@ -612,19 +652,50 @@ fn watch(me: usize, peer: usize, mut s: TcpStream, shared: &Shared, links: &[Lin
             }
             Err(e) => (peer, format!("connection error: {e}")),
         };
-        if st.failure.is_none() {
-            // Rank 0 tells every other rank who failed before its own code can learn of it (and, say, exit):
-            // the notice must leave before this rank's goodbye.
-            if me == 0 {
-                for l in links.iter().filter(|l| l.0 != failure.0) {
-                    let _ = send(l, FAILED, failure.0 as u32, failure.1.as_bytes());
-                }
-            }
-            st.failure = Some(failure);
-        }
+        report(me, &mut st, failure, links);
         shared.cv.notify_all();
         return;
     }
+}
+
+/// Records the first failure; rank 0 tells every other rank who failed before its own code can learn of it (and,
+/// say, exit): the notice must leave before this rank's goodbye.
+fn report(me: usize, st: &mut State, failure: (usize, String), links: &[Link]) {
+    if st.failure.is_some() {
+        return;
+    }
+    if me == 0 {
+        for l in links.iter().filter(|l| l.0 != failure.0) {
+            let _ = send(l, FAILED, failure.0 as u32, failure.1.as_bytes());
+        }
+    }
+    st.failure = Some(failure);
+}
+
+/// A peer this rank can see that has stayed behind the furthest known progress for longer than `stall`: it has
+/// not arrived at a collective that the others have been waiting in.
+fn stalled(me: usize, st: &mut State, mine: u32, stall: Duration) -> Option<(usize, String)> {
+    let peers: Vec<usize> = if me == 0 { (1..st.progress.len()).collect() } else { vec![0] };
+    let furthest = peers.iter().map(|&p| st.progress[p]).chain([mine]).max().unwrap_or(0);
+    for &p in &peers {
+        if st.left[p] || st.progress[p] >= furthest {
+            st.behind_since[p] = None;
+            continue;
+        }
+        let since = *st.behind_since[p].get_or_insert_with(Instant::now);
+        if since.elapsed() > stall {
+            return Some((
+                p,
+                format!(
+                    "made no progress for {:.1}s: it has not arrived at collective #{}, where the other rank(s) \
+                     have been waiting (hung; train.stall_timeout_s)",
+                    stall.as_secs_f64(),
+                    st.progress[p] + 1
+                ),
+            ));
+        }
+    }
+    None
 }
 
 #[cfg(test)]
@@ -707,8 +778,8 @@ mod tests {
         let (_, mut g1) = leaves.pop().unwrap().join().unwrap().unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
         let tx0 = tx.clone();
-        root.on_failure(move |e| tx0.send((0, e.to_string())).unwrap()).unwrap();
-        g1.on_failure(move |e| tx.send((1, e.to_string())).unwrap()).unwrap();
+        root.on_failure(None, move |e| tx0.send((0, e.to_string())).unwrap()).unwrap();
+        g1.on_failure(None, move |e| tx.send((1, e.to_string())).unwrap()).unwrap();
         g2.abort();
         let mut got: Vec<(usize, String)> = (0..2).map(|_| rx.recv_timeout(Duration::from_secs(10)).unwrap()).collect();
         got.sort();
@@ -721,10 +792,43 @@ mod tests {
         let mut root = root.join().unwrap().unwrap();
         let (_, g1) = leaf.join().unwrap().unwrap();
         let (tx, rx) = std::sync::mpsc::channel::<String>();
-        root.on_failure(move |e| tx.send(e.to_string()).unwrap()).unwrap();
+        root.on_failure(None, move |e| tx.send(e.to_string()).unwrap()).unwrap();
         root.close();
         g1.close();
         assert!(rx.recv_timeout(Duration::from_millis(300)).is_err());
+    }
+
+    #[test]
+    fn a_rank_that_stops_arriving_is_named_as_hung() {
+        let (addr, root) = server(3, fast(10_000));
+        let mut leaves = joiners(&addr, &[1, 2], 3, fast(10_000));
+        let mut root = root.join().unwrap().unwrap();
+        let (_, mut g2) = leaves.pop().unwrap().join().unwrap().unwrap();
+        let (_, g1) = leaves.pop().unwrap().join().unwrap().unwrap();
+        let stall = Some(Duration::from_millis(400));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let tx2 = tx.clone();
+        root.on_failure(stall, move |e| tx.send((0, e.to_string())).unwrap()).unwrap();
+        g2.on_failure(stall, move |e| tx2.send((2, e.to_string())).unwrap()).unwrap();
+        // All at the same progress for longer than the stall limit: nobody is behind, nothing happens (the
+        // others waiting on rank 0's validation looks the same until one of them arrives first).
+        std::thread::sleep(Duration::from_millis(700));
+        assert!(rx.try_recv().is_err());
+        // Ranks 0 and 2 arrive at the next collective; rank 1 never does.
+        root.progress().fetch_add(1, Ordering::Relaxed);
+        g2.progress().fetch_add(1, Ordering::Relaxed);
+        let t0 = Instant::now();
+        let mut got: Vec<(usize, String)> = (0..2).map(|_| rx.recv_timeout(Duration::from_secs(10)).unwrap()).collect();
+        got.sort();
+        assert!(t0.elapsed() >= Duration::from_millis(400), "{:?}", t0.elapsed());
+        assert_eq!((got[0].0, got[1].0), (0, 2));
+        for (_, e) in &got {
+            assert!(
+                e.starts_with("rank 1 failed: made no progress for 0.4s: it has not arrived at collective #1,"),
+                "{e}"
+            );
+        }
+        drop(g1);
     }
 
     #[test]
