@@ -648,7 +648,7 @@ pub fn resume_position(state: &TrainState, batch_size: usize, world: usize) -> s
         return Ok(state.batch_in_epoch);
     }
     let done = state.batch_in_epoch * saved;
-    if done % now != 0 {
+    if !done.is_multiple_of(now) {
         return Err(format!(
             "it stopped {done} samples into epoch {} (global batch {saved_bs} x {} rank(s)), which is not a whole \
              number of global batches of {batch_size} x {world} rank(s); resume with a global batch that divides \

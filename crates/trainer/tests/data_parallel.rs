@@ -130,7 +130,7 @@ fn run_ranks_err(cfg: &Config, dir: &Path, world: usize) -> String {
         })
         .collect();
     let mut errs: Vec<String> =
-        handles.into_iter().map(|h| format!("{:#}", h.join().unwrap().err().expect("resume should fail"))).collect();
+        handles.into_iter().map(|h| format!("{:#}", h.join().unwrap().expect_err("resume should fail"))).collect();
     errs.swap_remove(0)
 }
 

@@ -262,7 +262,7 @@ mod tests {
         let mut rng = ChaCha8Rng::seed_from_u64(1);
         for bad in [&bytes[..bytes.len() / 3], &b"\xFF\xD8\xFF\xE0 nope"[..], &b"not an image at all"[..]] {
             let e = load_into(bad, &|| "/data/x.jpg".into(), &t, &mut rng, &mut out, &mut StageNanos::default());
-            let e = e.err().expect("an error").to_string();
+            let e = e.expect_err("an error").to_string();
             assert!(e.starts_with("cannot decode image /data/x.jpg: "), "{e}");
             assert!(!e.contains('\n'), "{e}");
         }
