@@ -75,6 +75,16 @@ pub enum LossScaling {
     Off,
 }
 
+/// `train.grad_allreduce`: the dtype data-parallel gradients travel in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GradAllreduce {
+    /// FP32: the sum is exact up to FP32 rounding.
+    Fp32,
+    /// bf16: half the bytes on the wire; each rank's gradient rounded to bf16 (~0.4%) and summed in bf16.
+    Bf16,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelSection {
@@ -215,6 +225,8 @@ pub struct TrainSection {
     /// BatchNorm) this many seconds after another rank did is declared hung, and every rank stops naming it.
     /// Must exceed rank 0's validation and checkpoint time (the other ranks wait for it then).
     pub stall_timeout_s: f64,
+    /// Data-parallel runs: "fp32" or "bf16", the dtype of the gradient all-reduce.
+    pub grad_allreduce: GradAllreduce,
 }
 
 impl Default for TrainSection {
@@ -229,6 +241,7 @@ impl Default for TrainSection {
             eval_batch_size: 0,
             sync_bn: false,
             stall_timeout_s: 600.0,
+            grad_allreduce: GradAllreduce::Fp32,
         }
     }
 }

@@ -193,6 +193,8 @@ pub struct StepRunner {
     pub sync_bn: bool,
     /// Data-parallel: counted up on arrival at every collective ([`Ranks::progress`]).
     pub progress: Option<Arc<std::sync::atomic::AtomicU64>>,
+    /// `train.grad_allreduce`: the dtype of the gradient all-reduce.
+    pub grad_allreduce: crate::config::GradAllreduce,
 }
 
 /// The trainer's collective as the explicit step's [`resnet::step::BnSync`], counting arrivals like the
@@ -284,6 +286,7 @@ impl StepRunner {
             collective: None,
             sync_bn: cfg.train.sync_bn,
             progress: None,
+            grad_allreduce: cfg.train.grad_allreduce,
             model,
         })
     }
@@ -408,7 +411,17 @@ impl StepRunner {
                 let counts =
                     Tensor::stack(&[Tensor::full(n as f32, (), &device)?, ((loss_sum / accum)? * n)?, correct_sum], 0)?;
                 arrive(self.progress.as_deref());
-                c.all_reduce_sum(&all)?;
+                let all = match self.grad_allreduce {
+                    crate::config::GradAllreduce::Fp32 => {
+                        c.all_reduce_sum(&all)?;
+                        all
+                    }
+                    crate::config::GradAllreduce::Bf16 => {
+                        let half = all.to_dtype(DType::BF16)?;
+                        c.all_reduce_sum(&half)?;
+                        half.to_dtype(DType::F32)?
+                    }
+                };
                 c.all_reduce_sum(&counts)?;
                 let global_n = counts.narrow(0, 0, 1)?;
                 let all = all.broadcast_div(&global_n)?;

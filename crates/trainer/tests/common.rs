@@ -139,7 +139,7 @@ impl ThreadGroup {
             cv.notify_all();
         }
         drop(r);
-        t.slice_set(&Tensor::from_vec(sum.to_vec(), t.shape(), t.device())?, 0, 0)?;
+        t.slice_set(&Tensor::from_vec(sum.to_vec(), t.shape(), t.device())?.to_dtype(t.dtype())?, 0, 0)?;
         Ok(())
     }
 

@@ -26,7 +26,7 @@ pub const PEER_FAILED_EXIT_CODE: i32 = 75;
 pub trait Collective {
     fn rank(&self) -> usize;
     fn world_size(&self) -> usize;
-    /// Every rank's `t` becomes the sum of all ranks' `t`.
+    /// Every rank's `t` (contiguous f32 or bf16) becomes the sum of all ranks' `t`.
     fn all_reduce_sum(&self, t: &candle_core::Tensor) -> anyhow::Result<()>;
 }
 

@@ -54,15 +54,22 @@ impl super::Collective for NcclComm {
     }
 
     fn all_reduce_sum(&self, t: &Tensor) -> Result<()> {
-        if t.dtype() != DType::F32 {
-            bail!("all-reduce: dtype {:?} (f32 only)", t.dtype());
-        }
         let len = t.elem_count();
-        let addr = kernels::cuda::addr_of::<f32>(t, len, "all-reduce: the tensor").map_err(|e| anyhow!("{e}"))?;
-        let mut buf = Raw::<f32>::new(addr, len, &self.stream);
-        self.comm
-            .all_reduce_in_place(&mut buf, &ReduceOp::Sum)
-            .map_err(|e| anyhow!("ncclAllReduce of {len} elements failed: {e:?}"))?;
+        let what = "all-reduce: the tensor";
+        let failed = |e| anyhow!("ncclAllReduce of {len} {:?} elements failed: {e:?}", t.dtype());
+        match t.dtype() {
+            DType::F32 => {
+                let addr = kernels::cuda::addr_of::<f32>(t, len, what).map_err(|e| anyhow!("{e}"))?;
+                let mut buf = Raw::<f32>::new(addr, len, &self.stream);
+                self.comm.all_reduce_in_place(&mut buf, &ReduceOp::Sum).map_err(failed)?;
+            }
+            DType::BF16 => {
+                let addr = kernels::cuda::addr_of::<half::bf16>(t, len, what).map_err(|e| anyhow!("{e}"))?;
+                let mut buf = Raw::<half::bf16>::new(addr, len, &self.stream);
+                self.comm.all_reduce_in_place(&mut buf, &ReduceOp::Sum).map_err(failed)?;
+            }
+            other => bail!("all-reduce: dtype {other:?} (f32 and bf16 only)"),
+        }
         Ok(())
     }
 }
