@@ -117,10 +117,8 @@ pub fn bench_one(cfg: &Config, dtype: Precision, bs: usize, warmup: usize, steps
     let result = run();
     // Give the pool's memory back so that the next run's peak starts from an empty pool (and after an OOM).
     #[cfg(feature = "cuda")]
-    if let Ok(device) = select_device(&cfg.device) {
-        if let candle_core::Device::Cuda(d) = &device {
-            let _ = kernels::cuda::release_pool_memory(d);
-        }
+    if let Ok(candle_core::Device::Cuda(d)) = select_device(&cfg.device) {
+        let _ = kernels::cuda::release_pool_memory(&d);
     }
     match result {
         Ok((secs, peak)) => {

@@ -33,8 +33,8 @@ const V8_MIN_ROWS_PER_THREAD: usize = 16;
 /// 256, every activation operand (`elems`) starting on a 16-byte boundary (8 elements: 32 bytes for f32) and every
 /// per-channel f32 tensor (`chans`) on a 16-byte boundary.
 pub(crate) fn v8_applies(c: usize, elems: &[&Layout], chans: &[&Layout]) -> bool {
-    c % 8 == 0
-        && V8_THREADS % (c / 8) == 0
+    c.is_multiple_of(8)
+        && V8_THREADS.is_multiple_of(c / 8)
         && elems.iter().all(|l| l.start_offset() % 8 == 0)
         && chans.iter().all(|l| l.start_offset() % 4 == 0)
 }

@@ -56,8 +56,8 @@ pub fn conv_tile_applies(tile: Tile, g: &ConvGeom) -> bool {
 pub fn tma_conv_applies(g: &ConvGeom, pass: ConvPass) -> bool {
     g.is_plain()
         || match pass {
-            ConvPass::Fwd | ConvPass::Wgrad => g.c % 64 == 0 && g.ko % 8 == 0,
-            ConvPass::Dgrad => g.pad < g.r && g.ko % 64 == 0 && g.c % 8 == 0,
+            ConvPass::Fwd | ConvPass::Wgrad => g.c.is_multiple_of(64) && g.ko.is_multiple_of(8),
+            ConvPass::Dgrad => g.pad < g.r && g.ko.is_multiple_of(64) && g.c.is_multiple_of(8),
         }
 }
 
@@ -152,8 +152,8 @@ fn tma_conv<T: CudaDType + DeviceRepr + WithDType>(
 /// would fill half of the TMA tiles' 128 rows) and at least 128 rows of R*S*C, on the TMA path of a wgmma device.
 pub fn wgrad_transposed(dev: &CudaDevice, g: &ConvGeom) -> bool {
     g.ko <= 64
-        && g.ko % 8 == 0
-        && g.c % 8 == 0
+        && g.ko.is_multiple_of(8)
+        && g.c.is_multiple_of(8)
         && g.r * g.r * g.c >= 128
         && tma_conv_applies(g, ConvPass::Wgrad)
         && has_wgmma(dev)

@@ -34,7 +34,7 @@ unsafe impl DeviceRepr for Im2colArgs {}
 const IM2COL_BELOW_C: usize = 8;
 /// Whether a convolution with `c` input channels and `ko` outputs runs through [`im2col_conv`] on `dev`.
 pub fn im2col_applies(dev: &CudaDevice, c: usize, ko: usize) -> bool {
-    c > 0 && c < IM2COL_BELOW_C && ko % 8 == 0 && has_wgmma(dev)
+    c > 0 && c < IM2COL_BELOW_C && ko.is_multiple_of(8) && has_wgmma(dev)
 }
 
 /// Forward or grad-weight of a convolution with few input channels: the rows (pixels) of im2col(x) are written,

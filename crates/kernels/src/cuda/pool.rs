@@ -153,7 +153,7 @@ const MAXPOOL_NHWC_VEC_MODULE: &str = "maxpool/04_nhwc_vec";
 /// Whether 04 (8 channels per thread) runs: c % 8 == 0, every operand starting on a 16-byte boundary (`offsets` in
 /// elements), a window of at most 255 cells and at most 65,535 images (one per blockIdx.y).
 fn nhwc_v8(p: &MaxPool2d, dims: (usize, usize, usize, usize), offsets: &[usize]) -> bool {
-    dims.3 % 8 == 0 && offsets.iter().all(|o| o % 8 == 0) && p.kernel * p.kernel <= 255 && dims.0 <= 65535
+    dims.3.is_multiple_of(8) && offsets.iter().all(|o| o % 8 == 0) && p.kernel * p.kernel <= 255 && dims.0 <= 65535
 }
 
 /// 04's launch: 256 threads, grid (blocks over one image's `groups` 8-channel groups, n).

@@ -28,7 +28,7 @@ pub struct BnTensors<'a> {
 /// or 8 for the channel-free gradient kernels) is a multiple of 8 (the element count then is too).
 fn vec_width(layouts: &[&Layout], group: usize, len: usize) -> usize {
     let starts_aligned = layouts.iter().all(|l| l.start_offset() % 8 == 0);
-    if starts_aligned && group % 8 == 0 && len % 8 == 0 {
+    if starts_aligned && group.is_multiple_of(8) && len.is_multiple_of(8) {
         8
     } else {
         1

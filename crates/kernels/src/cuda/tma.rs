@@ -35,7 +35,7 @@ fn tma_dtype(dt: DType, op: &str) -> Result<candle_core::cuda_backend::cudarc::d
 pub(crate) fn tma_map(ptr: u64, dt: DType, inner: usize, outer: usize, box_outer: u32, op: &str) -> Result<TmaDesc> {
     use candle_core::cuda_backend::cudarc::driver::sys;
     let dtype = tma_dtype(dt, op)?;
-    if (inner * 2) % 16 != 0 || ptr % 16 != 0 {
+    if !(inner * 2).is_multiple_of(16) || !ptr.is_multiple_of(16) {
         candle_core::bail!("{op} (cuda): TMA operand rows of {inner} elements are not 16-byte aligned");
     }
     let dims = [inner.max(1) as u64, outer.max(1) as u64];
@@ -85,7 +85,7 @@ pub(crate) fn tma_im2col_map(
 ) -> Result<TmaDesc> {
     use candle_core::cuda_backend::cudarc::driver::sys;
     let dtype = tma_dtype(dt, op)?;
-    if c % 64 != 0 || ptr % 16 != 0 || stride == 0 || stride > 8 {
+    if c % 64 != 0 || !ptr.is_multiple_of(16) || stride == 0 || stride > 8 {
         candle_core::bail!("{op} (cuda): no im2col tensor map for c={c} stride={stride}");
     }
     let dims = [c as u64, w as u64, h as u64, n as u64];

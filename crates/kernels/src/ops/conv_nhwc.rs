@@ -224,7 +224,7 @@ mod cuda_ops {
     }
 
     fn dgrad_geom(dy: &Tensor, w: &Tensor, g: ConvGeom, policy: &KernelPolicy) -> Result<Tensor> {
-        if g.c % 8 != 0 || g.ko % 8 != 0 {
+        if !g.c.is_multiple_of(8) || !g.ko.is_multiple_of(8) {
             return dgrad_reference(dy, w, g);
         }
         dy.apply_op2_no_bwd(&aligned(w)?, &ConvOp::new(g, ConvPass::Dgrad, policy))
