@@ -28,8 +28,21 @@ mkdir -p "$out"
 batch="${BATCH:-256}"
 dtypes="${DTYPES-bf16,fp16}"
 
+# run_tests BIN LOG LIMIT PATTERN [ARGS...]: runs the test binary $bin/BIN with ARGS and --nocapture into
+# $out/LOG within LIMIT seconds, counts a failure in `fails` (main's), prints the lines of LOG matching PATTERN.
+run_tests() {
+    local b="$1" log="$2" limit="$3" pat="$4" t0=$SECONDS
+    shift 4
+    if RUST_BACKTRACE=1 timeout "$limit" "$bin/$b" "$@" --nocapture > "$out/$log" 2>&1; then
+        echo "$b: ok ($((SECONDS - t0)) s)"
+    else
+        echo "$b: FAILED ($((SECONDS - t0)) s)"; fails=$((fails + 1))
+    fi
+    grep -E "$pat" "$out/$log" | head -60
+}
+
 main() {
-    local fails=0 bin site t0
+    local fails=0 bin site
     echo "== gpu-step $(date -u +%Y-%m-%dT%H:%M:%SZ)"
     cat "$dist/BUILD_INFO" 2>/dev/null
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
@@ -44,12 +57,7 @@ main() {
         echo "== gpu-tests $GPU_TESTS_FILTER"
         gunzip -c "$dist/gpu-tests.gz" > "$bin/gpu-tests" && chmod +x "$bin/gpu-tests"
         # shellcheck disable=SC2086  # several space-separated filters: libtest runs the tests matching any
-        if RUST_BACKTRACE=1 timeout 120 "$bin/gpu-tests" $GPU_TESTS_FILTER --nocapture > "$out/gpu-tests.log" 2>&1; then
-            echo "gpu-tests $GPU_TESTS_FILTER: ok"
-        else
-            echo "gpu-tests $GPU_TESTS_FILTER: FAILED"; fails=$((fails + 1))
-        fi
-        grep -E "^test |test result|rel err|panicked" "$out/gpu-tests.log" | head -20
+        run_tests gpu-tests gpu-tests.log 120 "^test |test result|rel err|panicked" $GPU_TESTS_FILTER
     fi
 
     if [ -n "${TORCH:-}" ] && [ -n "$dtypes" ]; then
@@ -73,13 +81,7 @@ main() {
     done
 
     echo "== gpu-step-tests --nocapture"
-    t0=$SECONDS
-    if RUST_BACKTRACE=1 timeout "${TEST_TIMEOUT:-240}" "$bin/gpu-step-tests" --nocapture > "$out/gpu-step-tests.log" 2>&1; then
-        echo "gpu-step-tests: ok ($((SECONDS - t0)) s)"
-    else
-        echo "gpu-step-tests: FAILED ($((SECONDS - t0)) s)"; fails=$((fails + 1))
-    fi
-    grep -E "^test |test result|rel err|panicked|Error" "$out/gpu-step-tests.log" | head -60
+    run_tests gpu-step-tests gpu-step-tests.log "${TEST_TIMEOUT:-240}" "^test |test result|rel err|panicked|Error"
 
     if [ -n "${SWEEP:-}" ]; then
         echo "== sweep --max resnet152 bf16 fused (heuristic tiles, from $SWEEP)"
@@ -109,12 +111,7 @@ main() {
     if [ -f "$dist/dp-tests.gz" ]; then
         echo "== dp-tests synced_step_on_cuda (synchronised BatchNorm, 4 ranks as threads on this GPU, bf16)"
         gunzip -c "$dist/dp-tests.gz" > "$bin/dp-tests" && chmod +x "$bin/dp-tests"
-        if RUST_BACKTRACE=1 timeout 120 "$bin/dp-tests" synced_step_on_cuda --nocapture > "$out/dp-tests.log" 2>&1; then
-            echo "dp-tests: ok"
-        else
-            echo "dp-tests: FAILED"; fails=$((fails + 1))
-        fi
-        grep -E "^test |test result|median|panicked" "$out/dp-tests.log" | head -8
+        run_tests dp-tests dp-tests.log 120 "^test |test result|median|panicked" synced_step_on_cuda
     fi
     if [ -n "${NCCL_CHECK:-}" ]; then
         echo "== dist-check --nccl at world size 1 (trainer launch --nproc-per-node 1; a build with NCCL=1)"

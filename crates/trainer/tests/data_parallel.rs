@@ -14,8 +14,8 @@ use std::path::Path;
 use trainer::config::Config;
 use trainer::train::{self, Summary};
 
-/// Runs `world` ranks of `cfg` in `dir` (threads, one shared run directory); rank 0's summary.
-fn run_ranks(cfg: &Config, dir: &Path, world: usize, resume: bool) -> Summary {
+/// Runs `world` ranks of `cfg` in `dir` (threads, one shared run directory); every rank's result, rank order.
+fn spawn_ranks(cfg: &Config, dir: &Path, world: usize, resume: bool) -> Vec<anyhow::Result<Summary>> {
     let handles: Vec<_> = thread_group(world)
         .into_iter()
         .map(|g| {
@@ -23,8 +23,13 @@ fn run_ranks(cfg: &Config, dir: &Path, world: usize, resume: bool) -> Summary {
             std::thread::spawn(move || train::train_ranks(&cfg, &dir, resume, Some(g.ranks())))
         })
         .collect();
-    let mut summaries: Vec<Summary> = handles.into_iter().map(|h| h.join().unwrap().unwrap()).collect();
-    summaries.swap_remove(0)
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+/// [`spawn_ranks`] that must succeed: rank 0's summary.
+fn run_ranks(cfg: &Config, dir: &Path, world: usize, resume: bool) -> Summary {
+    let mut all: Vec<Summary> = spawn_ranks(cfg, dir, world, resume).into_iter().map(|r| r.unwrap()).collect();
+    all.swap_remove(0)
 }
 
 fn weights(path: &Path) -> HashMap<String, Vec<f32>> {
@@ -140,18 +145,13 @@ fn a_run_saved_by_two_ranks_resumes_in_one_process() {
     assert_eq!(s.steps, 7);
 }
 
-/// Runs 2 ranks with `--resume` expecting both to fail; rank 0's error.
+/// [`spawn_ranks`] with `--resume` where every rank must fail: rank 0's error.
 fn run_ranks_err(cfg: &Config, dir: &Path, world: usize) -> String {
-    let handles: Vec<_> = thread_group(world)
+    let errs: Vec<String> = spawn_ranks(cfg, dir, world, true)
         .into_iter()
-        .map(|g| {
-            let (cfg, dir) = (cfg.clone(), dir.to_path_buf());
-            std::thread::spawn(move || train::train_ranks(&cfg, &dir, true, Some(g.ranks())))
-        })
+        .map(|r| format!("{:#}", r.expect_err("resume should fail")))
         .collect();
-    let mut errs: Vec<String> =
-        handles.into_iter().map(|h| format!("{:#}", h.join().unwrap().expect_err("resume should fail"))).collect();
-    errs.swap_remove(0)
+    errs[0].clone()
 }
 
 /// Synchronised BatchNorm in training, end to end (fp32 fused step on the CPU): 2 ranks at batch 8 train what one
