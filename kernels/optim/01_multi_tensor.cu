@@ -105,29 +105,17 @@ __device__ void mt_relayout(const unsigned long long* __restrict__ tab, const in
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) mt_weights_krsc_bf16(const unsigned long long* __restrict__ tab,
-                                                                        const int2* __restrict__ chunks,
-                                                                        __nv_bfloat16* __restrict__ out) {
-    mt_relayout<float, __nv_bfloat16, true>(tab, chunks, out);
-}
+// One export of mt_relayout: NAME(tab, chunks, out) from S to D, to (k, r, s, c) when TO_KRSC.
+#define MT_RELAYOUT_EXPORT(NAME, S, D, TO_KRSC)                                                                      \
+    extern "C" __global__ void __launch_bounds__(256)                                                               \
+        NAME(const unsigned long long* __restrict__ tab, const int2* __restrict__ chunks, D* __restrict__ out) {    \
+        mt_relayout<S, D, TO_KRSC>(tab, chunks, out);                                                               \
+    }
 
-extern "C" __global__ void __launch_bounds__(256) mt_weights_krsc_f16(const unsigned long long* __restrict__ tab,
-                                                                       const int2* __restrict__ chunks,
-                                                                       __half* __restrict__ out) {
-    mt_relayout<float, __half, true>(tab, chunks, out);
-}
-
-extern "C" __global__ void __launch_bounds__(256) mt_grads_kcrs_bf16(const unsigned long long* __restrict__ tab,
-                                                                      const int2* __restrict__ chunks,
-                                                                      float* __restrict__ out) {
-    mt_relayout<__nv_bfloat16, float, false>(tab, chunks, out);
-}
-
-extern "C" __global__ void __launch_bounds__(256) mt_grads_kcrs_f16(const unsigned long long* __restrict__ tab,
-                                                                     const int2* __restrict__ chunks,
-                                                                     float* __restrict__ out) {
-    mt_relayout<__half, float, false>(tab, chunks, out);
-}
+MT_RELAYOUT_EXPORT(mt_weights_krsc_bf16, float, __nv_bfloat16, true)
+MT_RELAYOUT_EXPORT(mt_weights_krsc_f16, float, __half, true)
+MT_RELAYOUT_EXPORT(mt_grads_kcrs_bf16, __nv_bfloat16, float, false)
+MT_RELAYOUT_EXPORT(mt_grads_kcrs_f16, __half, float, false)
 
 extern "C" __global__ void __launch_bounds__(256) mt_adamw_f32(const unsigned long long* __restrict__ tab,
                                                                 const int2* __restrict__ chunks,

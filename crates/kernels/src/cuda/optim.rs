@@ -237,12 +237,20 @@ pub fn weights_krsc(weights: &[&Tensor], out: &candle_core::CudaStorage) -> Resu
     if held < total {
         candle_core::bail!("weights_krsc: output holds {held} elements, {total} needed");
     }
-    let tb = tables(&dev, &entries)?;
+    // Every chunk lies inside its weight, and each weight's output (offset + len) inside `out` (checked above).
+    relayout(&dev, name, &entries, dst)
+}
+
+/// Launches the relayout kernel `name` (mt_weights_krsc_* / mt_grads_kcrs_*: arguments tab, chunks, out) over
+/// `entries` into the flat buffer at `dst`. The callers check that every entry's source holds its length and
+/// that every (offset + length) lies inside the buffer.
+fn relayout(dev: &CudaDevice, name: &str, entries: &[(u64, usize, usize, u64)], dst: u64) -> Result<()> {
+    let tb = tables(dev, entries)?;
     let f = dev.get_or_load_custom_func(name, MODULE, ptx::OPTIM_01_MULTI_TENSOR)?;
     let mut b = f.builder();
     b.arg(&tb.tab).arg(&tb.chunks).arg(&dst);
-    // SAFETY: (tab, chunks, out) as mt_weights_krsc_* takes them; every chunk lies inside its weight, and each
-    // weight's output (offset + len) inside `out` (checked above).
+    // SAFETY: (tab, chunks, out) as the mt_weights_krsc_* / mt_grads_kcrs_* kernels take them; the bounds are the
+    // callers' (see above).
     unsafe { b.launch(cfg(tb.blocks)) }.w()?;
     Ok(())
 }
@@ -280,12 +288,7 @@ pub fn grads_kcrs(grads: &[&Tensor], shapes: &[(usize, usize, usize, usize)], ou
         entries.push((a, offs[i], lens[i], c as u64 | ((r * s) as u64) << 32));
     }
     let name = if dtype == DType::BF16 { "mt_grads_kcrs_bf16" } else { "mt_grads_kcrs_f16" };
-    let tb = tables(&dev, &entries)?;
-    let f = dev.get_or_load_custom_func(name, MODULE, ptx::OPTIM_01_MULTI_TENSOR)?;
-    let mut b = f.builder();
-    b.arg(&tb.tab).arg(&tb.chunks).arg(&po);
-    // SAFETY: (tab, chunks, out) as mt_grads_kcrs_* takes them; every chunk lies inside its gradient (len
-    // elements at its address, checked by addr_of) and inside `out` (offset + len <= total <= its length).
-    unsafe { b.launch(cfg(tb.blocks)) }.w()?;
-    Ok(())
+    // Every chunk lies inside its gradient (len elements at its address, checked by addr_of) and inside `out`
+    // (offset + len <= total <= its length).
+    relayout(&dev, name, &entries, po)
 }
