@@ -126,3 +126,76 @@ fn explicit_step_refuses_what_it_cannot_run() {
     let e = m.train_step_explicit(&x, &labels, 0.0, 1.0, Precision::Bf16).unwrap_err().to_string();
     assert!(e.contains("fp32 only"), "{e}");
 }
+
+/// Gradient buckets (data-parallel training's overlapped all-reduce): the plan covers every trainable parameter
+/// exactly once in buckets of at least the asked size (but the last); a sink receives the buckets in plan order,
+/// each as soon as the backward has made it final (with one parameter per bucket, none is ever held back behind
+/// an earlier one: the plan's order is the backward's), and their gradients are those of the plain step.
+#[test]
+fn gradient_buckets_leave_in_backward_order_with_the_plain_step_gradients() {
+    struct Collect(Vec<(usize, Vec<Tensor>)>);
+    impl resnet::step::GradSink for Collect {
+        fn bucket(&mut self, index: usize, grads: Vec<Tensor>) -> candle_core::Result<()> {
+            self.0.push((index, grads));
+            Ok(())
+        }
+    }
+    for (arch, stem, size, freeze) in
+        [(Arch::ResNet18, Stem::ImageNet, 32, Some("layer2")), (Arch::ResNet50, Stem::Cifar, 16, None)]
+    {
+        let (a, b) = (model(arch, stem), model(arch, stem));
+        if let Some(p) = freeze {
+            assert!(a.store().freeze_prefixes(&[p.to_string()]) > 0);
+            assert!(b.store().freeze_prefixes(&[p.to_string()]) > 0);
+        }
+        let x = Tensor::randn(0f32, 1., (3, 3, size, size), &Device::Cpu).unwrap();
+        let labels = Tensor::new(&[1u32, 7, 2], &Device::Cpu).unwrap();
+        let plain = a.train_step_explicit(&x, &labels, 0.1, 8.0, Precision::F32).unwrap();
+        assert_eq!(plain.buckets_held, 0);
+        let trainable: Vec<_> = b.store().trainable().into_iter().map(|(_, v)| v.as_tensor().id()).collect();
+        for bytes in [1, 200_000] {
+            let plan = b.grad_buckets(bytes);
+            let ids: Vec<_> = plan.iter().flatten().copied().collect();
+            assert_eq!(ids.len(), trainable.len(), "{arch}: every trainable parameter once");
+            let ids: std::collections::HashSet<_> = ids.into_iter().collect();
+            let want: std::collections::HashSet<_> = trainable.iter().copied().collect();
+            assert_eq!(ids, want, "{arch}: the plan holds the trainable parameters");
+            let size_of = |id| b.store().trainable().into_iter().find(|(_, v)| v.as_tensor().id() == id).unwrap().1;
+            for bucket in &plan[..plan.len() - 1] {
+                let bucket_bytes: usize = bucket.iter().map(|id| 4 * size_of(*id).elem_count()).sum();
+                assert!(bucket_bytes >= bytes, "{arch}: a bucket of {bucket_bytes} bytes closed early");
+            }
+            if bytes == 200_000 {
+                assert!(plan.len() > 2, "{arch}: {} buckets", plan.len());
+            }
+            // The same step again on the second model (same weights, same running statistics before the step).
+            let c = model(arch, stem);
+            if let Some(p) = freeze {
+                c.store().freeze_prefixes(&[p.to_string()]);
+            }
+            let plan = c.grad_buckets(bytes);
+            let mut sink = Collect(Vec::new());
+            let args = resnet::step::StepArgs {
+                buckets: Some((&plan, &mut sink as &mut dyn resnet::step::GradSink)),
+                ..resnet::step::StepArgs::new(0.1, 8.0, Precision::F32)
+            };
+            let out = c.train_step_explicit_with(&x, &labels, args).unwrap();
+            assert!(out.grads.is_empty());
+            assert_eq!(out.buckets_held, 0, "{arch}, {bytes}-byte buckets: a bucket was held back");
+            assert_eq!(sink.0.iter().map(|(i, _)| *i).collect::<Vec<_>>(), (0..plan.len()).collect::<Vec<_>>());
+            let by_name: std::collections::HashMap<_, _> =
+                c.store().trainable().into_iter().map(|(n, v)| (v.as_tensor().id(), n)).collect();
+            let plain_by_name: std::collections::HashMap<_, _> =
+                a.store().trainable().into_iter().map(|(n, v)| (n, v.as_tensor().id())).collect();
+            for ((_, grads), ids) in sink.0.iter().zip(&plan) {
+                for (g, id) in grads.iter().zip(ids) {
+                    let name = &by_name[id];
+                    let want = &plain.grads[&plain_by_name[name]];
+                    assert_eq!(g.dims(), want.dims(), "{arch}: {name}");
+                    let d = (g - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+                    assert_eq!(d, 0.0, "{arch}: {name} differs from the plain step's gradient by {d}");
+                }
+            }
+        }
+    }
+}

@@ -17,9 +17,10 @@
 //!
 //! Kernels: the ops of the `kernels` crate (our convolutions, BatchNorm, pooling and fused residual kernels on
 //! CUDA in bf16/fp16, their CPU references elsewhere). Per step, every conv weight is cast to the activation
-//! dtype and (k, r, r, c) layout at the start and every grad-weight converted back to FP32 (k, c, r, r) at the end,
-//! one launch each on CUDA ([`kernels::ops::weights`]); the BatchNorm statistics update the running statistics
-//! inside their finaliser. Buffers are still allocated per op by candle's caching allocator and the step is not
+//! dtype and (k, r, r, c) layout at the start (one launch on CUDA, [`kernels::ops::weights`]); the grad-weights
+//! are converted back to FP32 (k, c, r, r) per gradient bucket (one launch per bucket; a single bucket at the end
+//! of the step unless data-parallel training asks for buckets, [`StepArgs::buckets`]); the BatchNorm statistics
+//! update the running statistics inside their finaliser. Buffers are still allocated per op by candle's caching allocator and the step is not
 //! yet captured as a CUDA graph.
 
 use crate::layers::{BatchNorm2d, Conv2d, Linear};
@@ -41,8 +42,12 @@ pub struct StepOutput {
     /// Logits (n, classes) in the activation dtype.
     pub logits: Tensor,
     /// Gradient of `loss * grad_scale` with respect to every trainable (not frozen) parameter, keyed by the id of
-    /// the parameter's tensor (`var.as_tensor().id()`): FP32 in the parameter's shape.
+    /// the parameter's tensor (`var.as_tensor().id()`): FP32 in the parameter's shape. Empty when the gradients
+    /// went to a [`GradSink`] ([`StepArgs::buckets`]).
     pub grads: HashMap<TensorId, Tensor>,
+    /// How many times a bucket was complete but held back because an earlier bucket of the plan was not: 0 when
+    /// the plan's order is the backward's ([`ResNet::grad_buckets`]), so each bucket goes out as soon as it is final.
+    pub buckets_held: usize,
 }
 
 /// Synchronised BatchNorm (`train.sync_bn`): an in-place sum over the data-parallel ranks of a contiguous f32
@@ -51,6 +56,37 @@ pub struct StepOutput {
 /// gradient sums, so N ranks compute what one process computes on their batches together.
 pub trait BnSync {
     fn all_reduce_sum(&self, t: &Tensor) -> Result<()>;
+}
+
+/// Receives the step's gradients bucket by bucket, as soon as the backward has made a bucket's gradients final
+/// (data-parallel training starts each bucket's all-reduce there, so the communication overlaps the rest of the
+/// backward). Buckets come in plan order, each exactly once.
+pub trait GradSink {
+    /// Bucket `index` of the plan: FP32 gradients of `loss * grad_scale` in the parameters' shapes, in the
+    /// order of the plan's ids.
+    fn bucket(&mut self, index: usize, grads: Vec<Tensor>) -> Result<()>;
+}
+
+/// What one explicit step needs besides the batch.
+pub struct StepArgs<'a> {
+    /// Label smoothing of the softmax cross-entropy.
+    pub label_smoothing: f64,
+    /// The gradients are those of `loss * grad_scale` (loss scaling, gradient accumulation).
+    pub grad_scale: f64,
+    pub precision: Precision,
+    /// Synchronised BatchNorm over the data-parallel ranks (None: per-rank statistics).
+    pub sync: Option<&'a dyn BnSync>,
+    /// Gradient buckets and where they go: a partition of the trainable parameters' tensor ids
+    /// ([`ResNet::grad_buckets`]) and the sink that takes each bucket as soon as it is final. None: the
+    /// gradients come back in [`StepOutput::grads`], all converted at the end of the step.
+    pub buckets: Option<(&'a [Vec<TensorId>], &'a mut dyn GradSink)>,
+}
+
+impl StepArgs<'_> {
+    /// A plain step: no synchronised BatchNorm, gradients returned.
+    pub fn new(label_smoothing: f64, grad_scale: f64, precision: Precision) -> Self {
+        Self { label_smoothing, grad_scale, precision, sync: None, buckets: None }
+    }
 }
 
 /// Why the explicit step cannot train `model` in `precision`, or None when it can.
@@ -111,16 +147,101 @@ struct BlockSaved {
     down_weight: Option<Tensor>,
 }
 
+/// A gradient as the backward makes it.
+enum Piece {
+    /// FP32 in the parameter's shape.
+    Final(Tensor),
+    /// A conv grad-weight in the kernels' (k, r, r, c) layout and the activation dtype: converted to FP32
+    /// (k, c, r, r) with the rest of its bucket ([`kernels::ops::weights::conv_grads_kcrs`]: one launch per
+    /// bucket on CUDA instead of a strided cast per conv).
+    Conv(Tensor),
+}
+
+/// The step's gradients gathered into buckets and handed on as each fills ([`StepArgs::buckets`]).
+struct Buckets<'a> {
+    ids: Vec<Vec<TensorId>>,
+    /// Bucket and position of each tensor id.
+    slot: HashMap<TensorId, (usize, usize)>,
+    parts: Vec<Vec<Option<Piece>>>,
+    missing: Vec<usize>,
+    /// The next bucket to hand on (strictly in plan order, so every rank's collectives come in one order).
+    next: usize,
+    /// [`StepOutput::buckets_held`].
+    held: usize,
+    sink: Option<&'a mut dyn GradSink>,
+    /// Without a sink: the gradients by tensor id.
+    grads: HashMap<TensorId, Tensor>,
+}
+
+impl<'a> Buckets<'a> {
+    fn new(ids: Vec<Vec<TensorId>>, sink: Option<&'a mut dyn GradSink>) -> Self {
+        let mut slot = HashMap::new();
+        for (b, bucket) in ids.iter().enumerate() {
+            for (i, id) in bucket.iter().enumerate() {
+                slot.insert(*id, (b, i));
+            }
+        }
+        let parts = ids.iter().map(|b| b.iter().map(|_| None).collect()).collect();
+        let missing = ids.iter().map(Vec::len).collect();
+        Self { ids, slot, parts, missing, next: 0, held: 0, sink, grads: HashMap::new() }
+    }
+
+    /// Takes the gradient of the parameter with tensor id `id`; hands on every bucket that is now complete.
+    fn put(&mut self, id: TensorId, piece: Piece) -> Result<()> {
+        let Some(&(b, i)) = self.slot.get(&id) else {
+            candle_core::bail!("explicit training step: a gradient outside the bucket plan")
+        };
+        if self.parts[b][i].replace(piece).is_some() {
+            candle_core::bail!("explicit training step: a gradient was made twice");
+        }
+        self.missing[b] -= 1;
+        if self.missing[b] == 0 && b > self.next {
+            self.held += 1;
+        }
+        while self.next < self.ids.len() && self.missing[self.next] == 0 {
+            self.flush(self.next)?;
+            self.next += 1;
+        }
+        Ok(())
+    }
+
+    fn flush(&mut self, b: usize) -> Result<()> {
+        let parts: Vec<Piece> = self.parts[b].iter_mut().map(|p| p.take().expect("a complete bucket")).collect();
+        let raw: Vec<Tensor> =
+            parts.iter().filter_map(|p| if let Piece::Conv(t) = p { Some(t.clone()) } else { None }).collect();
+        let mut converted = kernels::ops::weights::conv_grads_kcrs(&raw)?.into_iter();
+        let grads: Vec<Tensor> = parts
+            .into_iter()
+            .map(|p| match p {
+                Piece::Final(t) => t,
+                Piece::Conv(_) => converted.next().expect("one conversion per conv gradient"),
+            })
+            .collect();
+        match self.sink.as_mut() {
+            Some(sink) => sink.bucket(b, grads),
+            None => {
+                self.grads.extend(self.ids[b].iter().copied().zip(grads));
+                Ok(())
+            }
+        }
+    }
+
+    /// The gradients (empty with a sink) and [`StepOutput::buckets_held`].
+    fn finish(self) -> Result<(HashMap<TensorId, Tensor>, usize)> {
+        if self.next != self.ids.len() {
+            let left: usize = self.missing.iter().sum();
+            candle_core::bail!("explicit training step: {left} trainable parameter(s) got no gradient");
+        }
+        Ok((self.grads, self.held))
+    }
+}
+
 struct Engine<'a> {
     model: &'a ResNet,
     sync: Option<&'a dyn BnSync>,
     act: DType,
     policy: &'a KernelPolicy,
-    grads: HashMap<TensorId, Tensor>,
-    /// Conv grad-weights in the kernels' (k, r, r, c) layout and the activation dtype, keyed by the master's
-    /// tensor id: converted to FP32 (k, c, r, r) all at once at the end ([`kernels::ops::weights::conv_grads_kcrs`]:
-    /// one launch on CUDA instead of a strided cast per conv).
-    conv_grads: Vec<(TensorId, Tensor)>,
+    buckets: Buckets<'a>,
     /// Every conv's weight in the activation dtype and (k, r, r, c) layout, made once per step
     /// ([`kernels::ops::weights::conv_weights_krsc`]: one launch on CUDA), keyed by the master's tensor id.
     weights: HashMap<TensorId, Tensor>,
@@ -159,7 +280,7 @@ impl<'a> Engine<'a> {
     /// Records the gradient of a parameter unless it is frozen.
     fn put(&mut self, p: &crate::Param, g: impl FnOnce() -> Result<Tensor>) -> Result<()> {
         if !p.is_frozen() {
-            self.grads.insert(p.var().as_tensor().id(), g()?);
+            self.buckets.put(p.var().as_tensor().id(), Piece::Final(g()?))?;
         }
         Ok(())
     }
@@ -222,7 +343,7 @@ impl<'a> Engine<'a> {
         let r = cw.w.dim(1)?;
         if !c.weight.is_frozen() {
             let g = kernels::conv2d_nhwc_grad_weight(dz, x, r, s, p, self.policy)?;
-            self.conv_grads.push((c.weight.var().as_tensor().id(), g));
+            self.buckets.put(c.weight.var().as_tensor().id(), Piece::Conv(g))?;
         }
         if !need_dx {
             return Ok(None);
@@ -379,7 +500,7 @@ fn sync_grad_sums(sync: &dyn BnSync, sums: &Tensor, rows: usize, w: &Tensor) -> 
 
 impl ResNet {
     /// A rank's part of a synchronised-BatchNorm step when it has no samples: the same all-reduces, in the same
-    /// order, as [`Self::train_step_explicit_synced`] runs (forward: every BatchNorm's statistics, with the
+    /// order, as [`Self::train_step_explicit_with`] runs (forward: every BatchNorm's statistics, with the
     /// running statistics updated from the global batch; backward: every BatchNorm's gradient sums), with zeros.
     pub fn sync_bn_idle_step(&self, sync: &dyn BnSync) -> Result<()> {
         let blocks: Vec<&Block> = self.stages.iter().flatten().collect();
@@ -408,6 +529,44 @@ impl ResNet {
         Ok(())
     }
 
+    /// The trainable parameters in the order the explicit backward makes their gradients: the head, then each
+    /// block from the last (per conv from the last: BatchNorm weight and bias, conv weight; then the downsample
+    /// branch), then the stem.
+    fn grad_order(&self) -> Vec<&crate::Param> {
+        let mut order: Vec<&crate::Param> = vec![&self.fc.weight, &self.fc.bias];
+        for b in self.stages.iter().flatten().collect::<Vec<_>>().into_iter().rev() {
+            for (conv, bn) in b.convs.iter().zip(&b.bns).rev() {
+                order.extend([&bn.weight, &bn.bias, &conv.weight]);
+            }
+            if let Some(d) = &b.downsample {
+                order.extend([&d.bn.weight, &d.bn.bias, &d.conv.weight]);
+            }
+        }
+        order.extend([&self.bn1.weight, &self.bn1.bias, &self.conv1.weight]);
+        order.retain(|p| !p.is_frozen());
+        order
+    }
+
+    /// The trainable parameters' tensor ids in buckets of about `bucket_bytes` of FP32 gradient each (a bucket
+    /// closes once it holds at least that much; a parameter is never split), in the order the explicit backward
+    /// completes them: the data-parallel trainer all-reduces each bucket while the backward goes on
+    /// ([`StepArgs::buckets`]), and every rank gets the same plan.
+    pub fn grad_buckets(&self, bucket_bytes: usize) -> Vec<Vec<TensorId>> {
+        let mut buckets = vec![Vec::new()];
+        let mut bytes = 0;
+        for p in self.grad_order() {
+            let t = p.var().as_tensor();
+            buckets.last_mut().expect("a bucket").push(t.id());
+            bytes += 4 * t.elem_count();
+            if bytes >= bucket_bytes {
+                buckets.push(Vec::new());
+                bytes = 0;
+            }
+        }
+        buckets.retain(|b| !b.is_empty());
+        buckets
+    }
+
     /// One explicit training step (see the module docs): forward in training mode on `x` ((n, 3, h, w), or its
     /// channels-last view), softmax cross-entropy against `labels` with `label_smoothing`, and the gradients of
     /// `loss * grad_scale` for every trainable parameter. Updates the BatchNorm running statistics as the
@@ -421,33 +580,24 @@ impl ResNet {
         grad_scale: f64,
         precision: Precision,
     ) -> Result<StepOutput> {
-        self.train_step_explicit_synced(x, labels, label_smoothing, grad_scale, precision, None)
+        self.train_step_explicit_with(x, labels, StepArgs::new(label_smoothing, grad_scale, precision))
     }
 
-    /// [`Self::train_step_explicit`] with synchronised BatchNorm over the ranks of `sync` (None: per-rank
-    /// statistics, the same as [`Self::train_step_explicit`]).
-    pub fn train_step_explicit_synced(
-        &self,
-        x: &Tensor,
-        labels: &Tensor,
-        label_smoothing: f64,
-        grad_scale: f64,
-        precision: Precision,
-        sync: Option<&dyn BnSync>,
-    ) -> Result<StepOutput> {
+    /// [`Self::train_step_explicit`] with everything [`StepArgs`] offers: synchronised BatchNorm over the ranks
+    /// of `args.sync`, and the gradients handed on bucket by bucket during the backward (`args.buckets`; then
+    /// [`StepOutput::grads`] is empty).
+    pub fn train_step_explicit_with(&self, x: &Tensor, labels: &Tensor, args: StepArgs<'_>) -> Result<StepOutput> {
+        let StepArgs { label_smoothing, grad_scale, precision, sync, buckets } = args;
         if let Some(why) = unsupported(self, precision) {
             candle_core::bail!("explicit training step: {why}");
         }
-        let policy = self.config.kernels.clone();
-        let mut e = Engine {
-            model: self,
-            sync,
-            act: precision.act_dtype(),
-            policy: &policy,
-            grads: HashMap::new(),
-            conv_grads: Vec::new(),
-            weights: HashMap::new(),
+        let buckets = match buckets {
+            Some((plan, sink)) => Buckets::new(plan.to_vec(), Some(sink)),
+            None => Buckets::new(vec![self.grad_order().iter().map(|p| p.var().as_tensor().id()).collect()], None),
         };
+        let policy = self.config.kernels.clone();
+        let mut e =
+            Engine { model: self, sync, act: precision.act_dtype(), policy: &policy, buckets, weights: HashMap::new() };
         e.convert_weights()?;
         let m = e.model;
         let input = x.detach().to_dtype(e.act)?.permute((0, 2, 3, 1))?.contiguous()?;
@@ -511,8 +661,7 @@ impl ResNet {
         let dz0 = e.bn_backward(&stem, &g_a0, &m.bn1, true)?;
         drop(stem);
         e.conv_backward(&stem_w, &input, &dz0, false)?;
-        let (ids, raw): (Vec<TensorId>, Vec<Tensor>) = std::mem::take(&mut e.conv_grads).into_iter().unzip();
-        e.grads.extend(ids.into_iter().zip(kernels::ops::weights::conv_grads_kcrs(&raw)?));
-        Ok(StepOutput { loss, logits, grads: e.grads })
+        let (grads, buckets_held) = e.buckets.finish()?;
+        Ok(StepOutput { loss, logits, grads, buckets_held })
     }
 }

@@ -227,6 +227,9 @@ pub struct TrainSection {
     pub stall_timeout_s: f64,
     /// Data-parallel runs: "fp32" or "bf16", the dtype of the gradient all-reduce.
     pub grad_allreduce: GradAllreduce,
+    /// Data-parallel runs: the gradients are all-reduced in buckets of about this many MB (of FP32 gradient),
+    /// each started as soon as the fused step's backward has made it final (PyTorch DDP's bucket_cap_mb).
+    pub bucket_mb: f64,
 }
 
 impl Default for TrainSection {
@@ -242,6 +245,7 @@ impl Default for TrainSection {
             sync_bn: false,
             stall_timeout_s: 600.0,
             grad_allreduce: GradAllreduce::Fp32,
+            bucket_mb: 25.0,
         }
     }
 }
@@ -699,6 +703,7 @@ impl Config {
             ("amp.init_scale", self.amp.init_scale),
             ("amp.growth_factor", self.amp.growth_factor),
             ("finetune.head_lr_mult", self.finetune.head_lr_mult),
+            ("train.bucket_mb", self.train.bucket_mb),
         ] {
             if !(v.is_finite() && v > 0.0) {
                 bail!("{k} must be a positive number, got {v}");
@@ -811,6 +816,20 @@ mod tests {
         let off = KernelsSection { autotune_cache: "off".into(), ..Default::default() };
         let p = off.policy(true, Precision::F16).unwrap();
         assert!(matches!(&p.tuning, kernels::Tuning::Autotune(a) if a.file().is_none()));
+    }
+
+    #[test]
+    fn data_parallel_numbers_must_be_positive() {
+        for (set, want) in [
+            ("train.bucket_mb=0", "train.bucket_mb must be a positive number, got 0"),
+            ("train.bucket_mb=-3.5", "train.bucket_mb must be a positive number, got -3.5"),
+            ("train.stall_timeout_s=0", "train.stall_timeout_s must be a number of seconds above 0, got 0"),
+        ] {
+            let e = super::Config::from_str_with("", "x.toml", &[set.to_string()]).unwrap_err();
+            assert_eq!(format!("{e:#}"), format!("x.toml: {want}"));
+        }
+        let c = super::Config::from_str_with("", "x.toml", &["train.bucket_mb=0.5".into()]).unwrap();
+        assert_eq!(c.train.bucket_mb, 0.5);
     }
 
     #[test]

@@ -4,6 +4,7 @@
 use crate::checkpoint::{self, EpochMeters, TrainState};
 use crate::config::{Config, DataKind, LossScaling, OnCorrupt, OptimName, StepEngine};
 use crate::data::{self, Dataset, HostBatch, Loader, LoaderOptions, Split};
+use crate::dist::buckets::{gather_scaled, BucketPlan, BucketReducer};
 use crate::metrics::MetricsWriter;
 use crate::optim::{OptimKind, Optimizer, ParamOptions};
 use crate::scaler::LossScaler;
@@ -198,6 +199,10 @@ pub struct StepRunner {
     pub progress: Option<Arc<std::sync::atomic::AtomicU64>>,
     /// `train.grad_allreduce`: the dtype of the gradient all-reduce.
     pub grad_allreduce: crate::config::GradAllreduce,
+    /// `train.bucket_mb` in bytes: the size of the gradient all-reduce's buckets.
+    pub bucket_bytes: usize,
+    /// Data-parallel: the gradient buckets (made at the first step).
+    buckets: Option<BucketPlan>,
 }
 
 /// The trainer's collective as the explicit step's [`resnet::step::BnSync`], counting arrivals like the
@@ -290,6 +295,8 @@ impl StepRunner {
             sync_bn: cfg.train.sync_bn,
             progress: None,
             grad_allreduce: cfg.train.grad_allreduce,
+            bucket_bytes: (cfg.train.bucket_mb * 1e6).max(1.0) as usize,
+            buckets: None,
             model,
         })
     }
@@ -324,16 +331,43 @@ impl StepRunner {
             (Some(c), true) => Some(SyncVia(c.as_ref(), self.progress.as_deref())),
             _ => None,
         };
+        if self.collective.is_some() && self.buckets.is_none() {
+            let ids: Vec<_> = vars.iter().map(|v| v.as_tensor().id()).collect();
+            self.buckets = Some(BucketPlan::new(self.model.grad_buckets(self.bucket_bytes), &ids)?);
+        }
+        // Data-parallel, fused step: the last micro-batch's backward hands each gradient bucket to the reducer as
+        // soon as it is final, and its all-reduce overlaps the rest of the backward. Not with synchronised
+        // BatchNorm: its all-reduces in the backward would interleave with the buckets', and a rank without
+        // images could not repeat that order. There, and on the autograd path, the buckets start after the
+        // backward.
+        let overlap = self.engine == StepEngine::Fused && !self.sync_bn && micro.last().is_some_and(|b| b.n > 0);
+        let n_local: usize = micro.iter().map(|b| b.n).sum();
+        let mut reducer = match (&self.collective, &self.buckets) {
+            (Some(c), Some(plan)) => Some(BucketReducer::new(
+                plan,
+                c.as_ref(),
+                self.progress.as_deref(),
+                self.grad_allreduce,
+                // Rank r contributes n_r x its mean gradient; the sum over ranks divided by the global sample
+                // count is the gradient of the mean loss over the global batch (the single-process result when
+                // every rank's micro-batches are full).
+                n_local as f64 / scale,
+                vars.len(),
+            )),
+            _ => None,
+        };
         // A data-parallel rank's last batch of an epoch may be empty: it still joins the all-reduce, with zeros
         // (and, with synchronised BatchNorm, every BatchNorm's all-reduces of the step).
-        for b in micro {
+        for (i, b) in micro.iter().enumerate() {
             if b.n == 0 {
                 if let Some(s) = &sync {
                     self.model.sync_bn_idle_step(s)?;
                 }
                 continue;
             }
-            // The loss and every trainable parameter's gradient of loss * scale / accum (None: no gradient).
+            let last = i + 1 == micro.len();
+            // The loss and every trainable parameter's gradient of loss * scale / accum (None: no gradient, or
+            // handed to the reducer already).
             let (logits, loss, grads): (Tensor, Tensor, Vec<Option<Tensor>>) = match self.engine {
                 StepEngine::Autograd => {
                     let logits = self.model.forward(&b.images, true, self.precision)?;
@@ -344,21 +378,25 @@ impl StepRunner {
                 }
                 StepEngine::Fused => {
                     // Forward and backward in one call: its time is booked as backward.
-                    let mut o = self.model.train_step_explicit_synced(
-                        &b.images,
-                        &b.labels,
-                        self.label_smoothing,
-                        scale / accum,
-                        self.precision,
-                        sync.as_ref().map(|s| s as &dyn resnet::step::BnSync),
-                    )?;
+                    let mut args = resnet::step::StepArgs {
+                        sync: sync.as_ref().map(|s| s as &dyn resnet::step::BnSync),
+                        ..resnet::step::StepArgs::new(self.label_smoothing, scale / accum, self.precision)
+                    };
+                    if let (true, true, Some(r), Some(plan)) = (overlap, last, reducer.as_mut(), &self.buckets) {
+                        args.buckets = Some((&plan.ids, r as &mut dyn resnet::step::GradSink));
+                    }
+                    let mut o = self.model.train_step_explicit_with(&b.images, &b.labels, args)?;
                     let grads = vars.iter().map(|v| o.grads.remove(&v.as_tensor().id())).collect();
                     (o.logits, o.loss, grads)
                 }
             };
             let correct = topk_correct(&logits.detach(), &b.labels, 1)?;
             times.backward += lap(timing)?;
-            for (slot, g) in acc.iter_mut().zip(grads) {
+            let slots: &mut [Option<Tensor>] = match reducer.as_mut() {
+                Some(r) => r.acc_mut(),
+                None => &mut acc,
+            };
+            for (slot, g) in slots.iter_mut().zip(grads) {
                 if let Some(g) = g {
                     let g = g.to_dtype(DType::F32)?;
                     *slot = Some(match slot.take() {
@@ -378,16 +416,6 @@ impl StepRunner {
             });
             samples += b.n;
         }
-        // All gradients in one flat FP32 buffer, unscaled in one pass: the inf/NaN check and the norm are then a
-        // single reduction, and the per-parameter gradients are views into the buffer.
-        let flat: Vec<Tensor> = acc
-            .into_iter()
-            .zip(&vars)
-            .map(|(g, v)| match g {
-                Some(g) => Ok(g.flatten_all()?),
-                None => Ok(v.as_tensor().zeros_like()?.flatten_all()?),
-            })
-            .collect::<Result<_>>()?;
         let zero = || Tensor::zeros((), DType::F32, &device);
         let loss_sum = match loss_sum {
             Some(l) => l.to_dtype(DType::F32)?,
@@ -398,43 +426,41 @@ impl StepRunner {
             Some(c) => c.to_dtype(DType::F32)?,
             None => zero()?,
         };
-        // Sum of squares of all unscaled gradients: non-finite iff some gradient is inf/NaN (or overflows). On CUDA
-        // one multi-tensor kernel gathers, unscales and squares (kernels/optim/01_multi_tensor.cu).
-        let (all, total_sq, totals) = match &self.collective {
-            None => {
-                let (all, total_sq) = gather_unscaled(&flat, 1.0 / scale)?;
-                (all, total_sq, Tensor::stack(&[(loss_sum / accum)?, correct_sum], 0)?)
-            }
-            Some(c) => {
-                // Rank r contributes n_r x its mean gradient; the sum over ranks divided by the global sample count
-                // is the gradient of the mean loss over the global batch (the single-process result when every
-                // rank's micro-batches are full).
+        // All gradients in one flat FP32 buffer, unscaled in one pass: the inf/NaN check and the norm are then a
+        // single reduction (sum of squares: non-finite iff some gradient is inf/NaN or overflows), and the
+        // per-parameter gradients are views into the buffer.
+        let (all, total_sq, totals) = match (reducer, &self.collective) {
+            (Some(mut r), Some(c)) => {
+                // Whatever the backward did not hand out (all of it on the autograd path).
+                r.start_rest(&vars)?;
+                let summed = r.finish()?;
                 let n = samples as f64;
-                let (all, _) = gather_unscaled(&flat, n / scale)?;
                 let counts =
                     Tensor::stack(&[Tensor::full(n as f32, (), &device)?, ((loss_sum / accum)? * n)?, correct_sum], 0)?;
                 arrive(self.progress.as_deref());
-                let all = match self.grad_allreduce {
-                    crate::config::GradAllreduce::Fp32 => {
-                        c.all_reduce_sum(&all)?;
-                        all
-                    }
-                    crate::config::GradAllreduce::Bf16 => {
-                        let half = all.to_dtype(DType::BF16)?;
-                        c.all_reduce_sum(&half)?;
-                        half.to_dtype(DType::F32)?
-                    }
-                };
                 c.all_reduce_sum(&counts)?;
                 let global_n = counts.narrow(0, 0, 1)?;
+                let (all, sq) = gather_scaled(&summed, 1.0)?;
+                drop(summed);
                 let all = all.broadcast_div(&global_n)?;
-                let total_sq = all.sqr()?.sum_all()?;
+                let total_sq = sq.reshape(1)?.broadcast_div(&global_n.sqr()?)?;
                 // (mean loss, correct, samples) over all ranks.
                 let mean_loss = counts.narrow(0, 1, 1)?.broadcast_div(&global_n)?;
                 (all, total_sq, Tensor::cat(&[mean_loss, counts.narrow(0, 2, 1)?, global_n], 0)?)
             }
+            _ => {
+                let flat: Vec<Tensor> = acc
+                    .into_iter()
+                    .zip(&vars)
+                    .map(|(g, v)| match g {
+                        Some(g) => Ok(g.flatten_all()?),
+                        None => Ok(v.as_tensor().zeros_like()?.flatten_all()?),
+                    })
+                    .collect::<Result<_>>()?;
+                let (all, total_sq) = gather_scaled(&flat, 1.0 / scale)?;
+                (all, total_sq, Tensor::stack(&[(loss_sum / accum)?, correct_sum], 0)?)
+            }
         };
-        drop(flat);
         let host: Vec<f32> = Tensor::cat(&[totals, total_sq.reshape(1)?], 0)?.to_vec1()?;
         let loss = host[0] as f64;
         if self.collective.is_some() {
@@ -464,18 +490,6 @@ impl StepRunner {
         }
         Ok(StepOutput { loss, correct: host[1] as u64, samples, skipped, loss_scale: scale, grad_norm })
     }
-}
-
-/// The tensors (FP32, flattened) concatenated and multiplied by `scale`, and the sum of squares of the result.
-fn gather_unscaled(flat: &[Tensor], scale: f64) -> Result<(Tensor, Tensor)> {
-    #[cfg(feature = "cuda")]
-    if flat.first().is_some_and(|t| t.device().is_cuda()) {
-        let ts = flat.iter().map(|t| t.contiguous()).collect::<candle_core::Result<Vec<_>>>()?;
-        return Ok(kernels::cuda::optim::gather_scaled(&ts, scale as f32)?);
-    }
-    let all = (Tensor::cat(flat, 0)? * scale)?;
-    let sq = all.sqr()?.sum_all()?;
-    Ok((all, sq))
 }
 
 /// Validation result.

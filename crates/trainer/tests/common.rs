@@ -80,11 +80,14 @@ pub fn step_losses(run: &std::path::Path) -> Vec<(u64, f64)> {
 /// A test-only stand-in for NCCL's sum all-reduce between ranks that run as threads of one test (the trainer
 /// itself uses NCCL): every rank's values are summed on the host in rank order (deterministic) and written back
 /// to every rank's tensor. It serves the trainer's gradient all-reduce ([`trainer::dist::Collective`]) and the
-/// explicit step's synchronised BatchNorm ([`resnet::step::BnSync`]).
+/// explicit step's synchronised BatchNorm ([`resnet::step::BnSync`]). A started all-reduce
+/// ([`trainer::dist::Collective::start_all_reduce_sum`]) is deferred to the next `join`, the latest NCCL on its
+/// own stream may finish it: a trainer that read a bucket before joining would see its own values, not the sum.
 pub struct ThreadGroup {
     pub rank: usize,
     pub world: usize,
     shared: Arc<(Mutex<Round>, Condvar)>,
+    pending: std::cell::RefCell<Vec<Tensor>>,
 }
 
 /// One all-reduce: each rank's values by rank; the sum once all have arrived; how many have taken it.
@@ -98,10 +101,16 @@ struct Round {
 /// The `world` ranks of one group, rank order.
 pub fn thread_group(world: usize) -> Vec<ThreadGroup> {
     let shared = Arc::new((Mutex::new(Round::default()), Condvar::new()));
-    (0..world).map(|rank| ThreadGroup { rank, world, shared: shared.clone() }).collect()
+    (0..world).map(|rank| ThreadGroup { rank, world, shared: shared.clone(), pending: Default::default() }).collect()
 }
 
 impl ThreadGroup {
+    /// The started all-reduces, in order.
+    fn flush(&self) -> anyhow::Result<()> {
+        let pending = std::mem::take(&mut *self.pending.borrow_mut());
+        pending.iter().try_for_each(|t| self.sum(t))
+    }
+
     fn sum(&self, t: &Tensor) -> anyhow::Result<()> {
         let mine: Vec<f32> = t.flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1()?;
         let (m, cv) = &*self.shared;
@@ -161,6 +170,15 @@ impl trainer::dist::Collective for ThreadGroup {
 
     fn all_reduce_sum(&self, t: &Tensor) -> anyhow::Result<()> {
         self.sum(t)
+    }
+
+    fn start_all_reduce_sum(&self, t: &Tensor) -> anyhow::Result<()> {
+        self.pending.borrow_mut().push(t.clone());
+        Ok(())
+    }
+
+    fn join(&self) -> anyhow::Result<()> {
+        self.flush()
     }
 }
 

@@ -2,6 +2,7 @@
 //! the NCCL unique id and watches for failed ranks, `trainer launch`, and each rank's shard of an epoch.
 //! The training loop takes a [`Collective`] (`train::train_ranks`); see README "Multi-GPU (in progress)".
 
+pub mod buckets;
 pub mod env;
 pub mod launch;
 #[cfg(feature = "nccl")]
@@ -26,8 +27,19 @@ pub const PEER_FAILED_EXIT_CODE: i32 = 75;
 pub trait Collective {
     fn rank(&self) -> usize;
     fn world_size(&self) -> usize;
-    /// Every rank's `t` (contiguous f32 or bf16) becomes the sum of all ranks' `t`.
+    /// Every rank's `t` (contiguous f32 or bf16) becomes the sum of all ranks' `t`: work queued on the device
+    /// afterwards sees the sum.
     fn all_reduce_sum(&self, t: &candle_core::Tensor) -> anyhow::Result<()>;
+    /// Starts the sum of `t` over the ranks ([`Self::all_reduce_sum`]) without making the device's later work
+    /// wait for it: the all-reduce overlaps whatever is queued next (NCCL: on a stream of its own). `t` must not
+    /// be read or written, nor dropped, until [`Self::join`]. Collectives still run in call order.
+    fn start_all_reduce_sum(&self, t: &candle_core::Tensor) -> anyhow::Result<()> {
+        self.all_reduce_sum(t)
+    }
+    /// Makes the device's later work wait for every all-reduce started so far.
+    fn join(&self) -> anyhow::Result<()> {
+        Ok(())
+    }
 }
 
 /// The process exit status for an error: [`PEER_FAILED_EXIT_CODE`] when it is another rank's failure, else 1.
