@@ -6,14 +6,27 @@
 // tab[4 i + 3] = two f32 (low: weight decay, high: lr multiplier). Per block b, chunks[b] = (tensor, first element):
 // every block handles up to CHUNK consecutive elements of one tensor.
 //
-// mt_gather_f32: flat[off + j] = src[j] * scale, and partial[b] = sum of the squares this block wrote (summed in a
-//   fixed order by the caller: deterministic). The flat buffer is the unscaled gradient of the whole model.
-// mt_sgd_f32: PyTorch's SGD on each tensor, in place: g = flat_grad * coef (+ wd * p); momentum buffer (flat)
-//   buf = first ? g : momentum * buf + g; d = nesterov ? g + momentum * buf : buf (or g without momentum);
-//   p -= lr * lr_mult * d.
+// mt_gather_f32: flat[off + j] = src[j] * scale / div[0] (div: a device scalar, the loss scale; may be null),
+//   and partial[b] = sum of the squares this block wrote (summed in a fixed order by the caller: deterministic).
+//   The flat buffer is the unscaled gradient of the whole model.
+//
+// The update kernels decide on the device, so the host never waits for the gradient norm (no host
+// synchronisation inside a training step): norm_sq = the sum of squares of the unscaled gradient (device scalar);
+// when it is not finite (an inf/NaN gradient, fp16 overflow) the step is skipped and nothing is written; else
+// coef = clip > 0 && sqrt(norm_sq) > clip ? clip / (sqrt(norm_sq) + 1e-6) : 1 (global-norm clipping).
+// mt_sgd_f32: PyTorch's SGD on each tensor, in place: g = flat_grad * coef (+ wd * p); momentum buffer (flat, zero
+//   before the first step, so its first value is g as PyTorch starts it) buf = momentum * buf + g;
+//   d = nesterov ? g + momentum * buf : buf (or g without momentum); p -= lr * lr_mult * d.
 // mt_adamw_f32: PyTorch's AdamW on each tensor, in place: lr' = lr * lr_mult; p *= 1 - lr' * wd (decoupled decay);
 //   g = flat_grad * coef; m = beta1 m + (1 - beta1) g; v = beta2 v + (1 - beta2) g^2 (flat state buffers);
-//   p -= lr' * (m / bc1) / (sqrt(v / bc2) + eps), bc1 = 1 - beta1^t, bc2 = 1 - beta2^t.
+//   p -= lr' * (m / bc1) / (sqrt(v / bc2) + eps), bc1 = 1 - beta1^t, bc2 = 1 - beta2^t, t = ctl[2] + 1 (the steps
+//   taken so far, kept on the device by amp_update_f32).
+//
+// amp_update_f32 (one thread, after the update): torch.amp.GradScaler's update on the device state
+//   ctl = [scale, growth tracker, optimizer steps taken]: inf/NaN -> scale *= backoff, tracker = 0; else steps += 1,
+//   tracker += 1 and at the growth interval scale *= growth, tracker = 0 (scale clamped to [min, max] where those
+//   are > 0; with scaling disabled only the step count moves). out = [scale used, found inf (0/1), scale, tracker,
+//   steps after]: the step's report, read by the host whenever it is ready.
 //
 // mt_weights_krsc_{bf16,f16}: the convolution weights for a training step, FP32 (k, c, r, s) -> the activation
 //   dtype in the kernels' (k, r, s, c) layout, all of them in one launch (instead of a cast and a permuting copy
@@ -30,7 +43,9 @@ __device__ __forceinline__ float hi_f(unsigned long long v) { return __uint_as_f
 extern "C" __global__ void __launch_bounds__(256) mt_gather_f32(const unsigned long long* __restrict__ tab,
                                                                  const int2* __restrict__ chunks,
                                                                  float* __restrict__ flat, float scale,
+                                                                 const float* __restrict__ div,
                                                                  float* __restrict__ partial) {
+    if (div != nullptr) scale = scale / div[0];
     const int2 ch = chunks[blockIdx.x];
     const float* src = reinterpret_cast<const float*>(tab[4 * ch.x]);
     const long long off = (long long)tab[4 * ch.x + 1], len = (long long)tab[4 * ch.x + 2];
@@ -53,11 +68,23 @@ extern "C" __global__ void __launch_bounds__(256) mt_gather_f32(const unsigned l
     }
 }
 
+// False when the step is skipped (norm_sq not finite); else the clipping coefficient in *coef.
+__device__ __forceinline__ bool clip_coef(const float* __restrict__ norm_sq, float clip, float* coef) {
+    const float nsq = norm_sq[0];
+    if (!isfinite(nsq)) return false;
+    const float norm = sqrtf(nsq);
+    *coef = (clip > 0.f && norm > clip) ? clip / (norm + 1e-6f) : 1.f;
+    return true;
+}
+
 extern "C" __global__ void __launch_bounds__(256) mt_sgd_f32(const unsigned long long* __restrict__ tab,
                                                               const int2* __restrict__ chunks,
                                                               const float* __restrict__ grad,
-                                                              float* __restrict__ mom, float coef, float lr,
-                                                              float momentum, int nesterov, int first) {
+                                                              float* __restrict__ mom,
+                                                              const float* __restrict__ norm_sq, float clip,
+                                                              float lr, float momentum, int nesterov) {
+    float coef;
+    if (!clip_coef(norm_sq, clip, &coef)) return;
     const int2 ch = chunks[blockIdx.x];
     float* p = reinterpret_cast<float*>(tab[4 * ch.x]);
     const long long off = (long long)tab[4 * ch.x + 1], len = (long long)tab[4 * ch.x + 2];
@@ -69,7 +96,7 @@ extern "C" __global__ void __launch_bounds__(256) mt_sgd_f32(const unsigned long
         if (wd != 0.f) g += wd * pj;
         float d = g;
         if (momentum != 0.f) {
-            const float buf = first ? g : momentum * mom[off + j] + g;
+            const float buf = momentum * mom[off + j] + g;
             mom[off + j] = buf;
             d = nesterov ? g + momentum * buf : buf;
         }
@@ -121,9 +148,14 @@ extern "C" __global__ void __launch_bounds__(256) mt_adamw_f32(const unsigned lo
                                                                 const int2* __restrict__ chunks,
                                                                 const float* __restrict__ grad,
                                                                 float* __restrict__ exp_avg,
-                                                                float* __restrict__ exp_avg_sq, float coef, float lr,
-                                                                float beta1, float beta2, float eps, float bc1,
-                                                                float bc2) {
+                                                                float* __restrict__ exp_avg_sq,
+                                                                const float* __restrict__ norm_sq, float clip,
+                                                                const float* __restrict__ ctl, float lr,
+                                                                float beta1, float beta2, float eps) {
+    float coef;
+    if (!clip_coef(norm_sq, clip, &coef)) return;
+    const float t = ctl[2] + 1.f;
+    const float bc1 = 1.f - powf(beta1, t), bc2 = 1.f - powf(beta2, t);
     const int2 ch = chunks[blockIdx.x];
     float* p = reinterpret_cast<float*>(tab[4 * ch.x]);
     const long long off = (long long)tab[4 * ch.x + 1], len = (long long)tab[4 * ch.x + 2];
@@ -139,4 +171,35 @@ extern "C" __global__ void __launch_bounds__(256) mt_adamw_f32(const unsigned lo
         exp_avg_sq[off + j] = v;
         p[j] = pj - lrm * ((m / bc1) / (sqrtf(v / bc2) + eps));
     }
+}
+
+extern "C" __global__ void amp_update_f32(float* __restrict__ ctl, const float* __restrict__ norm_sq,
+                                          float* __restrict__ out, float growth, float backoff, int interval,
+                                          float min_scale, float max_scale, int enabled) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    const bool inf = !isfinite(norm_sq[0]);
+    float scale = ctl[0], tracker = ctl[1], steps = ctl[2];
+    out[0] = scale;
+    out[1] = inf ? 1.f : 0.f;
+    if (!inf) steps += 1.f;
+    if (enabled) {
+        if (inf) {
+            scale *= backoff;
+            tracker = 0.f;
+        } else {
+            tracker += 1.f;
+            if (tracker >= (float)interval) {
+                scale *= growth;
+                tracker = 0.f;
+            }
+        }
+        if (min_scale > 0.f) scale = fmaxf(scale, min_scale);
+        if (max_scale > 0.f) scale = fminf(scale, max_scale);
+    }
+    ctl[0] = scale;
+    ctl[1] = tracker;
+    ctl[2] = steps;
+    out[2] = scale;
+    out[3] = tracker;
+    out[4] = steps;
 }

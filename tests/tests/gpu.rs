@@ -661,9 +661,10 @@ fn resnet18_channels_last_cuda_matches_cpu() -> Result<()> {
     Ok(())
 }
 
-/// The multi-tensor path (kernels/optim/01_multi_tensor.cu): gradient gathering with its sum of squares, and SGD
-/// (momentum, Nesterov, weight decay, per-parameter lr multiplier, clipping coefficient) and AdamW (decoupled
-/// weight decay, bias corrections) over three steps through `Optimizer::step_flat` on CUDA, against the
+/// The multi-tensor path (kernels/optim/01_multi_tensor.cu): gradient gathering (unscaled by a device scalar)
+/// with its sum of squares, and SGD (momentum, Nesterov, weight decay, per-parameter lr multiplier) and AdamW
+/// (decoupled weight decay, bias corrections from the device step count) over four steps through
+/// `Optimizer::step_flat` on CUDA, one clipped and one skipped by the device's own decision, against the
 /// per-parameter candle-op optimizer on the CPU from the same start; then a checkpoint round trip of the flat
 /// state buffers.
 #[test]
@@ -700,7 +701,10 @@ fn multi_tensor_optimizers_match_cpu() -> Result<()> {
         };
         let (mut og, vg) = make(&dev)?;
         let (mut oc, vc) = make(&Device::Cpu)?;
-        for step in 0..3 {
+        // The device-side decision: step 1 clipped to half its global norm, step 2 skipped (an inf sum of
+        // squares, as fp16 overflow gives), steps 0 and 3 plain. `taken` counts the updates (AdamW's t).
+        let mut taken = 0u64;
+        for step in 0..4 {
             let grads: Vec<Tensor> = shapes
                 .iter()
                 .map(|s| Tensor::randn(0f32, 1.0, s.as_slice(), &Device::Cpu)?.flatten_all())
@@ -708,15 +712,26 @@ fn multi_tensor_optimizers_match_cpu() -> Result<()> {
             let scale = 1024.0f64;
             let scaled: Vec<Tensor> = grads.iter().map(|g| g * scale).collect::<candle_core::Result<_>>()?;
             let on_gpu: Vec<Tensor> = scaled.iter().map(|g| g.to_device(&dev)).collect::<candle_core::Result<_>>()?;
-            let (flat, sq) = kernels::cuda::optim::gather_scaled(&on_gpu, (1.0 / scale) as f32)?;
+            // Unscaled by a device scalar (the loss scale the host does not know when it queues the step).
+            let div = Tensor::new(&[scale as f32], &dev)?;
+            let (flat, sq) = kernels::cuda::optim::gather_scaled_div(&on_gpu, 1.0, Some(&div))?;
             let want = Tensor::cat(&grads, 0)?;
             assert_close(&format!("gather step {step}"), &flat.to_device(&Device::Cpu)?, &want, 1e-6, 1e-6)?;
-            let want_sq = want.sqr()?.sum_all()?.to_scalar::<f32>()?;
-            let got_sq = sq.to_scalar::<f32>()?;
-            ensure!((got_sq - want_sq).abs() <= 1e-4 * want_sq, "sum of squares {got_sq} vs {want_sq}");
-            let coef = if step == 1 { 0.5 } else { 1.0 };
-            og.step_flat(&flat, coef, 0.1)?;
-            oc.step_flat(&want, coef, 0.1)?;
+            let want_sq = want.sqr()?.sum_all()?;
+            let (got, expect) = (sq.to_scalar::<f32>()?, want_sq.to_scalar::<f32>()?);
+            ensure!((got - expect).abs() <= 1e-4 * expect, "sum of squares {got} vs {expect}");
+            let inf = |d: &Device| Tensor::new(f32::INFINITY, d);
+            let (clip, nsq_g, nsq_c) = match step {
+                1 => (0.5 * (expect as f64).sqrt(), sq.clone(), want_sq.clone()),
+                2 => (0.0, inf(&dev)?, inf(&Device::Cpu)?),
+                _ => (0.0, sq.clone(), want_sq.clone()),
+            };
+            let ctl = |d: &Device| Tensor::new(&[scale as f32, 0.0, taken as f32], d);
+            og.step_flat(&flat, &nsq_g, clip, 0.1, &ctl(&dev)?)?;
+            oc.step_flat(&want, &nsq_c, clip, 0.1, &ctl(&Device::Cpu)?)?;
+            if step != 2 {
+                taken += 1;
+            }
         }
         for (i, (g, c)) in vg.iter().zip(&vc).enumerate() {
             let d = assert_close(
@@ -739,17 +754,62 @@ fn multi_tensor_optimizers_match_cpu() -> Result<()> {
         for (v, src) in vr.iter().zip(&vg) {
             v.set(src.as_tensor())?;
         }
-        or.load_state(&sg, 3)?;
+        or.load_state(&sg, taken)?;
         let g: Vec<Tensor> = shapes
             .iter()
             .map(|s| Tensor::ones(s.iter().product::<usize>(), DType::F32, &dev))
             .collect::<candle_core::Result<_>>()?;
         let flat = Tensor::cat(&g, 0)?;
-        or.step_flat(&flat, 1.0, 0.1)?;
-        og.step_flat(&flat, 1.0, 0.1)?;
+        let nsq = Tensor::new(flat.elem_count() as f32, &dev)?;
+        let ctl = Tensor::new(&[1f32, 0.0, taken as f32], &dev)?;
+        or.step_flat(&flat, &nsq, 0.0, 0.1, &ctl)?;
+        og.step_flat(&flat, &nsq, 0.0, 0.1, &ctl)?;
         for (i, (a, b)) in vr.iter().zip(&vg).enumerate() {
             assert_close(&format!("resumed param {i}"), a.as_tensor(), b.as_tensor(), 0.0, 0.0)?;
         }
+    }
+    Ok(())
+}
+
+/// The loss scaler's update on the device (`amp_update_f32`) against its FP32 rule on the host, bit for bit, over
+/// a script of clean, overflowing (inf) and NaN steps with growth, backoff and both clamps; with scaling off only
+/// the step count moves.
+#[test]
+fn amp_update_kernel_matches_the_host_rule() -> Result<()> {
+    use trainer::config::AmpSection;
+    use trainer::scaler::LossScaler;
+    let dev = cuda()?;
+    let amp = AmpSection {
+        init_scale: 1024.0,
+        growth_interval: 2,
+        min_scale: 256.0,
+        max_scale: 4096.0,
+        ..Default::default()
+    };
+    for enabled in [true, false] {
+        let s = LossScaler::new(&amp, enabled);
+        let mut ctl = s.device_state(5, &dev)?;
+        let mut host = [s.scale() as f32, 0.0, 5.0];
+        for (i, n) in [1.0f32, 2.0, 3.0, 4.0, 5.0, f32::INFINITY, f32::NAN, f32::INFINITY, f32::INFINITY, 0.5]
+            .into_iter()
+            .enumerate()
+        {
+            let (next, report) = s.update_on_device(&ctl, &Tensor::new(n, &dev)?)?;
+            ctl = next;
+            let (want_state, want_report) = s.update_f32(host, n);
+            host = want_state;
+            let got_state = ctl.to_device(&Device::Cpu)?.to_vec1::<f32>()?;
+            let got_report = report.to_device(&Device::Cpu)?.to_vec1::<f32>()?;
+            ensure!(
+                got_state == want_state.to_vec(),
+                "enabled {enabled}, step {i}: state {got_state:?} vs {want_state:?}"
+            );
+            ensure!(
+                got_report == want_report.to_vec(),
+                "enabled {enabled}, step {i}: report {got_report:?} vs {want_report:?}"
+            );
+        }
+        println!("amp_update enabled={enabled}: final state {host:?}");
     }
     Ok(())
 }

@@ -71,8 +71,12 @@ pub trait GradSink {
 pub struct StepArgs<'a> {
     /// Label smoothing of the softmax cross-entropy.
     pub label_smoothing: f64,
-    /// The gradients are those of `loss * grad_scale` (loss scaling, gradient accumulation).
+    /// The gradients are those of `loss * grad_scale` (gradient accumulation; loss scaling known on the host)
+    /// times `loss_scale` when given.
     pub grad_scale: f64,
+    /// A further factor of the gradients kept on the device (one FP32 element): the dynamic loss scale, which the
+    /// host need not know when it queues the step.
+    pub loss_scale: Option<Tensor>,
     pub precision: Precision,
     /// Synchronised BatchNorm over the data-parallel ranks (None: per-rank statistics).
     pub sync: Option<&'a dyn BnSync>,
@@ -85,7 +89,7 @@ pub struct StepArgs<'a> {
 impl StepArgs<'_> {
     /// A plain step: no synchronised BatchNorm, gradients returned.
     pub fn new(label_smoothing: f64, grad_scale: f64, precision: Precision) -> Self {
-        Self { label_smoothing, grad_scale, precision, sync: None, buckets: None }
+        Self { label_smoothing, grad_scale, loss_scale: None, precision, sync: None, buckets: None }
     }
 }
 
@@ -587,7 +591,7 @@ impl ResNet {
     /// of `args.sync`, and the gradients handed on bucket by bucket during the backward (`args.buckets`; then
     /// [`StepOutput::grads`] is empty).
     pub fn train_step_explicit_with(&self, x: &Tensor, labels: &Tensor, args: StepArgs<'_>) -> Result<StepOutput> {
-        let StepArgs { label_smoothing, grad_scale, precision, sync, buckets } = args;
+        let StepArgs { label_smoothing, grad_scale, loss_scale, precision, sync, buckets } = args;
         if let Some(why) = unsupported(self, precision) {
             candle_core::bail!("explicit training step: {why}");
         }
@@ -626,6 +630,10 @@ impl ResNet {
         let logits = e.fc_forward(&m.fc, &feats)?;
         let (loss, dlogits) =
             softmax_cross_entropy(&logits.to_dtype(DType::F32)?, labels, label_smoothing, grad_scale)?;
+        let dlogits = match &loss_scale {
+            Some(s) => dlogits.broadcast_mul(&s.to_dtype(DType::F32)?.reshape(1)?)?,
+            None => dlogits,
+        };
 
         // ----- backward: head
         let dl = dlogits.to_dtype(e.act)?;

@@ -100,9 +100,17 @@ pub fn bench_one(cfg: &Config, dtype: Precision, bs: usize, warmup: usize, steps
         if phases {
             runner.phases = Some(Default::default());
         }
+        // As the trainer runs: step k's report is read once step k + 1 is queued.
         let t = Instant::now();
+        let mut in_flight = None;
         for _ in 0..steps {
-            runner.step(std::slice::from_ref(&batch), lr)?;
+            let p = runner.step_async(std::slice::from_ref(&batch), lr)?;
+            if let Some(prev) = in_flight.replace(p) {
+                runner.resolve(prev)?;
+            }
+        }
+        if let Some(last) = in_flight {
+            runner.resolve(last)?;
         }
         device.synchronize()?;
         let secs = t.elapsed().as_secs_f64();

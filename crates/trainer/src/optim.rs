@@ -23,7 +23,8 @@ struct Slot {
 pub struct Optimizer {
     kind: OptimKind,
     slots: Vec<Slot>,
-    /// Optimizer steps taken (skipped steps excluded), AdamW's bias-correction count.
+    /// Optimizer steps taken (skipped steps excluded): the runner counts them as it reads each step's report
+    /// (`StepRunner::resolve`); checkpoints keep it.
     pub steps: u64,
     /// The multi-tensor path of [`Optimizer::step_flat`] on CUDA: each kind of state (SGD's momentum buffer,
     /// AdamW's two moments) as one flat FP32 tensor over all parameters; the slots' states are views of them.
@@ -58,14 +59,26 @@ impl Optimizer {
         self.slots.is_empty()
     }
 
-    /// Applies one update from `flat`: every parameter's unscaled FP32 gradient concatenated in order, to be
-    /// multiplied by `coef` (gradient clipping). On a CUDA device SGD and AdamW run as one multi-tensor kernel over
-    /// all parameters (kernels/optim/01_multi_tensor.cu); otherwise the per-parameter [`Optimizer::step`].
-    pub fn step_flat(&mut self, flat: &Tensor, coef: f64, lr: f64) -> Result<()> {
+    /// Applies one update from `flat`: every parameter's unscaled FP32 gradient concatenated in order. The step is
+    /// decided where the data lives, so the host never waits for the gradient norm on CUDA: `norm_sq` (scalar
+    /// FP32) is the sum of squares of `flat`; when it is not finite (inf/NaN, fp16 overflow) nothing changes;
+    /// otherwise the gradient is clipped to global norm `clip` (0: off) and applied. The bias-correction count of
+    /// AdamW is `ctl[2] + 1` (`ctl`: the runner's [scale, growth tracker, steps taken] state on the same device).
+    /// [`Self::steps`] is not touched here: the runner counts the steps taken when it reads the step's report.
+    /// On a CUDA device SGD and AdamW run as one multi-tensor kernel over all parameters
+    /// (kernels/optim/01_multi_tensor.cu); otherwise the per-parameter [`Optimizer::step`].
+    pub fn step_flat(&mut self, flat: &Tensor, norm_sq: &Tensor, clip: f64, lr: f64, ctl: &Tensor) -> Result<()> {
         #[cfg(feature = "cuda")]
         if flat.device().is_cuda() {
-            return self.step_multi_tensor(flat, coef, lr);
+            return self.step_multi_tensor(flat, norm_sq, clip, lr, ctl);
         }
+        let norm_sq = norm_sq.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?[0] as f64;
+        if !norm_sq.is_finite() {
+            return Ok(());
+        }
+        let norm = norm_sq.sqrt();
+        let coef = if clip > 0.0 && norm > clip { clip / (norm + 1e-6) } else { 1.0 };
+        let taken = ctl.to_vec1::<f32>()?[2] as u64;
         let flat = if coef != 1.0 { (flat * coef)? } else { flat.clone() };
         let mut offset = 0;
         let mut grads = Vec::with_capacity(self.slots.len());
@@ -74,7 +87,7 @@ impl Optimizer {
             grads.push(flat.narrow(0, offset, n)?.reshape(s.var.dims())?);
             offset += n;
         }
-        self.step(&grads, lr)
+        self.step(&grads, lr, taken + 1)
     }
 
     /// The flat state buffers of the multi-tensor path (`kinds` of them), made on first use: zeros for a fresh
@@ -118,40 +131,25 @@ impl Optimizer {
     }
 
     #[cfg(feature = "cuda")]
-    fn step_multi_tensor(&mut self, flat: &Tensor, coef: f64, lr: f64) -> Result<()> {
+    fn step_multi_tensor(&mut self, flat: &Tensor, norm_sq: &Tensor, clip: f64, lr: f64, ctl: &Tensor) -> Result<()> {
+        let decision = kernels::cuda::optim::DeviceDecision { norm_sq, clip: clip as f32 };
         match self.kind {
             OptimKind::Sgd { momentum, nesterov } => {
-                let first = momentum > 0.0 && self.flat_states(1, flat.device())?;
+                if momentum > 0.0 {
+                    // Zeros when fresh: the first update's buffer is then the gradient, as PyTorch starts it.
+                    self.flat_states(1, flat.device())?;
+                }
                 let params = self.sgd_params();
                 let mom = if momentum > 0.0 { &self.flat_state[0] } else { flat };
-                kernels::cuda::optim::sgd_step(
-                    &params,
-                    flat,
-                    mom,
-                    coef as f32,
-                    lr as f32,
-                    momentum as f32,
-                    nesterov,
-                    first,
-                )?;
+                kernels::cuda::optim::sgd_step(&params, flat, mom, decision, lr as f32, momentum as f32, nesterov)?;
             }
             OptimKind::AdamW { beta1, beta2, eps } => {
                 self.flat_states(2, flat.device())?;
                 let params = self.sgd_params();
                 let (m, v) = (&self.flat_state[0], &self.flat_state[1]);
-                kernels::cuda::optim::adamw_step(
-                    &params,
-                    flat,
-                    m,
-                    v,
-                    coef as f32,
-                    lr as f32,
-                    (beta1, beta2, eps),
-                    self.steps + 1,
-                )?;
+                kernels::cuda::optim::adamw_step(&params, flat, m, v, decision, ctl, lr as f32, (beta1, beta2, eps))?;
             }
         }
-        self.steps += 1;
         Ok(())
     }
 
@@ -168,13 +166,13 @@ impl Optimizer {
             .collect()
     }
 
-    /// Applies one update. `grads[i]` is the (unscaled, clipped) FP32 gradient of the i-th parameter.
-    pub fn step(&mut self, grads: &[Tensor], lr: f64) -> Result<()> {
+    /// Applies one update. `grads[i]` is the (unscaled, clipped) FP32 gradient of the i-th parameter; `t` the
+    /// 1-based number of this update (AdamW's bias corrections). [`Self::steps`] is the caller's to count.
+    pub fn step(&mut self, grads: &[Tensor], lr: f64, t: u64) -> Result<()> {
         if grads.len() != self.slots.len() {
             bail!("optimizer: {} gradients for {} parameters", grads.len(), self.slots.len());
         }
-        self.steps += 1;
-        let t = self.steps as i32;
+        let t = i32::try_from(t.max(1)).unwrap_or(i32::MAX);
         for (slot, g) in self.slots.iter_mut().zip(grads) {
             // Detached: an update must not record an autograd graph, or each step's state would keep the previous
             // step's tensors alive through it.

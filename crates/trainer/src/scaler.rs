@@ -64,6 +64,86 @@ impl LossScaler {
     }
 }
 
+/// The per-step state the device keeps, so that a step needs no host decision: FP32 [loss scale, growth tracker,
+/// optimizer steps taken]. The update kernels read it (the scale to unscale with, AdamW's step count) and
+/// [`LossScaler::update_on_device`] advances it after each step.
+pub const DEVICE_STATE_LEN: usize = 3;
+/// The report [`LossScaler::update_on_device`] writes per step: [scale used, found inf (0/1), scale, growth
+/// tracker, steps taken after the step].
+pub const REPORT_LEN: usize = 5;
+
+impl LossScaler {
+    /// The device state for this scaler and `steps` optimizer steps taken.
+    pub fn device_state(&self, steps: u64, device: &candle_core::Device) -> candle_core::Result<candle_core::Tensor> {
+        let v = [self.scale() as f32, self.growth_tracker as f32, steps as f32];
+        candle_core::Tensor::new(&v, device)
+    }
+
+    /// The scaler's update of [`Self::update`], in FP32 on the device state `ctl` after a step whose unscaled
+    /// gradient has the sum of squares `norm_sq` (not finite: found inf, the step was skipped). Returns the new
+    /// state (on CUDA `ctl` itself, updated in place by one kernel, `kernels/optim/01_multi_tensor.cu`) and the
+    /// step's report ([`REPORT_LEN`] values). Nothing is read back to the host.
+    pub fn update_on_device(
+        &self,
+        ctl: &candle_core::Tensor,
+        norm_sq: &candle_core::Tensor,
+    ) -> candle_core::Result<(candle_core::Tensor, candle_core::Tensor)> {
+        #[cfg(feature = "cuda")]
+        if ctl.device().is_cuda() {
+            let out = candle_core::Tensor::zeros(REPORT_LEN, candle_core::DType::F32, ctl.device())?;
+            let rule = kernels::cuda::optim::AmpRule {
+                enabled: self.enabled,
+                growth: self.growth_factor,
+                backoff: self.backoff_factor,
+                interval: self.growth_interval,
+                min_scale: self.min_scale,
+                max_scale: self.max_scale,
+            };
+            kernels::cuda::optim::amp_update(ctl, &norm_sq.reshape(1)?, &out, &rule)?;
+            return Ok((ctl.clone(), out));
+        }
+        let c = ctl.to_vec1::<f32>()?;
+        let n = norm_sq.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?[0];
+        let (state, report) = self.update_f32([c[0], c[1], c[2]], n);
+        let dev = ctl.device();
+        Ok((candle_core::Tensor::new(&state, dev)?, candle_core::Tensor::new(&report, dev)?))
+    }
+
+    /// The FP32 rule of `amp_update_f32` (the CUDA kernel), on the host: (new state, report).
+    pub fn update_f32(&self, [scale, tracker, steps]: [f32; 3], norm_sq: f32) -> ([f32; 3], [f32; REPORT_LEN]) {
+        let inf = !norm_sq.is_finite();
+        let (mut s, mut t) = (scale, tracker);
+        let steps_after = if inf { steps } else { steps + 1.0 };
+        if self.enabled {
+            if inf {
+                s *= self.backoff_factor as f32;
+                t = 0.0;
+            } else {
+                t += 1.0;
+                if t >= self.growth_interval as f32 {
+                    s *= self.growth_factor as f32;
+                    t = 0.0;
+                }
+            }
+            if self.min_scale > 0.0 {
+                s = s.max(self.min_scale as f32);
+            }
+            if self.max_scale > 0.0 {
+                s = s.min(self.max_scale as f32);
+            }
+        }
+        ([s, t, steps_after], [scale, if inf { 1.0 } else { 0.0 }, s, t, steps_after])
+    }
+
+    /// Takes the scale and growth tracker a step's report says (the device's state after the step).
+    pub fn set_from_report(&mut self, report: &[f32]) {
+        if self.enabled {
+            self.scale = report[2] as f64;
+            self.growth_tracker = report[3] as usize;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -92,6 +172,32 @@ mod tests {
             s.update(inf);
             assert_eq!((s.scale, s.growth_tracker), (scale, tracker), "after update {i}");
         }
+    }
+
+    /// The FP32 device rule (the CUDA kernel's, on the host) follows the scripted sequence of the f64 rule, and
+    /// counts only the steps taken.
+    #[test]
+    fn device_rule_matches_the_host_rule() {
+        let mut host = scaler(3);
+        host.min_scale = 64.0;
+        let dev = host.clone();
+        let mut state = [host.scale as f32, 0.0, 7.0];
+        for (i, inf) in
+            [false, false, false, true, false, true, true, true, true, false, false, false].into_iter().enumerate()
+        {
+            let used = state[0];
+            let (next, report) = dev.update_f32(state, if inf { f32::INFINITY } else { 2.5 });
+            host.update(inf);
+            assert_eq!((next[0] as f64, next[1] as usize), (host.scale, host.growth_tracker), "after update {i}");
+            assert_eq!(report, [used, if inf { 1.0 } else { 0.0 }, next[0], next[1], next[2]]);
+            assert_eq!(next[2], state[2] + if inf { 0.0 } else { 1.0 });
+            state = next;
+        }
+        let (_, r) = dev.update_f32(state, f32::NAN);
+        assert_eq!(r[1], 1.0, "NaN is found like inf");
+        let off = LossScaler::new(&AmpSection::default(), false);
+        let (next, _) = off.update_f32([1.0, 0.0, 0.0], f32::INFINITY);
+        assert_eq!(next, [1.0, 0.0, 0.0]);
     }
 
     #[test]

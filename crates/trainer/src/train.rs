@@ -203,6 +203,16 @@ pub struct StepRunner {
     pub bucket_bytes: usize,
     /// Data-parallel: the gradient buckets (made at the first step).
     buckets: Option<BucketPlan>,
+    /// The device's copy of the loss scale, growth tracker and steps taken ([`Self::device_state`]), and the host
+    /// values it was last known to match.
+    ctl: Option<Tensor>,
+    ctl_seen: Option<(LossScaler, u64)>,
+    /// Steps queued and resolved so far.
+    queued: u64,
+    resolved: u64,
+    /// CUDA: pinned buffers for the reports of queued steps, reused once resolved.
+    #[cfg(feature = "cuda")]
+    readbacks: Vec<kernels::cuda::readback::HostReadback>,
 }
 
 /// The trainer's collective as the explicit step's [`resnet::step::BnSync`], counting arrivals like the
@@ -297,13 +307,47 @@ impl StepRunner {
             grad_allreduce: cfg.train.grad_allreduce,
             bucket_bytes: (cfg.train.bucket_mb * 1e6).max(1.0) as usize,
             buckets: None,
+            ctl: None,
+            ctl_seen: None,
+            queued: 0,
+            resolved: 0,
+            #[cfg(feature = "cuda")]
+            readbacks: Vec::new(),
             model,
         })
     }
 
     /// Forward + backward over the micro-batches, then unscale, inf/NaN check, clip, update or skip, and update the
-    /// scale (PyTorch GradScaler's order). One device-to-host transfer per step.
+    /// scale (PyTorch GradScaler's order), and the step's report read back: [`Self::step_async`] then
+    /// [`Self::resolve`].
     pub fn step(&mut self, micro: &[Batch], lr: f64) -> Result<StepOutput> {
+        let p = self.step_async(micro, lr)?;
+        self.resolve(p)
+    }
+
+    /// The device state ([`crate::scaler::DEVICE_STATE_LEN`]: loss scale, growth tracker, steps taken), uploaded
+    /// again only when the host's values were changed from outside since the last step was resolved (a resumed
+    /// checkpoint, a test that sets the scale).
+    fn device_state(&mut self) -> Result<Tensor> {
+        let mirror = (self.scaler.clone(), self.opt.steps);
+        match (&self.ctl, &self.ctl_seen) {
+            (Some(ctl), Some(seen)) if *seen == mirror => Ok(ctl.clone()),
+            _ => {
+                let ctl = self.scaler.device_state(self.opt.steps, self.model.device())?;
+                self.ctl = Some(ctl.clone());
+                self.ctl_seen = Some(mirror);
+                Ok(ctl)
+            }
+        }
+    }
+
+    /// Queues one training step without waiting for the device: forward + backward over the micro-batches, the
+    /// gradients gathered and unscaled (and all-reduced, data-parallel), then the update, which the device itself
+    /// skips on inf/NaN and clips by the global norm, then the loss scale's update on the device. The loss scale,
+    /// the skip decision and AdamW's step count live in device memory ([`Self::device_state`]): there is no host
+    /// synchronisation inside the step. The returned report is read by [`Self::resolve`], whenever the caller
+    /// chooses (the trainer reads step k's while step k + 1 runs). Steps must be resolved in order.
+    pub fn step_async(&mut self, micro: &[Batch], lr: f64) -> Result<PendingStep> {
         let timing = self.phases.is_some();
         let device = self.model.device().clone();
         let mut mark = Instant::now();
@@ -320,7 +364,9 @@ impl StepRunner {
         };
         let mut times = PhaseTimes::default();
         lap(timing)?;
-        let scale = self.scaler.scale();
+        let ctl = self.device_state()?;
+        // The loss scale as the device knows it (None without loss scaling: the gradients are not scaled).
+        let loss_scale = if self.scaler.enabled { Some(ctl.narrow(0, 0, 1)?) } else { None };
         let accum = micro.len() as f64;
         let vars: Vec<_> = self.opt.vars().map(|(_, v)| v.clone()).collect();
         let mut acc: Vec<Option<Tensor>> = vec![None; vars.len()];
@@ -351,7 +397,7 @@ impl StepRunner {
                 // Rank r contributes n_r x its mean gradient; the sum over ranks divided by the global sample
                 // count is the gradient of the mean loss over the global batch (the single-process result when
                 // every rank's micro-batches are full).
-                n_local as f64 / scale,
+                (n_local as f64, loss_scale.clone()),
                 vars.len(),
             )),
             _ => None,
@@ -373,14 +419,19 @@ impl StepRunner {
                     let logits = self.model.forward(&b.images, true, self.precision)?;
                     let loss = cross_entropy(&logits, &b.labels, self.label_smoothing)?;
                     times.forward += lap(timing)?;
-                    let store = (&loss * (scale / accum))?.backward()?;
+                    let mut scaled = (&loss * (1.0 / accum))?;
+                    if let Some(s) = &loss_scale {
+                        scaled = scaled.broadcast_mul(&s.reshape(())?)?;
+                    }
+                    let store = scaled.backward()?;
                     (logits, loss, vars.iter().map(|v| store.get(v.as_tensor()).cloned()).collect())
                 }
                 StepEngine::Fused => {
                     // Forward and backward in one call: its time is booked as backward.
                     let mut args = resnet::step::StepArgs {
                         sync: sync.as_ref().map(|s| s as &dyn resnet::step::BnSync),
-                        ..resnet::step::StepArgs::new(self.label_smoothing, scale / accum, self.precision)
+                        loss_scale: loss_scale.clone(),
+                        ..resnet::step::StepArgs::new(self.label_smoothing, 1.0 / accum, self.precision)
                     };
                     if let (true, true, Some(r), Some(plan)) = (overlap, last, reducer.as_mut(), &self.buckets) {
                         args.buckets = Some((&plan.ids, r as &mut dyn resnet::step::GradSink));
@@ -428,7 +479,7 @@ impl StepRunner {
         };
         // All gradients in one flat FP32 buffer, unscaled in one pass: the inf/NaN check and the norm are then a
         // single reduction (sum of squares: non-finite iff some gradient is inf/NaN or overflows), and the
-        // per-parameter gradients are views into the buffer.
+        // per-parameter gradients are views into the buffer. totals: (mean loss, correct, samples).
         let (all, total_sq, totals) = match (reducer, &self.collective) {
             (Some(mut r), Some(c)) => {
                 // Whatever the backward did not hand out (all of it on the autograd path).
@@ -440,11 +491,10 @@ impl StepRunner {
                 arrive(self.progress.as_deref());
                 c.all_reduce_sum(&counts)?;
                 let global_n = counts.narrow(0, 0, 1)?;
-                let (all, sq) = gather_scaled(&summed, 1.0)?;
+                let (all, sq) = gather_scaled(&summed, 1.0, None)?;
                 drop(summed);
                 let all = all.broadcast_div(&global_n)?;
-                let total_sq = sq.reshape(1)?.broadcast_div(&global_n.sqr()?)?;
-                // (mean loss, correct, samples) over all ranks.
+                let total_sq = sq.reshape(1)?.broadcast_div(&global_n.sqr()?)?.reshape(())?;
                 let mean_loss = counts.narrow(0, 1, 1)?.broadcast_div(&global_n)?;
                 (all, total_sq, Tensor::cat(&[mean_loss, counts.narrow(0, 2, 1)?, global_n], 0)?)
             }
@@ -457,29 +507,30 @@ impl StepRunner {
                         None => Ok(v.as_tensor().zeros_like()?.flatten_all()?),
                     })
                     .collect::<Result<_>>()?;
-                let (all, total_sq) = gather_scaled(&flat, 1.0 / scale)?;
-                (all, total_sq, Tensor::stack(&[(loss_sum / accum)?, correct_sum], 0)?)
+                let (all, total_sq) = gather_scaled(&flat, 1.0, loss_scale.as_ref())?;
+                let n = Tensor::full(samples as f32, 1, &device)?;
+                (all, total_sq, Tensor::cat(&[(loss_sum / accum)?.reshape(1)?, correct_sum.reshape(1)?, n], 0)?)
             }
         };
-        let host: Vec<f32> = Tensor::cat(&[totals, total_sq.reshape(1)?], 0)?.to_vec1()?;
-        let loss = host[0] as f64;
-        if self.collective.is_some() {
-            samples = host[2] as usize;
-        }
-        let norm_sq = host[host.len() - 1] as f64;
-        let found_inf = !norm_sq.is_finite();
-        let skipped = found_inf;
-        let grad_norm = norm_sq.sqrt();
         times.grads += lap(timing)?;
-        if !found_inf {
-            let coef = if self.clip_grad_norm > 0.0 && grad_norm > self.clip_grad_norm {
-                self.clip_grad_norm / (grad_norm + 1e-6)
-            } else {
-                1.0
-            };
-            self.opt.step_flat(&all, coef, lr)?;
-        }
-        self.scaler.update(found_inf);
+        // The update skips itself on inf/NaN (on the device); then the scale and the step count move.
+        self.opt.step_flat(&all, &total_sq, self.clip_grad_norm, lr, &ctl)?;
+        let (ctl, report) = self.scaler.update_on_device(&ctl, &total_sq)?;
+        self.ctl = Some(ctl);
+        let report = Tensor::cat(&[totals.to_dtype(DType::F32)?, total_sq.reshape(1)?, report], 0)?;
+        // On CUDA the report goes to pinned host memory right away, so that reading it waits for this step only.
+        let report = match &device {
+            #[cfg(feature = "cuda")]
+            Device::Cuda(d) => {
+                let mut rb = match self.readbacks.pop() {
+                    Some(rb) => rb,
+                    None => kernels::cuda::readback::HostReadback::new(d, REPORT_MAX)?,
+                };
+                rb.queue(&report)?;
+                Report::Pinned(rb)
+            }
+            _ => Report::Tensor(report),
+        };
         times.optimizer += lap(timing)?;
         if let Some(p) = self.phases.as_mut() {
             p.forward += times.forward;
@@ -488,9 +539,67 @@ impl StepRunner {
             p.optimizer += times.optimizer;
             p.steps += 1;
         }
-        Ok(StepOutput { loss, correct: host[1] as u64, samples, skipped, loss_scale: scale, grad_norm })
+        self.queued += 1;
+        Ok(PendingStep { report, seq: self.queued })
+    }
+
+    /// Reads a queued step's report (waiting for the device to finish that step, not the ones queued after it)
+    /// and brings the host's copy of the state up to date: the loss scale and growth tracker, the optimizer's
+    /// step count.
+    pub fn resolve(&mut self, p: PendingStep) -> Result<StepOutput> {
+        if p.seq != self.resolved + 1 {
+            bail!("training steps resolved out of order: step {} after {}", p.seq, self.resolved);
+        }
+        // [mean loss, correct, samples, sum of squares, then the scaler's report: scale used, found inf, scale,
+        // growth tracker, steps taken].
+        let host: Vec<f32> = match p.report {
+            Report::Tensor(t) => t.to_vec1()?,
+            #[cfg(feature = "cuda")]
+            Report::Pinned(rb) => {
+                let v = rb.read()?;
+                self.readbacks.push(rb);
+                v
+            }
+        };
+        self.resolved = p.seq;
+        let (loss, correct, samples, norm_sq) = (host[0] as f64, host[1] as u64, host[2] as usize, host[3] as f64);
+        let amp = &host[4..];
+        let skipped = amp[1] != 0.0;
+        let in_sync = self.ctl_seen.as_ref() == Some(&(self.scaler.clone(), self.opt.steps));
+        self.scaler.set_from_report(amp);
+        if !skipped {
+            self.opt.steps += 1;
+        }
+        if in_sync {
+            self.ctl_seen = Some((self.scaler.clone(), self.opt.steps));
+        }
+        Ok(StepOutput { loss, correct, samples, skipped, loss_scale: amp[0] as f64, grad_norm: norm_sq.sqrt() })
+    }
+
+    /// Whether every queued step has been resolved.
+    pub fn idle(&self) -> bool {
+        self.queued == self.resolved
     }
 }
+
+/// A queued training step ([`StepRunner::step_async`]): its report, on the device until
+/// [`StepRunner::resolve`] reads it.
+#[must_use = "a queued step must be resolved"]
+pub struct PendingStep {
+    report: Report,
+    seq: u64,
+}
+
+/// Where a queued step's report waits: a device tensor (the CPU), or pinned host memory it is being copied to.
+enum Report {
+    Tensor(Tensor),
+    #[cfg(feature = "cuda")]
+    Pinned(kernels::cuda::readback::HostReadback),
+}
+
+/// Values in a step's report: [mean loss, correct, samples, sum of squares] and the scaler's report.
+#[cfg(feature = "cuda")]
+const REPORT_MAX: usize = 4 + crate::scaler::REPORT_LEN;
 
 /// Validation result.
 #[derive(Debug, Clone, Copy)]
@@ -877,97 +986,122 @@ pub fn train_ranks(cfg: &Config, run_dir: &Path, resume: bool, ranks: Option<Ran
         let mut epoch_images = 0usize;
         let mut t_log = Instant::now();
         let mut images_since_log = 0usize;
-        while state.step < total_steps {
+        // Steps queued on the device whose reports are not read yet: step k's report is read once step k + 1 is
+        // queued, so the host never waits for the GPU between steps (at most one step in flight; checkpoints, the
+        // epoch's end and GPU-health stops read everything first).
+        let mut in_flight: std::collections::VecDeque<(PendingStep, usize, f64)> = Default::default();
+        loop {
             let mut micro = Vec::with_capacity(accum);
-            for _ in 0..accum {
-                match loader.next() {
-                    Some(b) => micro.push(b?),
-                    None => break,
-                }
-            }
-            if micro.is_empty() {
-                break;
-            }
-            // Every batch of this epoch taken: the loader of the next one starts now, so that its first batches
-            // are decoded while the last steps and the validation of this epoch run (no gap at the boundary).
-            let last_step = state.step + 1 >= total_steps;
-            if state.batch_in_epoch + micro.len() >= batches_per_epoch && epoch + 1 < cfg.train.epochs && !last_step {
-                ahead = Some((epoch + 1, BatchSource::new(cfg, &train_ds, &device, input, (epoch + 1, 0), shard)?));
-            }
-            let lr = sched.lr(state.step);
-            let out = runner.step(&micro, lr)?;
-            state.batch_in_epoch += micro.len();
-            state.step += 1;
-            // Without loss scaling a non-finite loss or gradient means the run diverged: stop, keep the checkpoints.
-            if (!out.loss.is_finite() || out.skipped) && !runner.scaler.enabled {
-                bar.finish_and_clear();
-                let last =
-                    checkpoint::latest(&ckpt_dir).map(|p| p.display().to_string()).unwrap_or_else(|| "none yet".into());
-                let what = if out.loss.is_finite() {
-                    format!("gradient norm became {}", out.grad_norm)
-                } else {
-                    format!("loss became {}", out.loss)
-                };
-                bail!(
-                    "{what} at step {} (epoch {}, lr {lr:.3e}, {}): training stopped; last good checkpoint: {last}",
-                    state.step,
-                    epoch + 1,
-                    cfg.amp.dtype
-                );
-            }
-            if !out.skipped {
-                state.meters.loss_sum += out.loss * out.samples as f64;
-                state.meters.correct += out.correct;
-                state.meters.seen += out.samples as u64;
-            }
-            state.meters.steps += 1;
-            losses.push(out.loss);
-            epoch_images += out.samples;
-            images_since_log += out.samples;
-            bar.inc(1);
-            if state.step.is_multiple_of(cfg.log.every_steps) || state.step == total_steps {
-                let ips = images_since_log as f64 / t_log.elapsed().as_secs_f64();
-                t_log = Instant::now();
-                images_since_log = 0;
-                metrics.write(&json!({
-                    "kind": "step", "step": state.step, "epoch": epoch + 1, "loss": out.loss, "lr": lr,
-                    "loss_scale": out.loss_scale, "skipped": out.skipped, "grad_norm": out.grad_norm, "img_per_s": ips,
-                }))?;
-                let acc = 100.0 * state.meters.correct as f64 / state.meters.seen.max(1) as f64;
-                let mut msg =
-                    format!("loss {:.4} acc {acc:.1}% lr {lr:.2e} scale {} {ips:.0} img/s", out.loss, out.loss_scale);
-                for (g, t) in &telemetry {
-                    if let Some(sample) = t.latest() {
-                        let mut rec = serde_json::to_value(&sample)?;
-                        rec["kind"] = json!("telemetry");
-                        rec["step"] = json!(state.step);
-                        if telemetry.len() > 1 {
-                            rec["gpu"] = json!(g);
-                        }
-                        metrics.write(&rec)?;
-                    }
-                    let prefix = if telemetry.len() > 1 { format!("gpu{g} ") } else { String::new() };
-                    msg.push_str(&format!(" | {prefix}{}", t.summary()));
-                }
-                bar.set_message(msg);
-            }
-            for (_, t) in &telemetry {
-                for ev in t.events() {
-                    match ev {
-                        crate::telemetry::Event::Warning(w) => bar.suspend(|| eprintln!("warning: {w}")),
-                        crate::telemetry::Event::Fatal(f) => {
-                            bar.finish_and_clear();
-                            let name = checkpoint::step_name(state.step);
-                            let p = save(&runner, &mut state, &metrics, &name)?;
-                            bail!("GPU health: {f}; checkpoint saved to {} and training stopped", p.display());
-                        }
+            if state.step < total_steps {
+                for _ in 0..accum {
+                    match loader.next() {
+                        Some(b) => micro.push(b?),
+                        None => break,
                     }
                 }
             }
-            if cfg.checkpoint.every_steps > 0 && state.step.is_multiple_of(cfg.checkpoint.every_steps) {
+            let queued = !micro.is_empty();
+            let mut checkpoint_due = false;
+            if queued {
+                // Every batch of this epoch taken: the loader of the next one starts now, so that its first
+                // batches are decoded while the last steps and the validation of this epoch run (no gap at the
+                // boundary).
+                let last_step = state.step + 1 >= total_steps;
+                if state.batch_in_epoch + micro.len() >= batches_per_epoch && epoch + 1 < cfg.train.epochs && !last_step
+                {
+                    ahead = Some((epoch + 1, BatchSource::new(cfg, &train_ds, &device, input, (epoch + 1, 0), shard)?));
+                }
+                let lr = sched.lr(state.step);
+                let pending = runner.step_async(&micro, lr)?;
+                state.batch_in_epoch += micro.len();
+                state.step += 1;
+                in_flight.push_back((pending, state.step, lr));
+                checkpoint_due =
+                    cfg.checkpoint.every_steps > 0 && state.step.is_multiple_of(cfg.checkpoint.every_steps);
+            }
+            let events: Vec<crate::telemetry::Event> = telemetry.iter().flat_map(|(_, t)| t.events()).collect();
+            let fatal = events.iter().any(|e| matches!(e, crate::telemetry::Event::Fatal(_)));
+            let epoch_end = state.batch_in_epoch >= batches_per_epoch || state.step >= total_steps;
+            let keep = if !queued || checkpoint_due || fatal || epoch_end { 0 } else { 1 };
+            while in_flight.len() > keep {
+                let (pending, step, lr) = in_flight.pop_front().expect("a step in flight");
+                let out = runner.resolve(pending)?;
+                // Without loss scaling a non-finite loss or gradient means the run diverged: stop, keep the
+                // checkpoints (the device skipped the update, so the weights are those of the step before).
+                if (!out.loss.is_finite() || out.skipped) && !runner.scaler.enabled {
+                    bar.finish_and_clear();
+                    let last = checkpoint::latest(&ckpt_dir)
+                        .map(|p| p.display().to_string())
+                        .unwrap_or_else(|| "none yet".into());
+                    let what = if out.loss.is_finite() {
+                        format!("gradient norm became {}", out.grad_norm)
+                    } else {
+                        format!("loss became {}", out.loss)
+                    };
+                    bail!(
+                        "{what} at step {step} (epoch {}, lr {lr:.3e}, {}): training stopped; last good checkpoint: {last}",
+                        epoch + 1,
+                        cfg.amp.dtype
+                    );
+                }
+                if !out.skipped {
+                    state.meters.loss_sum += out.loss * out.samples as f64;
+                    state.meters.correct += out.correct;
+                    state.meters.seen += out.samples as u64;
+                }
+                state.meters.steps += 1;
+                losses.push(out.loss);
+                epoch_images += out.samples;
+                images_since_log += out.samples;
+                bar.inc(1);
+                if step.is_multiple_of(cfg.log.every_steps) || step == total_steps {
+                    let ips = images_since_log as f64 / t_log.elapsed().as_secs_f64();
+                    t_log = Instant::now();
+                    images_since_log = 0;
+                    metrics.write(&json!({
+                        "kind": "step", "step": step, "epoch": epoch + 1, "loss": out.loss, "lr": lr,
+                        "loss_scale": out.loss_scale, "skipped": out.skipped, "grad_norm": out.grad_norm,
+                        "img_per_s": ips,
+                    }))?;
+                    let acc = 100.0 * state.meters.correct as f64 / state.meters.seen.max(1) as f64;
+                    let mut msg = format!(
+                        "loss {:.4} acc {acc:.1}% lr {lr:.2e} scale {} {ips:.0} img/s",
+                        out.loss, out.loss_scale
+                    );
+                    for (g, t) in &telemetry {
+                        if let Some(sample) = t.latest() {
+                            let mut rec = serde_json::to_value(&sample)?;
+                            rec["kind"] = json!("telemetry");
+                            rec["step"] = json!(step);
+                            if telemetry.len() > 1 {
+                                rec["gpu"] = json!(g);
+                            }
+                            metrics.write(&rec)?;
+                        }
+                        let prefix = if telemetry.len() > 1 { format!("gpu{g} ") } else { String::new() };
+                        msg.push_str(&format!(" | {prefix}{}", t.summary()));
+                    }
+                    bar.set_message(msg);
+                }
+            }
+            for ev in events {
+                match ev {
+                    crate::telemetry::Event::Warning(w) => bar.suspend(|| eprintln!("warning: {w}")),
+                    crate::telemetry::Event::Fatal(f) => {
+                        bar.finish_and_clear();
+                        let name = checkpoint::step_name(state.step);
+                        let p = save(&runner, &mut state, &metrics, &name)?;
+                        bail!("GPU health: {f}; checkpoint saved to {} and training stopped", p.display());
+                    }
+                }
+            }
+            if checkpoint_due {
                 let name = checkpoint::step_name(state.step);
                 save(&runner, &mut state, &metrics, &name)?;
                 prune(cfg.checkpoint.keep_last)?;
+            }
+            if !queued || state.step >= total_steps {
+                break;
             }
         }
         bar.finish_and_clear();

@@ -39,7 +39,9 @@ fn forced_overflow_skips_steps_and_halves_the_scale() {
     assert!(!out.skipped, "clean fp16 step skipped");
     assert_eq!(r.opt.state_tensors().unwrap().len(), r.opt.len());
     // A huge scale overflows FP16 gradients: every step is skipped, nothing changes but the scale.
-    r.scaler.scale = 1e30;
+    // (A power of two: the device keeps the scale in FP32, as torch.amp.GradScaler's scale tensor is.)
+    let huge = 2f64.powi(100);
+    r.scaler.scale = huge;
     let before = snapshot(&r);
     let steps_before = r.opt.steps;
     // Running statistics of BatchNorm do move in a forward pass (as in PyTorch); compare everything else.
@@ -53,8 +55,8 @@ fn forced_overflow_skips_steps_and_halves_the_scale() {
         assert!(out.skipped, "overflowing step was applied");
         scales.push(out.loss_scale);
     }
-    assert_eq!(scales, vec![1e30, 5e29, 2.5e29]);
-    assert_eq!(r.scaler.scale, 1.25e29);
+    assert_eq!(scales, vec![huge, huge / 2.0, huge / 4.0]);
+    assert_eq!(r.scaler.scale, huge / 8.0);
     assert_eq!(r.scaler.growth_tracker, 0);
     assert_eq!(r.opt.steps, steps_before);
     let after = keep(snapshot(&r));
@@ -114,4 +116,41 @@ fn scaler_state_survives_checkpoint_and_resume() {
     };
     assert_eq!(scales(full.path()), scales(split.path()));
     assert_eq!(step_losses(full.path()), step_losses(split.path()), "resumed run diverged from the uninterrupted one");
+}
+
+/// Steps queued ahead of their reports (the trainer reads step k's once step k + 1 is queued): the loss scale,
+/// growth tracker and step count live on the device between them, the reports come back in order and equal those
+/// of steps read one by one, and a report read out of order is refused.
+#[test]
+fn queued_steps_report_like_steps_read_one_by_one() {
+    let cfg = tiny(&["amp.dtype=\"fp16\"", "amp.growth_interval=2"]);
+    let runner = || StepRunner::new(&cfg, train::build_model(&cfg, &Device::Cpu).unwrap()).unwrap();
+    let (mut one, mut queued) = (runner(), runner());
+    let batches: Vec<Batch> = (0..3).map(|_| batch(8, 8, 4)).collect();
+    let want: Vec<_> = batches.iter().map(|b| one.step(std::slice::from_ref(b), 0.05).unwrap()).collect();
+    let p0 = queued.step_async(std::slice::from_ref(&batches[0]), 0.05).unwrap();
+    let p1 = queued.step_async(std::slice::from_ref(&batches[1]), 0.05).unwrap();
+    assert!(!queued.idle());
+    let e = queued.resolve(p1).unwrap_err().to_string();
+    assert!(e.contains("out of order"), "{e}");
+    drop(p0);
+    // Two steps in flight at most, as the trainer runs them, on a fresh runner.
+    let mut queued = runner();
+    let mut got = Vec::new();
+    let mut in_flight = None;
+    for b in &batches {
+        let p = queued.step_async(std::slice::from_ref(b), 0.05).unwrap();
+        if let Some(prev) = in_flight.replace(p) {
+            got.push(queued.resolve(prev).unwrap());
+        }
+    }
+    got.push(queued.resolve(in_flight.unwrap()).unwrap());
+    assert!(queued.idle());
+    for (i, (a, b)) in want.iter().zip(&got).enumerate() {
+        assert_eq!((a.loss, a.correct, a.samples, a.skipped), (b.loss, b.correct, b.samples, b.skipped), "step {i}");
+        assert_eq!((a.loss_scale, a.grad_norm), (b.loss_scale, b.grad_norm), "step {i}");
+    }
+    // Three clean steps at growth interval 2: the scale doubled once, one step counted since.
+    assert_eq!((queued.scaler.scale, queued.scaler.growth_tracker, queued.opt.steps), (2048.0, 1, 3));
+    assert_eq!(snapshot(&queued), snapshot(&one));
 }

@@ -12,7 +12,8 @@
 //! | [`im2col`] | explicit im2col + TMA GEMM for few input channels (`kernels/conv/06_im2col.cu`) |
 //! | [`pool`] | max-pool and global average pool |
 //! | [`bn`] | channels-last BatchNorm statistics, apply, backward |
-//! | [`optim`] | multi-tensor gradient gather and SGD |
+//! | [`optim`] | multi-tensor gradient gather, SGD and AdamW with the step decided on the device, the loss-scale update |
+//! | [`readback`] | a small result read back through pinned memory without waiting for later work |
 //! | [`residual`] | fused BatchNorm + residual add + ReLU, ReLU gradient joined with the residual gradient |
 
 pub mod autotune;
@@ -24,6 +25,7 @@ pub mod im2col;
 pub mod loader;
 pub mod optim;
 pub mod pool;
+pub mod readback;
 pub mod residual;
 pub mod tma;
 

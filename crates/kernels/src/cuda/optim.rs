@@ -68,6 +68,12 @@ fn cfg(blocks: usize) -> LaunchConfig {
 /// All of `tensors` (FP32, contiguous, one CUDA device) times `scale`, concatenated flat in order, and the sum of
 /// the squares of that flat vector (a scalar tensor; summed per block, then in block order: deterministic).
 pub fn gather_scaled(tensors: &[Tensor], scale: f32) -> Result<(Tensor, Tensor)> {
+    gather_scaled_div(tensors, scale, None)
+}
+
+/// [`gather_scaled`] times `scale / div` where `div` is a device scalar (FP32, one element: the loss scale, read
+/// by the kernel, so the host need not know it).
+pub fn gather_scaled_div(tensors: &[Tensor], scale: f32, div: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
     let Some(first) = tensors.first() else { candle_core::bail!("multi-tensor: no tensors") };
     let (_, dev) = f32_addr(first, "gradient 0")?;
     let mut entries = Vec::with_capacity(tensors.len());
@@ -82,11 +88,15 @@ pub fn gather_scaled(tensors: &[Tensor], scale: f32) -> Result<(Tensor, Tensor)>
     let partial = Tensor::zeros(tb.blocks, DType::F32, first.device())?;
     let (pf, _) = f32_addr(&flat, "flat buffer")?;
     let (pp, _) = f32_addr(&partial, "partial sums")?;
+    let pd = match div {
+        Some(d) => scalar_addr(d, "loss scale")?,
+        None => 0,
+    };
     let f = dev.get_or_load_custom_func("mt_gather_f32", MODULE, ptx::OPTIM_01_MULTI_TENSOR)?;
     let mut b = f.builder();
-    b.arg(&tb.tab).arg(&tb.chunks).arg(&pf).arg(&scale).arg(&pp);
-    // SAFETY: (tab, chunks, flat, scale, partial) as mt_gather_f32 takes them; every chunk lies inside its tensor
-    // and the flat buffer (off elements), partial holds one float per block.
+    b.arg(&tb.tab).arg(&tb.chunks).arg(&pf).arg(&scale).arg(&pd).arg(&pp);
+    // SAFETY: (tab, chunks, flat, scale, div, partial) as mt_gather_f32 takes them; every chunk lies inside its
+    // tensor and the flat buffer (off elements), partial holds one float per block, div is null or one float.
     unsafe { b.launch(cfg(tb.blocks)) }.w()?;
     let sq = partial.sum_all()?;
     Ok((flat, sq))
@@ -99,19 +109,31 @@ pub struct SgdParam<'a> {
     pub lr_mult: f32,
 }
 
-/// PyTorch's SGD over all `params` in place, their gradients `grad` (flat, in order) times `coef`, momentum
-/// buffers in the flat `momentum_buf` (same length; unused when `momentum` is 0; on the `first` step it is
-/// overwritten with the gradient, as PyTorch starts it).
-#[allow(clippy::too_many_arguments)]
+/// Device address of a (small) contiguous FP32 tensor: a scalar the kernels read on the device.
+fn scalar_addr(t: &Tensor, what: &str) -> Result<u64> {
+    Ok(f32_addr(t, what)?.0)
+}
+
+/// The device-side step decision the update kernels take: `norm_sq` (device scalar, FP32) is the sum of squares
+/// of the unscaled gradient; not finite -> the kernel skips the step; else the gradient is multiplied by the
+/// global-norm clipping coefficient for `clip` (0: no clipping).
+#[derive(Clone, Copy)]
+pub struct DeviceDecision<'a> {
+    pub norm_sq: &'a Tensor,
+    pub clip: f32,
+}
+
+/// PyTorch's SGD over all `params` in place, their gradients `grad` (flat, in order) clipped and skipped as
+/// `decision` says, momentum buffers in the flat `momentum_buf` (same length, zero before the first step; unused
+/// when `momentum` is 0).
 pub fn sgd_step(
     params: &[SgdParam<'_>],
     grad: &Tensor,
     momentum_buf: &Tensor,
-    coef: f32,
+    decision: DeviceDecision<'_>,
     lr: f32,
     momentum: f32,
     nesterov: bool,
-    first: bool,
 ) -> Result<()> {
     let Some(p0) = params.first() else { candle_core::bail!("multi-tensor: no parameters") };
     let (_, dev) = f32_addr(p0.tensor, "parameter 0")?;
@@ -132,34 +154,37 @@ pub fn sgd_step(
     let tb = tables(&dev, &entries)?;
     let (pg, _) = f32_addr(grad, "gradient buffer")?;
     let (pm, _) = f32_addr(momentum_buf, "momentum buffer")?;
-    let (nest, fst) = (i32::from(nesterov), i32::from(first));
+    let pn = scalar_addr(decision.norm_sq, "gradient norm")?;
+    let nest = i32::from(nesterov);
     let f = dev.get_or_load_custom_func("mt_sgd_f32", MODULE, ptx::OPTIM_01_MULTI_TENSOR)?;
     let mut b = f.builder();
-    b.arg(&tb.tab).arg(&tb.chunks).arg(&pg).arg(&pm).arg(&coef).arg(&lr).arg(&momentum).arg(&nest).arg(&fst);
-    // SAFETY: (tab, chunks, grad, momentum, coef, lr, momentum, nesterov, first) as mt_sgd_f32 takes them; every
-    // chunk lies inside its parameter and the flat buffers (off elements each).
+    b.arg(&tb.tab).arg(&tb.chunks).arg(&pg).arg(&pm).arg(&pn).arg(&decision.clip);
+    b.arg(&lr).arg(&momentum).arg(&nest);
+    // SAFETY: (tab, chunks, grad, momentum, norm_sq, clip, lr, momentum, nesterov) as mt_sgd_f32 takes them; every
+    // chunk lies inside its parameter and the flat buffers (off elements each); norm_sq is one float.
     unsafe { b.launch(cfg(tb.blocks)) }.w()?;
     Ok(())
 }
 
 /// PyTorch's AdamW over all `params` in place (decoupled weight decay, per-parameter lr multiplier), their
-/// gradients `grad` (flat, in order) times `coef`, first and second moments in the flat `exp_avg` / `exp_avg_sq`
-/// (same length, zero before the first step), `step` the 1-based step count of the bias corrections.
+/// gradients `grad` (flat, in order) clipped and skipped as `decision` says, first and second moments in the flat
+/// `exp_avg` / `exp_avg_sq` (same length, zero before the first step). The bias corrections count the steps taken
+/// from `ctl[2]` ([`amp_update`]'s device state) + 1.
 #[allow(clippy::too_many_arguments)]
 pub fn adamw_step(
     params: &[SgdParam<'_>],
     grad: &Tensor,
     exp_avg: &Tensor,
     exp_avg_sq: &Tensor,
-    coef: f32,
+    decision: DeviceDecision<'_>,
+    ctl: &Tensor,
     lr: f32,
     (beta1, beta2, eps): (f64, f64, f64),
-    step: u64,
 ) -> Result<()> {
     let Some(p0) = params.first() else { candle_core::bail!("multi-tensor: no parameters") };
     let (_, dev) = f32_addr(p0.tensor, "parameter 0")?;
-    if step == 0 {
-        candle_core::bail!("multi-tensor adamw: the step count starts at 1");
+    if ctl.elem_count() < 3 {
+        candle_core::bail!("multi-tensor adamw: the step state has {} elements, expected 3", ctl.elem_count());
     }
     let mut entries = Vec::with_capacity(params.len());
     let mut off = 0;
@@ -177,17 +202,53 @@ pub fn adamw_step(
     let (pg, _) = f32_addr(grad, "gradient buffer")?;
     let (pm, _) = f32_addr(exp_avg, "exp_avg buffer")?;
     let (pv, _) = f32_addr(exp_avg_sq, "exp_avg_sq buffer")?;
-    let t = i32::try_from(step).unwrap_or(i32::MAX);
-    let (bc1, bc2) = ((1.0 - beta1.powi(t)) as f32, (1.0 - beta2.powi(t)) as f32);
+    let pn = scalar_addr(decision.norm_sq, "gradient norm")?;
+    let pc = scalar_addr(ctl, "step state")?;
     let (b1, b2, e) = (beta1 as f32, beta2 as f32, eps as f32);
     let f = dev.get_or_load_custom_func("mt_adamw_f32", MODULE, ptx::OPTIM_01_MULTI_TENSOR)?;
     let mut b = f.builder();
-    b.arg(&tb.tab).arg(&tb.chunks).arg(&pg).arg(&pm).arg(&pv).arg(&coef).arg(&lr);
-    b.arg(&b1).arg(&b2).arg(&e).arg(&bc1).arg(&bc2);
-    // SAFETY: (tab, chunks, grad, exp_avg, exp_avg_sq, coef, lr, beta1, beta2, eps, bc1, bc2) as mt_adamw_f32
-    // takes them; every chunk lies inside its parameter and the three flat buffers (off elements each).
+    b.arg(&tb.tab).arg(&tb.chunks).arg(&pg).arg(&pm).arg(&pv).arg(&pn).arg(&decision.clip).arg(&pc).arg(&lr);
+    b.arg(&b1).arg(&b2).arg(&e);
+    // SAFETY: (tab, chunks, grad, exp_avg, exp_avg_sq, norm_sq, clip, ctl, lr, beta1, beta2, eps) as mt_adamw_f32
+    // takes them; every chunk lies inside its parameter and the three flat buffers (off elements each); norm_sq
+    // is one float, ctl three.
     unsafe { b.launch(cfg(tb.blocks)) }.w()?;
     Ok(())
+}
+
+/// torch.amp.GradScaler's update, and the step count, on the device (`amp_update_f32`, one thread): `ctl` = FP32
+/// [scale, growth tracker, optimizer steps taken] updated in place from `norm_sq` (not finite: the step was
+/// skipped); `out` (5 FP32) receives [scale used, found inf (0/1), scale, tracker, steps after].
+pub fn amp_update(ctl: &Tensor, norm_sq: &Tensor, out: &Tensor, rule: &AmpRule) -> Result<()> {
+    let (pc, dev) = f32_addr(ctl, "step state")?;
+    if ctl.elem_count() < 3 || out.elem_count() < 5 {
+        candle_core::bail!("amp update: state of {} and report of {} elements", ctl.elem_count(), out.elem_count());
+    }
+    let pn = scalar_addr(norm_sq, "gradient norm")?;
+    let po = scalar_addr(out, "step report")?;
+    let (g, bo, mn, mx) = (rule.growth as f32, rule.backoff as f32, rule.min_scale as f32, rule.max_scale as f32);
+    let interval = i32::try_from(rule.interval).unwrap_or(i32::MAX);
+    let enabled = i32::from(rule.enabled);
+    let f = dev.get_or_load_custom_func("amp_update_f32", MODULE, ptx::OPTIM_01_MULTI_TENSOR)?;
+    let mut b = f.builder();
+    b.arg(&pc).arg(&pn).arg(&po).arg(&g).arg(&bo).arg(&interval).arg(&mn).arg(&mx).arg(&enabled);
+    // SAFETY: (ctl, norm_sq, out, growth, backoff, interval, min, max, enabled) as amp_update_f32 takes them; ctl
+    // holds 3 floats, norm_sq 1, out 5; one thread.
+    unsafe { b.launch(LaunchConfig { grid_dim: (1, 1, 1), block_dim: (32, 1, 1), shared_mem_bytes: 0 }) }.w()?;
+    Ok(())
+}
+
+/// The loss-scale rule of [`amp_update`] (torch.amp.GradScaler's): grow by `growth` after `interval` clean steps,
+/// back off by `backoff` on inf/NaN, clamp to [min_scale, max_scale] where those are > 0; `enabled` false: the
+/// scale stays.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AmpRule {
+    pub enabled: bool,
+    pub growth: f64,
+    pub backoff: f64,
+    pub interval: usize,
+    pub min_scale: f64,
+    pub max_scale: f64,
 }
 
 /// Alignment of each weight in [`weights_krsc`]'s flat output, in elements (128 bytes in bf16/f16: the TMA and

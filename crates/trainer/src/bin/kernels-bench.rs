@@ -470,7 +470,7 @@ fn batchnorms(timer: &Timer, dev: &Device, dt: DType, n: usize) -> Result<Value>
 /// The multi-tensor kernels over ResNet-152's parameters (FP32 masters of a fresh model, random gradients) and the
 /// fused step's conv weight conversions, in GB/s of the bytes each must move.
 fn optims(timer: &Timer, dev: &Device, dt: DType) -> Result<Value> {
-    use kernels::cuda::optim::{adamw_step, gather_scaled, sgd_step, SgdParam};
+    use kernels::cuda::optim::{adamw_step, gather_scaled, sgd_step, DeviceDecision, SgdParam};
     println!(
         "
 multi-tensor kernels over ResNet-152's parameters, {dt:?} conversions (GB/s of the bytes moved)"
@@ -492,20 +492,22 @@ multi-tensor kernels over ResNet-152's parameters, {dt:?} conversions (GB/s of t
     let sgd: Vec<SgdParam> =
         params.iter().map(|(_, v)| SgdParam { tensor: v.as_tensor(), weight_decay: 1e-4, lr_mult: 1.0 }).collect();
     let (m, v) = (Tensor::zeros(n, DType::F32, dev)?, Tensor::zeros(n, DType::F32, dev)?);
+    // The device-side decision the trainer uses: a finite norm, no clipping; the step state for AdamW's t.
+    let norm_sq = Tensor::new(1.0f32, dev)?;
+    let decision = DeviceDecision { norm_sq: &norm_sq, clip: 0.0 };
+    let ctl = Tensor::new(&[1f32, 0.0, 10.0], dev)?;
     rows.push(mem_row(
         "SGD, momentum + Nesterov + weight decay (p, g, m read; p, m written)",
         timer.time(|| {
-            sgd_step(&sgd, &flat, &m, 1.0, 1e-6, 0.9, true, false)?;
+            sgd_step(&sgd, &flat, &m, decision, 1e-6, 0.9, true)?;
             Ok(flat.clone())
         })?,
         5.0 * f4,
     ));
-    let mut step = 0u64;
     rows.push(mem_row(
         "AdamW (p, g, m, v read; p, m, v written)",
         timer.time(|| {
-            step += 1;
-            adamw_step(&sgd, &flat, &m, &v, 1.0, 1e-6, (0.9, 0.999, 1e-8), step)?;
+            adamw_step(&sgd, &flat, &m, &v, decision, &ctl, 1e-6, (0.9, 0.999, 1e-8))?;
             Ok(flat.clone())
         })?,
         7.0 * f4,

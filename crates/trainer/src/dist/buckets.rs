@@ -56,8 +56,9 @@ impl BucketPlan {
 }
 
 /// One optimizer step's gradient all-reduce. Each bucket's gradients (plus what earlier micro-batches
-/// accumulated for them) are gathered into one flat FP32 buffer multiplied by `factor` (this rank's sample count
-/// over the loss scale: the ranks' sum is then the global-batch sum of per-sample gradients), cast to bf16 when
+/// accumulated for them) are gathered into one flat FP32 buffer multiplied by `factor` (this rank's sample count)
+/// and divided by the device loss scale `div` (the ranks' sum is then the global-batch sum of per-sample
+/// gradients), cast to bf16 when
 /// `train.grad_allreduce = "bf16"`, and started. [`Self::finish`] waits for all and returns every variable's
 /// summed gradient.
 pub struct BucketReducer<'a> {
@@ -66,6 +67,8 @@ pub struct BucketReducer<'a> {
     progress: Option<&'a AtomicU64>,
     dtype: GradAllreduce,
     factor: f64,
+    /// The loss scale on the device (one FP32 element): the gathered gradients are divided by it.
+    div: Option<Tensor>,
     /// Earlier micro-batches' FP32 gradient sums by variable position (taken as their buckets start).
     acc: Vec<Option<Tensor>>,
     /// The started buckets, in plan order, with the lengths of their members.
@@ -78,11 +81,11 @@ impl<'a> BucketReducer<'a> {
         collective: &'a dyn Collective,
         progress: Option<&'a AtomicU64>,
         dtype: GradAllreduce,
-        factor: f64,
+        (factor, div): (f64, Option<Tensor>),
         vars: usize,
     ) -> Self {
         let acc = vec![None; vars];
-        Self { plan, collective, progress, dtype, factor, acc, started: Vec::with_capacity(plan.len()) }
+        Self { plan, collective, progress, dtype, factor, div, acc, started: Vec::with_capacity(plan.len()) }
     }
 
     /// The gradients accumulated over the step's micro-batches before their buckets start (FP32, by variable
@@ -116,7 +119,7 @@ impl<'a> BucketReducer<'a> {
             });
         }
         let lens = flat.iter().map(Tensor::elem_count).collect();
-        let (all, _) = gather_scaled(&flat, self.factor)?;
+        let (all, _) = gather_scaled(&flat, self.factor, self.div.as_ref())?;
         drop(flat);
         let wire = match self.dtype {
             GradAllreduce::Fp32 => all,
@@ -175,15 +178,20 @@ impl resnet::step::GradSink for BucketReducer<'_> {
     }
 }
 
-/// The tensors (FP32, flattened) concatenated and multiplied by `scale`, and the sum of squares of the result.
-/// On CUDA one multi-tensor kernel gathers, scales and squares (kernels/optim/01_multi_tensor.cu).
-pub fn gather_scaled(flat: &[Tensor], scale: f64) -> candle_core::Result<(Tensor, Tensor)> {
+/// The tensors (FP32, flattened) concatenated and multiplied by `scale` / `div` (`div`: a one-element FP32 device
+/// tensor, the loss scale, or None), and the sum of squares of the result (shape ()). On CUDA one multi-tensor
+/// kernel gathers, scales and squares (kernels/optim/01_multi_tensor.cu), reading `div` on the device.
+pub fn gather_scaled(flat: &[Tensor], scale: f64, div: Option<&Tensor>) -> candle_core::Result<(Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
     if flat.first().is_some_and(|t| t.device().is_cuda()) {
         let ts = flat.iter().map(|t| t.contiguous()).collect::<candle_core::Result<Vec<_>>>()?;
-        return kernels::cuda::optim::gather_scaled(&ts, scale as f32);
+        let div = div.map(|d| d.to_dtype(DType::F32)?.contiguous()).transpose()?;
+        return kernels::cuda::optim::gather_scaled_div(&ts, scale as f32, div.as_ref());
     }
-    let all = (Tensor::cat(flat, 0)? * scale)?;
+    let mut all = (Tensor::cat(flat, 0)? * scale)?;
+    if let Some(d) = div {
+        all = all.broadcast_div(&d.to_dtype(DType::F32)?.reshape(1)?)?;
+    }
     let sq = all.sqr()?.sum_all()?;
     Ok((all, sq))
 }

@@ -1,0 +1,52 @@
+//! Reading a small result back to the host without waiting for the work queued after it: the training step's
+//! report (loss, gradient norm, skip flag, loss scale) is copied into pinned host memory on the compute stream
+//! at the end of step k, and read once that copy is done, while step k + 1 still runs. (candle's `to_vec1`
+//! synchronises the whole stream, which would wait for step k + 1 as well.)
+
+use candle_core::cuda_backend::cudarc::driver::PinnedHostSlice;
+use candle_core::cuda_backend::{CudaDevice, WrapErr};
+use candle_core::{DType, Result, Tensor};
+
+/// A pinned host buffer for one FP32 readback at a time.
+pub struct HostReadback {
+    pinned: PinnedHostSlice<f32>,
+    len: usize,
+}
+
+impl HostReadback {
+    /// A buffer for up to `capacity` FP32 values, pinned in the context of `dev`.
+    pub fn new(dev: &CudaDevice, capacity: usize) -> Result<Self> {
+        let ctx = dev.cuda_stream().context().clone();
+        // SAFETY: the buffer is written by the copies of `queue` before `read` returns any of it.
+        let pinned = unsafe { ctx.alloc_pinned::<f32>(capacity.max(1)) }.w()?;
+        Ok(Self { pinned, len: 0 })
+    }
+
+    /// Queues the copy of `t` (contiguous FP32 on a CUDA device, at most the capacity) into the buffer, on the
+    /// stream of `t`'s device, after everything queued there so far.
+    pub fn queue(&mut self, t: &Tensor) -> Result<()> {
+        if t.dtype() != DType::F32 || t.elem_count() > self.pinned.len() {
+            candle_core::bail!(
+                "readback: {} {:?} values into a buffer of {} f32",
+                t.elem_count(),
+                t.dtype(),
+                self.pinned.len()
+            );
+        }
+        let (st, l) = t.storage_and_layout();
+        let (o0, o1) =
+            l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("readback: not contiguous".into()))?;
+        let candle_core::Storage::Cuda(cs) = &*st else { candle_core::bail!("readback: not on a CUDA device") };
+        let src = cs.as_cuda_slice::<f32>()?.slice(o0..o1);
+        // The copy records the buffer's event on the stream: `read` waits for that event only.
+        cs.device.cuda_stream().memcpy_dtoh(&src, &mut self.pinned).w()?;
+        self.len = o1 - o0;
+        Ok(())
+    }
+
+    /// The values of the last [`Self::queue`]d tensor, once their copy has run (the work queued after it may
+    /// still be running).
+    pub fn read(&self) -> Result<Vec<f32>> {
+        Ok(self.pinned.as_slice().w()?[..self.len].to_vec())
+    }
+}
