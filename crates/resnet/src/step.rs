@@ -48,6 +48,9 @@ pub struct StepOutput {
     /// How many times a bucket was complete but held back because an earlier bucket of the plan was not: 0 when
     /// the plan's order is the backward's ([`ResNet::grad_buckets`]), so each bucket goes out as soon as it is final.
     pub buckets_held: usize,
+    /// Bytes of the activations the blocks hold from the forward for the backward (every block's saved tensors,
+    /// each counted once): what [`StepArgs::recompute_relu`] reduces.
+    pub saved_block_bytes: usize,
 }
 
 /// Synchronised BatchNorm (`train.sync_bn`): an in-place sum over the data-parallel ranks of a contiguous f32
@@ -80,6 +83,9 @@ pub struct StepArgs<'a> {
     pub precision: Precision,
     /// Synchronised BatchNorm over the data-parallel ranks (None: per-rank statistics).
     pub sync: Option<&'a dyn BnSync>,
+    /// Keep no post-ReLU activation inside a block: the backward recomputes each inner conv's input from its
+    /// saved pre-BatchNorm output and statistics (one BN+ReLU pass), instead of holding it from the forward.
+    pub recompute_relu: bool,
     /// Gradient buckets and where they go: a partition of the trainable parameters' tensor ids
     /// ([`ResNet::grad_buckets`]) and the sink that takes each bucket as soon as it is final. None: the
     /// gradients come back in [`StepOutput::grads`], all converted at the end of the step.
@@ -89,7 +95,15 @@ pub struct StepArgs<'a> {
 impl StepArgs<'_> {
     /// A plain step: no synchronised BatchNorm, gradients returned.
     pub fn new(label_smoothing: f64, grad_scale: f64, precision: Precision) -> Self {
-        Self { label_smoothing, grad_scale, loss_scale: None, precision, sync: None, buckets: None }
+        Self {
+            label_smoothing,
+            grad_scale,
+            loss_scale: None,
+            precision,
+            sync: None,
+            recompute_relu: false,
+            buckets: None,
+        }
     }
 }
 
@@ -140,7 +154,8 @@ struct BlockSaved {
     x: Tensor,
     /// Pre-BatchNorm conv outputs with their statistics, one per conv.
     bns: Vec<BnSaved>,
-    /// Post-ReLU activations feeding conv 2.. (inputs of the grad-weight passes).
+    /// Post-ReLU activations feeding conv 2.. (inputs of the grad-weight passes); empty when the backward
+    /// recomputes them ([`StepArgs::recompute_relu`]).
     acts: Vec<Tensor>,
     /// Downsample conv output and statistics.
     down: Option<BnSaved>,
@@ -246,6 +261,8 @@ struct Engine<'a> {
     act: DType,
     policy: &'a KernelPolicy,
     buckets: Buckets<'a>,
+    /// [`StepArgs::recompute_relu`].
+    recompute_relu: bool,
     /// Every conv's weight in the activation dtype and (k, r, r, c) layout, made once per step
     /// ([`kernels::ops::weights::conv_weights_krsc`]: one launch on CUDA), keyed by the master's tensor id.
     weights: HashMap<TensorId, Tensor>,
@@ -367,7 +384,9 @@ impl<'a> Engine<'a> {
             let saved = self.stats(&z, bn)?;
             if i != last {
                 inp = self.bn_apply(&saved, bn, true)?;
-                acts.push(inp.clone());
+                if !self.recompute_relu {
+                    acts.push(inp.clone());
+                }
             }
             bns.push(saved);
         }
@@ -399,7 +418,12 @@ impl<'a> Engine<'a> {
             let dz = self.bn_backward(&saved, &g, &b.bns[i], i != last)?;
             drop(saved);
             let cw = ConvW::with(&b.convs[i], weights.pop().expect("one weight per conv"));
-            let input = if i == 0 { x.clone() } else { acts.pop().expect("one saved activation per inner conv") };
+            let input = match i {
+                0 => x.clone(),
+                // relu(bn(z)) of the conv before, from its saved output and statistics (still in `bns`).
+                _ if self.recompute_relu => self.bn_apply(&bns[i - 1], &b.bns[i - 1], true)?,
+                _ => acts.pop().expect("one saved activation per inner conv"),
+            };
             let dx = self.conv_backward(&cw, &input, &dz, true)?.expect("grad-input requested");
             if i == 0 {
                 gx = Some(dx);
@@ -442,6 +466,22 @@ pub fn softmax_cross_entropy(logits: &Tensor, labels: &Tensor, eps: f64, scale: 
     let loss = ((&q * &logp)?.sum_all()? * (-1.0 / n as f64))?;
     let grad = ((p - q)? * (scale / n as f64))?;
     Ok((loss, grad))
+}
+
+/// Bytes held by the blocks' saved activations, each tensor counted once (a block's input is the block before's
+/// output).
+fn saved_bytes(saved: &[BlockSaved]) -> usize {
+    let mut seen = std::collections::HashSet::new();
+    let mut bytes = 0;
+    for s in saved {
+        let bns = s.bns.iter().chain(&s.down).map(|b| &b.z);
+        for t in bns.chain(&s.acts).chain([&s.x, &s.out]) {
+            if seen.insert(t.id()) {
+                bytes += t.elem_count() * t.dtype().size_in_bytes();
+            }
+        }
+    }
+    bytes
 }
 
 /// Values per channel of a channels-last activation (everything but the last dim).
@@ -591,7 +631,7 @@ impl ResNet {
     /// of `args.sync`, and the gradients handed on bucket by bucket during the backward (`args.buckets`; then
     /// [`StepOutput::grads`] is empty).
     pub fn train_step_explicit_with(&self, x: &Tensor, labels: &Tensor, args: StepArgs<'_>) -> Result<StepOutput> {
-        let StepArgs { label_smoothing, grad_scale, loss_scale, precision, sync, buckets } = args;
+        let StepArgs { label_smoothing, grad_scale, loss_scale, precision, sync, recompute_relu, buckets } = args;
         if let Some(why) = unsupported(self, precision) {
             candle_core::bail!("explicit training step: {why}");
         }
@@ -600,8 +640,15 @@ impl ResNet {
             None => Buckets::new(vec![self.grad_order().iter().map(|p| p.var().as_tensor().id()).collect()], None),
         };
         let policy = self.config.kernels.clone();
-        let mut e =
-            Engine { model: self, sync, act: precision.act_dtype(), policy: &policy, buckets, weights: HashMap::new() };
+        let mut e = Engine {
+            model: self,
+            sync,
+            act: precision.act_dtype(),
+            policy: &policy,
+            buckets,
+            weights: HashMap::new(),
+            recompute_relu,
+        };
         e.convert_weights()?;
         let m = e.model;
         let input = x.detach().to_dtype(e.act)?.permute((0, 2, 3, 1))?.contiguous()?;
@@ -624,6 +671,7 @@ impl ResNet {
             h = s.out.clone();
             saved.push(s);
         }
+        let saved_block_bytes = saved_bytes(&saved);
         let (_, fh, fw, _) = h.dims4()?;
         let feats = h.apply_op1_no_bwd(&GlobalAvgPoolNhwc)?;
         drop(h);
@@ -670,6 +718,6 @@ impl ResNet {
         drop(stem);
         e.conv_backward(&stem_w, &input, &dz0, false)?;
         let (grads, buckets_held) = e.buckets.finish()?;
-        Ok(StepOutput { loss, logits, grads, buckets_held })
+        Ok(StepOutput { loss, logits, grads, buckets_held, saved_block_bytes })
     }
 }

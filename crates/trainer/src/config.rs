@@ -416,6 +416,11 @@ pub struct KernelsSection {
     /// `resnet::step`; needs the channels-last model, and f32 on the CPU) | "autograd" (candle's backward over
     /// the model's forward: the reference)
     pub step: StepChoice,
+    /// The fused step keeps no post-ReLU activation inside a block (the inputs of each block's second and third
+    /// convs): its backward recomputes them from the saved pre-BatchNorm outputs, one BN+ReLU pass each
+    /// (activation checkpointing of the cheapest kind: about a sixth less activation memory for Bottleneck
+    /// blocks, a quarter for BasicBlocks, for one more element-wise pass per inner conv).
+    pub recompute_relu: bool,
 }
 
 impl Default for KernelsSection {
@@ -426,6 +431,7 @@ impl Default for KernelsSection {
             autotune: true,
             autotune_cache: "auto".into(),
             step: StepChoice::Auto,
+            recompute_relu: false,
         }
     }
 }
