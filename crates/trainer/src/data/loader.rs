@@ -13,6 +13,25 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
+/// How much lower than the thread that starts them the loader's workers run ([`lower_priority`]).
+pub const WORKER_NICE: i32 = 5;
+
+/// Lowers the calling thread's scheduling priority by [`WORKER_NICE`] (Linux: the nice value is per thread;
+/// raising it needs no privilege). The decode workers run at this priority, so that with one worker per core the
+/// training thread, which must keep the GPU's queue of kernels full, and the feeder that stages batches for the
+/// GPU win the cores whenever they are runnable; with idle cores nothing changes. Elsewhere a no-op.
+pub fn lower_priority() {
+    #[cfg(target_os = "linux")]
+    // SAFETY: getpriority/setpriority on the calling thread (who = 0) with plain integers.
+    unsafe {
+        *libc::__errno_location() = 0;
+        let now = libc::getpriority(libc::PRIO_PROCESS, 0);
+        if *libc::__errno_location() == 0 {
+            let _ = libc::setpriority(libc::PRIO_PROCESS, 0, (now + WORKER_NICE).min(19));
+        }
+    }
+}
+
 /// Batch buffers waiting to be reused (a batch's buffer comes back here when the batch is dropped).
 #[derive(Default)]
 pub struct BufferPool {
@@ -204,6 +223,7 @@ impl Loader {
             let pool = match rayon::ThreadPoolBuilder::new()
                 .num_threads(opts.workers)
                 .thread_name(|i| format!("data-worker-{i}"))
+                .start_handler(|_| lower_priority())
                 .build()
             {
                 Ok(pool) => pool,
@@ -420,6 +440,22 @@ fn warn_once(desc: String, e: &DataError) {
 
 #[cfg(test)]
 mod tests {
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn workers_run_below_the_training_thread() {
+        let get = || unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) };
+        let (mine, worker) = std::thread::spawn(move || {
+            let before = get();
+            super::lower_priority();
+            (before, get())
+        })
+        .join()
+        .unwrap();
+        assert_eq!(worker, (mine + super::WORKER_NICE).min(19));
+        // Only that thread: this one keeps its priority.
+        assert_eq!(get(), mine);
+    }
+
     use super::*;
     use crate::data::{Shapes, Split, Transform};
     use std::time::Duration;
