@@ -10,7 +10,7 @@
 #      in bf16/fp16 on ResNet-18/50/152, three fp16 StepRunner steps with a skipped one);
 #   4. with SWEEP=B: `trainer sweep --max` of ResNet-152 bf16 on the fused step from batch B (heuristic tiles, 1 + 2
 #      steps per probe, granularity 128): the largest batch that fits; SWEEP_RECOMPUTE=1 repeats it with
-#      kernels.recompute_relu = true;
+#      kernels.recompute = "relu" and "relu+conv";
 #   5. with KTRACE=DIR (a folder holding ktrace.c and ktrace_report.py, ../shared/tools/ktrace copied into the
 #      carried tree): a kernel timeline of the fused bf16 step, summarised here (the CSV stays on the machine),
 #      when at least 100 s of TIME_BUDGET_S (default 600) are left;
@@ -85,16 +85,15 @@ main() {
     run_tests gpu-step-tests gpu-step-tests.log "${TEST_TIMEOUT:-240}" "^test |test result|rel err|panicked|Error"
 
     if [ -n "${SWEEP:-}" ]; then
-        # SWEEP_RECOMPUTE=1: the sweep once more with kernels.recompute_relu (the blocks' inner activations
-        # recomputed in the backward), into the same log.
+        # SWEEP_RECOMPUTE=1: the sweep again with kernels.recompute = "relu" and "relu+conv", into the same log.
         local rc
         : > "$out/sweep.log"
-        for rc in false ${SWEEP_RECOMPUTE:+true}; do
-            echo "== sweep --max resnet152 bf16 fused, recompute_relu=$rc (heuristic tiles, from $SWEEP)" \
+        for rc in none ${SWEEP_RECOMPUTE:+relu relu+conv}; do
+            echo "== sweep --max resnet152 bf16 fused, kernels.recompute = $rc (heuristic tiles, from $SWEEP)" \
                 | tee -a "$out/sweep.log"
             timeout "${SWEEP_TIMEOUT:-240}" "$bin/trainer" sweep --config "$here/configs/resnet152.toml" \
                 --set 'kernels.step="fused"' --set 'amp.dtype="bf16"' --set 'kernels.autotune=false' \
-                --set "kernels.recompute_relu=$rc" --batch-sizes "$SWEEP" --max --granularity 128 --warmup 1 \
+                --set "kernels.recompute=\"$rc\"" --batch-sizes "$SWEEP" --max --granularity 128 --warmup 1 \
                 --steps 2 --out "$bin/sweep-$rc" >> "$out/sweep.log" 2>&1 || { echo "sweep: FAILED"; fails=$((fails + 1)); }
             grep -vE "^\s*$" "$out/sweep.log" | tail -14
         done

@@ -49,7 +49,7 @@ pub struct StepOutput {
     /// the plan's order is the backward's ([`ResNet::grad_buckets`]), so each bucket goes out as soon as it is final.
     pub buckets_held: usize,
     /// Bytes of the activations the blocks hold from the forward for the backward (every block's saved tensors,
-    /// each counted once): what [`StepArgs::recompute_relu`] reduces.
+    /// each counted once): what [`StepArgs::recompute`] reduces.
     pub saved_block_bytes: usize,
 }
 
@@ -70,6 +70,23 @@ pub trait GradSink {
     fn bucket(&mut self, index: usize, grads: Vec<Tensor>) -> Result<()>;
 }
 
+/// Activation memory against recomputation in the explicit step: what the forward drops and the backward
+/// recomputes. Every level gives the same loss, gradients and running statistics bit for bit (the same kernels
+/// run on the same inputs again).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Recompute {
+    /// Keep every tensor the backward reads.
+    #[default]
+    None,
+    /// Drop the post-ReLU activations inside each block (the inputs of its second and later convs): one
+    /// BN+ReLU pass each in the backward, from the saved pre-BatchNorm output and statistics.
+    Relu,
+    /// Also drop each block's last conv output and its downsample conv output (the widest tensors of a
+    /// Bottleneck): the backward runs those convs' forward again. What stays: the inner pre-BatchNorm outputs and
+    /// the block outputs.
+    ReluConv,
+}
+
 /// What one explicit step needs besides the batch.
 pub struct StepArgs<'a> {
     /// Label smoothing of the softmax cross-entropy.
@@ -83,9 +100,8 @@ pub struct StepArgs<'a> {
     pub precision: Precision,
     /// Synchronised BatchNorm over the data-parallel ranks (None: per-rank statistics).
     pub sync: Option<&'a dyn BnSync>,
-    /// Keep no post-ReLU activation inside a block: the backward recomputes each inner conv's input from its
-    /// saved pre-BatchNorm output and statistics (one BN+ReLU pass), instead of holding it from the forward.
-    pub recompute_relu: bool,
+    /// What the forward does not keep for the backward, which recomputes it ([`Recompute`]).
+    pub recompute: Recompute,
     /// Gradient buckets and where they go: a partition of the trainable parameters' tensor ids
     /// ([`ResNet::grad_buckets`]) and the sink that takes each bucket as soon as it is final. None: the
     /// gradients come back in [`StepOutput::grads`], all converted at the end of the step.
@@ -101,7 +117,7 @@ impl StepArgs<'_> {
             loss_scale: None,
             precision,
             sync: None,
-            recompute_relu: false,
+            recompute: Recompute::None,
             buckets: None,
         }
     }
@@ -142,10 +158,20 @@ impl<'a> ConvW<'a> {
 
 /// A BatchNorm's forward state kept for its backward.
 struct BnSaved {
-    z: Tensor,
+    /// The pre-BatchNorm tensor; None once dropped for recomputation ([`Recompute::ReluConv`]) until the
+    /// backward makes it again.
+    z: Option<Tensor>,
     stats: Tensor,
     /// Synchronised BatchNorm: the values per channel over all ranks (f32, shape (1)).
     global_rows: Option<Tensor>,
+}
+
+impl BnSaved {
+    fn z(&self) -> Result<&Tensor> {
+        self.z
+            .as_ref()
+            .ok_or_else(|| candle_core::Error::Msg("explicit training step: a dropped tensor was read".into()))
+    }
 }
 
 /// What a block's backward reads.
@@ -155,7 +181,7 @@ struct BlockSaved {
     /// Pre-BatchNorm conv outputs with their statistics, one per conv.
     bns: Vec<BnSaved>,
     /// Post-ReLU activations feeding conv 2.. (inputs of the grad-weight passes); empty when the backward
-    /// recomputes them ([`StepArgs::recompute_relu`]).
+    /// recomputes them ([`StepArgs::recompute`]).
     acts: Vec<Tensor>,
     /// Downsample conv output and statistics.
     down: Option<BnSaved>,
@@ -261,8 +287,8 @@ struct Engine<'a> {
     act: DType,
     policy: &'a KernelPolicy,
     buckets: Buckets<'a>,
-    /// [`StepArgs::recompute_relu`].
-    recompute_relu: bool,
+    /// [`StepArgs::recompute`].
+    recompute: Recompute,
     /// Every conv's weight in the activation dtype and (k, r, r, c) layout, made once per step
     /// ([`kernels::ops::weights::conv_weights_krsc`]: one launch on CUDA), keyed by the master's tensor id.
     weights: HashMap<TensorId, Tensor>,
@@ -316,14 +342,14 @@ impl<'a> Engine<'a> {
             let rv = bn.running_var.tensor().detach();
             let invstd = (&rv + bn.eps)?.sqrt()?.recip()?;
             let stats = Tensor::stack(&[rm, rv, invstd], 0)?.to_dtype(DType::F32)?;
-            return Ok(BnSaved { z: z.clone(), stats, global_rows: None });
+            return Ok(BnSaved { z: Some(z.clone()), stats, global_rows: None });
         }
         if let Some(sync) = self.sync {
             let (stats, rows) = sync_stats(sync, Some(z), bn)?;
-            return Ok(BnSaved { z: z.clone(), stats, global_rows: Some(rows) });
+            return Ok(BnSaved { z: Some(z.clone()), stats, global_rows: Some(rows) });
         }
         let stats = kernels::ops::batchnorm::batch_stats(z, bn.eps, &bn.running())?;
-        Ok(BnSaved { z: z.clone(), stats, global_rows: None })
+        Ok(BnSaved { z: Some(z.clone()), stats, global_rows: None })
     }
 
     fn bn_params(bn: &BatchNorm2d, stats: &Tensor) -> BnParams {
@@ -337,7 +363,7 @@ impl<'a> Engine<'a> {
     /// relu(bn(z)) (or bn(z) without `relu`).
     fn bn_apply(&self, s: &BnSaved, bn: &BatchNorm2d, relu: bool) -> Result<Tensor> {
         let p = Self::bn_params(bn, &s.stats);
-        s.z.apply_op3_no_bwd(&p.weight, &p.bias, &BnApply { relu, stats: s.stats.clone() })
+        s.z()?.apply_op3_no_bwd(&p.weight, &p.bias, &BnApply { relu, stats: s.stats.clone() })
     }
 
     /// Backward of `[relu](bn(z))` for the gradient g of its output: records dweight, dbias, returns dz. With
@@ -346,13 +372,14 @@ impl<'a> Engine<'a> {
     fn bn_backward(&mut self, s: &BnSaved, g: &Tensor, bn: &BatchNorm2d, relu: bool) -> Result<Tensor> {
         let p = Self::bn_params(bn, &s.stats);
         let op = BnGrad { relu, stats: p.stats, weight: p.weight, bias: p.bias, sums: None };
-        let sums = s.z.apply_op2_no_bwd(g, &op)?;
+        let z = s.z()?;
+        let sums = z.apply_op2_no_bwd(g, &op)?;
         let dx_sums = match (&s.global_rows, self.sync) {
             _ if frozen(bn) => sums.zeros_like()?,
-            (Some(w), Some(sync)) => sync_grad_sums(sync, &sums, local_rows(&s.z)?, w)?,
+            (Some(w), Some(sync)) => sync_grad_sums(sync, &sums, local_rows(z)?, w)?,
             _ => sums.clone(),
         };
-        let dz = s.z.apply_op2_no_bwd(g, &BnGrad { sums: Some(dx_sums), ..op })?;
+        let dz = z.apply_op2_no_bwd(g, &BnGrad { sums: Some(dx_sums), ..op })?;
         self.put(&bn.weight, || sums.get(1))?;
         self.put(&bn.bias, || sums.get(0))?;
         Ok(dz)
@@ -384,23 +411,30 @@ impl<'a> Engine<'a> {
             let saved = self.stats(&z, bn)?;
             if i != last {
                 inp = self.bn_apply(&saved, bn, true)?;
-                if !self.recompute_relu {
+                if self.recompute == Recompute::None {
                     acts.push(inp.clone());
                 }
             }
             bns.push(saved);
         }
         let main = Self::bn_params(&b.bns[last], &bns[last].stats);
-        let (out, down, down_weight) = match &b.downsample {
+        let (out, mut down, down_weight) = match &b.downsample {
             Some(d) => {
                 let cw = self.weight(&d.conv)?;
                 let zd = self.conv(&x, &cw)?;
                 let saved = self.stats(&zd, &d.bn)?;
                 let res = Self::bn_params(&d.bn, &saved.stats);
-                (kernels::bn_add_relu(&bns[last].z, &saved.z, &main, Some(&res))?, Some(saved), Some(cw.w))
+                (kernels::bn_add_relu(bns[last].z()?, saved.z()?, &main, Some(&res))?, Some(saved), Some(cw.w))
             }
-            None => (kernels::bn_add_relu(&bns[last].z, &x, &main, None)?, None, None),
+            None => (kernels::bn_add_relu(bns[last].z()?, &x, &main, None)?, None, None),
         };
+        if self.recompute == Recompute::ReluConv {
+            // The backward runs these two convs again (block_backward).
+            bns[last].z = None;
+            if let Some(d) = down.as_mut() {
+                d.z = None;
+            }
+        }
         Ok(BlockSaved { x, bns, acts, down, out, weights, down_weight })
     }
 
@@ -414,16 +448,20 @@ impl<'a> Engine<'a> {
         let mut g = gp.clone();
         let mut gx = None;
         for i in (0..=last).rev() {
-            let saved = bns.pop().expect("one saved BatchNorm per conv");
-            let dz = self.bn_backward(&saved, &g, &b.bns[i], i != last)?;
-            drop(saved);
+            let mut saved = bns.pop().expect("one saved BatchNorm per conv");
             let cw = ConvW::with(&b.convs[i], weights.pop().expect("one weight per conv"));
             let input = match i {
                 0 => x.clone(),
                 // relu(bn(z)) of the conv before, from its saved output and statistics (still in `bns`).
-                _ if self.recompute_relu => self.bn_apply(&bns[i - 1], &b.bns[i - 1], true)?,
+                _ if self.recompute != Recompute::None => self.bn_apply(&bns[i - 1], &b.bns[i - 1], true)?,
                 _ => acts.pop().expect("one saved activation per inner conv"),
             };
+            if saved.z.is_none() {
+                // The last conv's output, dropped by the forward: the same conv on the same input again.
+                saved.z = Some(self.conv(&input, &cw)?);
+            }
+            let dz = self.bn_backward(&saved, &g, &b.bns[i], i != last)?;
+            drop(saved);
             let dx = self.conv_backward(&cw, &input, &dz, true)?.expect("grad-input requested");
             if i == 0 {
                 gx = Some(dx);
@@ -432,9 +470,14 @@ impl<'a> Engine<'a> {
             }
         }
         let gs = match (&b.downsample, down, down_weight) {
-            (Some(d), Some(saved), Some(w)) => {
+            (Some(d), Some(mut saved), Some(w)) => {
+                let cw = ConvW::with(&d.conv, w);
+                if saved.z.is_none() {
+                    saved.z = Some(self.conv(&x, &cw)?);
+                }
                 let dz = self.bn_backward(&saved, gp, &d.bn, false)?;
-                self.conv_backward(&ConvW::with(&d.conv, w), &x, &dz, true)?.expect("grad-input requested")
+                drop(saved);
+                self.conv_backward(&cw, &x, &dz, true)?.expect("grad-input requested")
             }
             _ => gp.clone(),
         };
@@ -474,7 +517,7 @@ fn saved_bytes(saved: &[BlockSaved]) -> usize {
     let mut seen = std::collections::HashSet::new();
     let mut bytes = 0;
     for s in saved {
-        let bns = s.bns.iter().chain(&s.down).map(|b| &b.z);
+        let bns = s.bns.iter().chain(&s.down).filter_map(|b| b.z.as_ref());
         for t in bns.chain(&s.acts).chain([&s.x, &s.out]) {
             if seen.insert(t.id()) {
                 bytes += t.elem_count() * t.dtype().size_in_bytes();
@@ -631,7 +674,7 @@ impl ResNet {
     /// of `args.sync`, and the gradients handed on bucket by bucket during the backward (`args.buckets`; then
     /// [`StepOutput::grads`] is empty).
     pub fn train_step_explicit_with(&self, x: &Tensor, labels: &Tensor, args: StepArgs<'_>) -> Result<StepOutput> {
-        let StepArgs { label_smoothing, grad_scale, loss_scale, precision, sync, recompute_relu, buckets } = args;
+        let StepArgs { label_smoothing, grad_scale, loss_scale, precision, sync, recompute, buckets } = args;
         if let Some(why) = unsupported(self, precision) {
             candle_core::bail!("explicit training step: {why}");
         }
@@ -647,7 +690,7 @@ impl ResNet {
             policy: &policy,
             buckets,
             weights: HashMap::new(),
-            recompute_relu,
+            recompute,
         };
         e.convert_weights()?;
         let m = e.model;
@@ -658,12 +701,16 @@ impl ResNet {
         let z0 = e.conv(&input, &stem_w)?;
         let stem = e.stats(&z0, &m.bn1)?;
         drop(z0);
-        let a0 = e.bn_apply(&stem, &m.bn1, true)?;
+        let mut a0 = Some(e.bn_apply(&stem, &m.bn1, true)?);
         let pool = MaxPool2d { kernel: 3, stride: 2, padding: 1 };
-        let mut h = match m.config.stem {
-            Stem::ImageNet => a0.apply_op1_no_bwd(&MaxPool2dNhwc(pool))?,
-            Stem::Cifar => a0.clone(),
+        let mut h = match (m.config.stem, &a0) {
+            (Stem::ImageNet, Some(a)) => a.apply_op1_no_bwd(&MaxPool2dNhwc(pool))?,
+            (_, a) => a.clone().expect("the stem's activation"),
         };
+        if e.recompute != Recompute::None && m.config.stem == Stem::ImageNet {
+            // The max-pool's input: made again from the stem's saved output for the pool's backward.
+            a0 = None;
+        }
         let blocks: Vec<&Block> = m.stages.iter().flatten().collect();
         let mut saved = Vec::with_capacity(blocks.len());
         for b in &blocks {
@@ -710,7 +757,13 @@ impl ResNet {
 
         // ----- backward: stem
         let g_a0 = match m.config.stem {
-            Stem::ImageNet => a0.apply_op2_no_bwd(&g_stem, &MaxPool2dNhwcBackward(pool))?,
+            Stem::ImageNet => {
+                let a0 = match a0.take() {
+                    Some(a) => a,
+                    None => e.bn_apply(&stem, &m.bn1, true)?,
+                };
+                a0.apply_op2_no_bwd(&g_stem, &MaxPool2dNhwcBackward(pool))?
+            }
             Stem::Cifar => g_stem,
         };
         drop(a0);

@@ -416,11 +416,12 @@ pub struct KernelsSection {
     /// `resnet::step`; needs the channels-last model, and f32 on the CPU) | "autograd" (candle's backward over
     /// the model's forward: the reference)
     pub step: StepChoice,
-    /// The fused step keeps no post-ReLU activation inside a block (the inputs of each block's second and third
-    /// convs): its backward recomputes them from the saved pre-BatchNorm outputs, one BN+ReLU pass each
-    /// (activation checkpointing of the cheapest kind: about a sixth less activation memory for Bottleneck
-    /// blocks, a quarter for BasicBlocks, for one more element-wise pass per inner conv).
-    pub recompute_relu: bool,
+    /// Activation memory against recomputation in the fused step: "none" keeps every tensor the backward
+    /// reads; "relu" drops the post-ReLU activations inside each block (and the stem's, before the max-pool),
+    /// which the backward makes again from the saved pre-BatchNorm outputs (one element-wise pass each);
+    /// "relu+conv" also drops each block's last conv output and its downsample conv output and runs those convs
+    /// again in the backward. Same gradients bit for bit at every level.
+    pub recompute: RecomputeChoice,
 }
 
 impl Default for KernelsSection {
@@ -431,7 +432,7 @@ impl Default for KernelsSection {
             autotune: true,
             autotune_cache: "auto".into(),
             step: StepChoice::Auto,
-            recompute_relu: false,
+            recompute: RecomputeChoice::None,
         }
     }
 }
@@ -443,6 +444,36 @@ pub enum StepChoice {
     Auto,
     Fused,
     Autograd,
+}
+
+/// `kernels.recompute`: what the fused step's forward drops and its backward recomputes
+/// ([`resnet::step::Recompute`]).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+pub enum RecomputeChoice {
+    #[serde(rename = "none")]
+    None,
+    #[serde(rename = "relu")]
+    Relu,
+    #[serde(rename = "relu+conv")]
+    ReluConv,
+}
+
+impl RecomputeChoice {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::Relu => "relu",
+            Self::ReluConv => "relu+conv",
+        }
+    }
+
+    pub fn level(self) -> resnet::step::Recompute {
+        match self {
+            Self::None => resnet::step::Recompute::None,
+            Self::Relu => resnet::step::Recompute::Relu,
+            Self::ReluConv => resnet::step::Recompute::ReluConv,
+        }
+    }
 }
 
 /// The engine a run's training steps take (`kernels.step` resolved).

@@ -201,8 +201,8 @@ pub struct StepRunner {
     pub grad_allreduce: crate::config::GradAllreduce,
     /// `train.bucket_mb` in bytes: the size of the gradient all-reduce's buckets.
     pub bucket_bytes: usize,
-    /// `kernels.recompute_relu`: the fused step recomputes the blocks' inner activations in the backward.
-    pub recompute_relu: bool,
+    /// `kernels.recompute`: what the fused step's backward recomputes instead of keeping it.
+    pub recompute: resnet::step::Recompute,
     /// Data-parallel: the gradient buckets (made at the first step).
     buckets: Option<BucketPlan>,
     /// The device's copy of the loss scale, growth tracker and steps taken ([`Self::device_state`]), and the host
@@ -291,10 +291,11 @@ impl StepRunner {
                  with the channels-last model: kernels.conv = \"custom\", or \"auto\" on CUDA in bf16/fp16)"
             );
         }
-        if cfg.kernels.recompute_relu && engine == StepEngine::Autograd {
+        if cfg.kernels.recompute != crate::config::RecomputeChoice::None && engine == StepEngine::Autograd {
             bail!(
-                "kernels.recompute_relu = true needs the fused step, but this run takes autograd (kernels.step = \
-                 \"fused\" with the channels-last model: kernels.conv = \"custom\", or \"auto\" on CUDA in bf16/fp16)"
+                "kernels.recompute = \"{}\" needs the fused step, but this run takes autograd (kernels.step = \
+                 \"fused\" with the channels-last model: kernels.conv = \"custom\", or \"auto\" on CUDA in bf16/fp16)",
+                cfg.kernels.recompute.name()
             );
         }
         // On the CPU autograd is the expected engine: the note is for CUDA runs that miss the fused step.
@@ -314,7 +315,7 @@ impl StepRunner {
             progress: None,
             grad_allreduce: cfg.train.grad_allreduce,
             bucket_bytes: (cfg.train.bucket_mb * 1e6).max(1.0) as usize,
-            recompute_relu: cfg.kernels.recompute_relu,
+            recompute: cfg.kernels.recompute.level(),
             buckets: None,
             ctl: None,
             ctl_seen: None,
@@ -440,7 +441,7 @@ impl StepRunner {
                     let mut args = resnet::step::StepArgs {
                         sync: sync.as_ref().map(|s| s as &dyn resnet::step::BnSync),
                         loss_scale: loss_scale.clone(),
-                        recompute_relu: self.recompute_relu,
+                        recompute: self.recompute,
                         ..resnet::step::StepArgs::new(self.label_smoothing, 1.0 / accum, self.precision)
                     };
                     if let (true, true, Some(r), Some(plan)) = (overlap, last, reducer.as_mut(), &self.buckets) {

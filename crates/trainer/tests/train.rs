@@ -294,14 +294,18 @@ fn fused_step_trains_like_autograd() {
 }
 
 #[test]
-fn recompute_relu_needs_the_fused_step() {
-    let cfg = tiny(&["kernels.recompute_relu=true"]);
+fn recompute_needs_the_fused_step() {
+    let cfg = tiny(&["kernels.recompute=\"relu\""]);
     let model = train::build_model(&cfg, &candle_core::Device::Cpu).unwrap();
     let e = train::StepRunner::new(&cfg, model).err().unwrap().to_string();
-    assert!(e.starts_with("kernels.recompute_relu = true needs the fused step, but this run takes autograd"), "{e}");
+    assert!(e.starts_with("kernels.recompute = \"relu\" needs the fused step, but this run takes autograd"), "{e}");
+    let e = trainer::config::Config::from_str_with(common::TINY, "t.toml", &["kernels.recompute=\"all\"".into()])
+        .unwrap_err();
+    assert_eq!(format!("{e:#}"), "t.toml: kernels.recompute = \"all\" is not one of none, relu, relu+conv");
     // With the fused step it trains (the gradients equal the plain step's: tests/tests/step.rs).
     let dir = TempDir::new("recompute");
-    let fused = ["kernels.recompute_relu=true", "kernels.conv=\"custom\"", "kernels.step=\"fused\"", "train.epochs=1"];
+    let fused =
+        ["kernels.recompute=\"relu+conv\"", "kernels.conv=\"custom\"", "kernels.step=\"fused\"", "train.epochs=1"];
     let s = train::train(&tiny(&fused), dir.path(), false).unwrap();
     assert!(s.last_loss.is_finite());
 }
