@@ -331,7 +331,8 @@ fn fused_runner_matches_autograd_over_three_fp16_steps() -> Result<()> {
         let labels = Tensor::new((0..16u32).map(|j| (j * 7 + i) % 10).collect::<Vec<_>>().as_slice(), &gpu)?;
         batches.push((x, labels));
     }
-    let run = |step: &str, dtype: &str, from: usize| -> Result<(Vec<bool>, Vec<(String, Tensor)>)> {
+    type Run = (Vec<bool>, Vec<(String, Tensor)>);
+    let run = |step: &str, dtype: &str, from: usize| -> Result<Run> {
         let sets = [format!("kernels.step=\"{step}\""), format!("amp.dtype=\"{dtype}\"")];
         let cfg = trainer::config::Config::from_str_with(RUNNER_TOML, "gpu.toml", &sets)?;
         let model = trainer::train::build_model(&cfg, &gpu)?;

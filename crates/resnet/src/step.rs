@@ -26,7 +26,7 @@
 use crate::layers::{BatchNorm2d, Conv2d, Linear};
 use crate::model::{Block, ResNet, Stem};
 use crate::Precision;
-use candle_core::{DType, Result, Tensor, TensorId, D};
+use candle_core::{DType, Result, Tensor, TensorId};
 use kernels::ops::avgpool::{GlobalAvgPoolNhwc, GlobalAvgPoolNhwcBackward};
 use kernels::ops::batchnorm::{BnApply, BnGrad};
 use kernels::ops::maxpool::{MaxPool2dNhwc, MaxPool2dNhwcBackward};
@@ -492,23 +492,12 @@ impl<'a> Engine<'a> {
     }
 }
 
-/// Softmax cross-entropy with label smoothing `eps` over logits (n, k) f32 and labels (n) u32: the mean loss
-/// (scalar) and its gradient times `scale` ((n, k) f32). Target distribution q = (1 - eps) onehot + eps / k;
-/// loss_i = -sum_j q_j log p_ij; dlogits = (p - q) * scale / n.
+/// Softmax cross-entropy with label smoothing `eps` over logits (n, k) (f32, bf16 or f16) and labels (n): the
+/// mean loss (f32 scalar) and its gradient times `scale` ((n, k) f32). Target distribution
+/// q = (1 - eps) onehot + eps / k; loss_i = -sum_j q_j log p_ij; dlogits = (p - q) * scale / n. Forward and
+/// backward in one fused op ([`kernels::ops::xent`]; one launch on CUDA).
 pub fn softmax_cross_entropy(logits: &Tensor, labels: &Tensor, eps: f64, scale: f64) -> Result<(Tensor, Tensor)> {
-    let (n, k) = logits.dims2()?;
-    let m = logits.max_keepdim(D::Minus1)?;
-    let shifted = logits.broadcast_sub(&m)?;
-    let e = shifted.exp()?;
-    let sum = e.sum_keepdim(D::Minus1)?;
-    let logp = shifted.broadcast_sub(&sum.log()?)?;
-    let p = e.broadcast_div(&sum)?;
-    let classes = Tensor::arange(0u32, k as u32, logits.device())?.unsqueeze(0)?;
-    let onehot = labels.to_dtype(DType::U32)?.unsqueeze(1)?.broadcast_eq(&classes)?.to_dtype(DType::F32)?;
-    let q = ((onehot * (1.0 - eps))? + eps / k as f64)?;
-    let loss = ((&q * &logp)?.sum_all()? * (-1.0 / n as f64))?;
-    let grad = ((p - q)? * (scale / n as f64))?;
-    Ok((loss, grad))
+    kernels::ops::xent::softmax_xent(logits, labels, eps, scale)
 }
 
 /// Bytes held by the blocks' saved activations, each tensor counted once (a block's input is the block before's
@@ -723,8 +712,7 @@ impl ResNet {
         let feats = h.apply_op1_no_bwd(&GlobalAvgPoolNhwc)?;
         drop(h);
         let logits = e.fc_forward(&m.fc, &feats)?;
-        let (loss, dlogits) =
-            softmax_cross_entropy(&logits.to_dtype(DType::F32)?, labels, label_smoothing, grad_scale)?;
+        let (loss, dlogits) = softmax_cross_entropy(&logits, labels, label_smoothing, grad_scale)?;
         let dlogits = match &loss_scale {
             Some(s) => dlogits.broadcast_mul(&s.to_dtype(DType::F32)?.reshape(1)?)?,
             None => dlogits,

@@ -211,7 +211,7 @@ fn h2d_alone(
         "data-bench: u8_to_input on the GPU vs the CPU reference ({} images, {dtype:?} {layout:?}): max |diff| {worst}",
         b.n
     );
-    if !(worst <= 1e-6) || g.len() != c.len() {
+    if worst.is_nan() || worst > 1e-6 || g.len() != c.len() {
         bail!(
             "u8_to_input: the CUDA kernel differs from the CPU reference by {worst} ({} vs {} values)",
             g.len(),

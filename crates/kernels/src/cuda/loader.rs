@@ -46,11 +46,13 @@ fn fatbin(module: &str) -> Result<&'static [u8]> {
 }
 
 type FuncKey = (usize, &'static str, String);
+/// Loaded fatbin modules by (device, module name).
+type ModuleCache = HashMap<(usize, &'static str), Arc<CudaModule>>;
 
 /// Loads (once per device) function `name` of the fatbin module `module`; opts in to `smem` bytes of dynamic
 /// shared memory when that is above the 48 KiB default.
 pub fn function(dev: &CudaDevice, module: &'static str, name: &str, smem: u32) -> Result<CudaFunction> {
-    static MODULES: OnceLock<Mutex<HashMap<(usize, &'static str), Arc<CudaModule>>>> = OnceLock::new();
+    static MODULES: OnceLock<Mutex<ModuleCache>> = OnceLock::new();
     static FUNCS: OnceLock<Mutex<HashMap<FuncKey, CudaFunction>>> = OnceLock::new();
     let key = (dev_key(dev), module, name.to_string());
     let funcs = FUNCS.get_or_init(Default::default);

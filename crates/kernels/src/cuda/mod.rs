@@ -11,6 +11,7 @@
 //! | [`conv`] | implicit-GEMM convolution launchers (`kernels/conv/01..05`) |
 //! | [`im2col`] | explicit im2col + TMA GEMM for few input channels (`kernels/conv/06_im2col.cu`) |
 //! | [`pool`] | max-pool and global average pool |
+//! | [`loss`] | fused softmax cross-entropy, forward and backward |
 //! | [`bn`] | channels-last BatchNorm statistics, apply, backward |
 //! | [`optim`] | multi-tensor gradient gather, SGD and AdamW with the step decided on the device, the loss-scale update |
 //! | [`readback`] | a small result read back through pinned memory without waiting for later work |
@@ -23,6 +24,7 @@ pub mod conv;
 pub mod gemm;
 pub mod im2col;
 pub mod loader;
+pub mod loss;
 pub mod optim;
 pub mod pool;
 pub mod readback;

@@ -11,6 +11,7 @@ pub mod linear;
 pub mod maxpool;
 pub mod residual;
 pub mod weights;
+pub mod xent;
 
 use candle_core::WithDType;
 

@@ -512,6 +512,16 @@ multi-tensor kernels over ResNet-152's parameters, {dt:?} conversions (GB/s of t
         })?,
         7.0 * f4,
     ));
+    // The fused softmax cross-entropy of the step's head: ResNet-152's logits at batch 256, in the conversion dtype
+    // (logits read, f32 gradient written).
+    let (n_rows, classes) = (256usize, 1000usize);
+    let logits = Tensor::randn(0f32, 1.0, (n_rows, classes), dev)?.to_dtype(dt)?;
+    let labels = Tensor::new((0..n_rows as u32).map(|i| (i * 7) % classes as u32).collect::<Vec<_>>(), dev)?;
+    rows.push(mem_row(
+        &format!("softmax cross-entropy fwd + bwd, {n_rows} x {classes}"),
+        timer.time(|| Ok(kernels::ops::xent::softmax_xent(&logits, &labels, 0.1, 1.0)?.1))?,
+        (n_rows * classes) as f64 * (dt.size_in_bytes() + 4) as f64,
+    ));
     let convs: Vec<Tensor> = params.iter().filter(|(_, v)| v.rank() == 4).map(|(_, v)| v.as_tensor().clone()).collect();
     let refs: Vec<&Tensor> = convs.iter().collect();
     let nc: usize = convs.iter().map(|w| w.elem_count()).sum();
