@@ -124,8 +124,12 @@ late = [s["img_per_s"] for s in steps if s["step"] > 3]
 if late:
     late.sort()
     print(f"step rate: median {late[len(late) // 2]:.0f} img/s over {len(late)} steps (min {late[0]:.0f}, max {late[-1]:.0f})")
+waits = sorted(s.get("data_wait_ms", 0.0) for s in steps if s["step"] > 3)
+if waits:
+    over = sum(1 for w in waits if w > 5.0)
+    print(f"waits for data: median {waits[len(waits) // 2]:.1f} ms, max {waits[-1]:.1f} ms; {over} of {len(waits)} steps waited over 5 ms")
 for e in epochs:
-    print(f"epoch {e['epoch']}: train {e['img_per_s']:.0f} img/s, loader {e['loader_img_per_s']:.0f} img/s")
+    print(f"epoch {e['epoch']}: train {e['img_per_s']:.0f} img/s, loader {e['loader_img_per_s']:.0f} img/s, waited {e.get('data_wait_s', 0.0):.2f} s for data")
 PYEOF
     fi
 fi

@@ -1000,9 +1000,13 @@ pub fn train_ranks(cfg: &Config, run_dir: &Path, resume: bool, ranks: Option<Ran
         // Steps queued on the device whose reports are not read yet: step k's report is read once step k + 1 is
         // queued, so the host never waits for the GPU between steps (at most one step in flight; checkpoints, the
         // epoch's end and GPU-health stops read everything first).
-        let mut in_flight: std::collections::VecDeque<(PendingStep, usize, f64)> = Default::default();
+        let mut in_flight: std::collections::VecDeque<(PendingStep, usize, f64, f64)> = Default::default();
+        // Seconds the training thread waited for the loader this epoch (with a step in flight the GPU keeps busy
+        // for about a step of it; longer waits starve it).
+        let mut data_wait = 0.0;
         loop {
             let mut micro = Vec::with_capacity(accum);
+            let t_wait = Instant::now();
             if state.step < total_steps {
                 for _ in 0..accum {
                     match loader.next() {
@@ -1011,6 +1015,7 @@ pub fn train_ranks(cfg: &Config, run_dir: &Path, resume: bool, ranks: Option<Ran
                     }
                 }
             }
+            let waited = t_wait.elapsed().as_secs_f64();
             let queued = !micro.is_empty();
             let mut checkpoint_due = false;
             if queued {
@@ -1026,7 +1031,8 @@ pub fn train_ranks(cfg: &Config, run_dir: &Path, resume: bool, ranks: Option<Ran
                 let pending = runner.step_async(&micro, lr)?;
                 state.batch_in_epoch += micro.len();
                 state.step += 1;
-                in_flight.push_back((pending, state.step, lr));
+                data_wait += waited;
+                in_flight.push_back((pending, state.step, lr, waited));
                 checkpoint_due =
                     cfg.checkpoint.every_steps > 0 && state.step.is_multiple_of(cfg.checkpoint.every_steps);
             }
@@ -1035,7 +1041,7 @@ pub fn train_ranks(cfg: &Config, run_dir: &Path, resume: bool, ranks: Option<Ran
             let epoch_end = state.batch_in_epoch >= batches_per_epoch || state.step >= total_steps;
             let keep = if !queued || checkpoint_due || fatal || epoch_end { 0 } else { 1 };
             while in_flight.len() > keep {
-                let (pending, step, lr) = in_flight.pop_front().expect("a step in flight");
+                let (pending, step, lr, waited) = in_flight.pop_front().expect("a step in flight");
                 let out = runner.resolve(pending)?;
                 // Without loss scaling a non-finite loss or gradient means the run diverged: stop, keep the
                 // checkpoints (the device skipped the update, so the weights are those of the step before).
@@ -1072,7 +1078,7 @@ pub fn train_ranks(cfg: &Config, run_dir: &Path, resume: bool, ranks: Option<Ran
                     metrics.write(&json!({
                         "kind": "step", "step": step, "epoch": epoch + 1, "loss": out.loss, "lr": lr,
                         "loss_scale": out.loss_scale, "skipped": out.skipped, "grad_norm": out.grad_norm,
-                        "img_per_s": ips,
+                        "img_per_s": ips, "data_wait_ms": 1000.0 * waited,
                     }))?;
                     let acc = 100.0 * state.meters.correct as f64 / state.meters.seen.max(1) as f64;
                     let mut msg = format!(
@@ -1132,11 +1138,11 @@ pub fn train_ranks(cfg: &Config, run_dir: &Path, resume: bool, ranks: Option<Ran
         metrics.write(&json!({
             "kind": "epoch", "epoch": epoch + 1, "step": state.step, "train_loss": train_loss, "train_top1": train_top1,
             "val_loss": val.map(|v| v.loss), "val_top1": val.map(|v| v.top1), "val_top5": val.map(|v| v.top5),
-            "img_per_s": train_ips, "loader_img_per_s": loader_ips, "complete": epoch_done,
+            "img_per_s": train_ips, "loader_img_per_s": loader_ips, "data_wait_s": data_wait, "complete": epoch_done,
         }))?;
         if writer {
             eprintln!(
-                "epoch {}/{}: train loss {train_loss:.4} top1 {train_top1:.2}%{} | {train_ips:.1} img/s (loader {loader_ips:.0} img/s{})",
+                "epoch {}/{}: train loss {train_loss:.4} top1 {train_top1:.2}%{} | {train_ips:.1} img/s (loader {loader_ips:.0} img/s{}, waited {data_wait:.2} s for data)",
                 epoch + 1,
                 cfg.train.epochs,
                 val.map(|v| format!(" | val loss {:.4} top1 {:.2}% top5 {:.2}%", v.loss, v.top1, v.top5))

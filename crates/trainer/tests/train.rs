@@ -43,11 +43,15 @@ fn learns_generated_data_and_writes_run_folder() {
     let recs: Vec<serde_json::Value> = metrics.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     let epochs: Vec<_> = recs.iter().filter(|r| r["kind"] == "epoch").collect();
     assert_eq!(epochs.len(), 4);
-    for k in ["train_loss", "val_loss", "val_top1", "val_top5", "img_per_s"] {
+    for k in ["train_loss", "val_loss", "val_top1", "val_top5", "img_per_s", "loader_img_per_s", "data_wait_s"] {
         assert!(epochs[3][k].is_number(), "{k}");
     }
+    // The training thread's waits for the loader: per step and per epoch, within the epoch's time.
+    let wait = epochs[3]["data_wait_s"].as_f64().unwrap();
+    let epoch_s = 192.0 / epochs[3]["img_per_s"].as_f64().unwrap();
+    assert!((0.0..=epoch_s * 1.5).contains(&wait), "waited {wait} s in an epoch of ~{epoch_s} s");
     let step = recs.iter().find(|r| r["kind"] == "step").unwrap();
-    for k in ["step", "epoch", "loss", "lr", "loss_scale", "skipped", "img_per_s"] {
+    for k in ["step", "epoch", "loss", "lr", "loss_scale", "skipped", "img_per_s", "data_wait_ms"] {
         assert!(!step[k].is_null(), "{k}");
     }
     assert!(dir.path().join("checkpoints/best.safetensors").is_file());
