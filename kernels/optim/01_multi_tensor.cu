@@ -20,7 +20,7 @@
 // mt_adamw_f32: PyTorch's AdamW on each tensor, in place: lr' = lr * lr_mult; p *= 1 - lr' * wd (decoupled decay);
 //   g = flat_grad * coef; m = beta1 m + (1 - beta1) g; v = beta2 v + (1 - beta2) g^2 (flat state buffers);
 //   p -= lr' * (m / bc1) / (sqrt(v / bc2) + eps), bc1 = 1 - beta1^t, bc2 = 1 - beta2^t, t = ctl[2] + 1 (the steps
-//   taken so far, kept on the device by amp_update_f32).
+//   taken so far, kept on the device by amp_update_f32), the corrections from omb = 1 - beta given by the host.
 //
 // amp_update_f32 (one thread, after the update): torch.amp.GradScaler's update on the device state
 //   ctl = [scale, growth tracker, optimizer steps taken]: inf/NaN -> scale *= backoff, tracker = 0; else steps += 1,
@@ -151,11 +151,14 @@ extern "C" __global__ void __launch_bounds__(256) mt_adamw_f32(const unsigned lo
                                                                 float* __restrict__ exp_avg_sq,
                                                                 const float* __restrict__ norm_sq, float clip,
                                                                 const float* __restrict__ ctl, float lr,
-                                                                float beta1, float beta2, float eps) {
+                                                                float beta1, float beta2, float eps, float omb1,
+                                                                float omb2) {
     float coef;
     if (!clip_coef(norm_sq, clip, &coef)) return;
+    // 1 - beta^t from 1 - beta (omb, exact from the host's double): 1 - powf(beta, t) would cancel away the
+    // digits of an f32 beta close to 1 (0.999f is 0.99900001, 1.3e-5 off in 1 - beta2 at t = 1).
     const float t = ctl[2] + 1.f;
-    const float bc1 = 1.f - powf(beta1, t), bc2 = 1.f - powf(beta2, t);
+    const float bc1 = -expm1f(t * log1pf(-omb1)), bc2 = -expm1f(t * log1pf(-omb2));
     const int2 ch = chunks[blockIdx.x];
     float* p = reinterpret_cast<float*>(tab[4 * ch.x]);
     const long long off = (long long)tab[4 * ch.x + 1], len = (long long)tab[4 * ch.x + 2];

@@ -205,13 +205,14 @@ pub fn adamw_step(
     let pn = scalar_addr(decision.norm_sq, "gradient norm")?;
     let pc = scalar_addr(ctl, "step state")?;
     let (b1, b2, e) = (beta1 as f32, beta2 as f32, eps as f32);
+    let (omb1, omb2) = ((1.0 - beta1) as f32, (1.0 - beta2) as f32);
     let f = dev.get_or_load_custom_func("mt_adamw_f32", MODULE, ptx::OPTIM_01_MULTI_TENSOR)?;
     let mut b = f.builder();
     b.arg(&tb.tab).arg(&tb.chunks).arg(&pg).arg(&pm).arg(&pv).arg(&pn).arg(&decision.clip).arg(&pc).arg(&lr);
-    b.arg(&b1).arg(&b2).arg(&e);
-    // SAFETY: (tab, chunks, grad, exp_avg, exp_avg_sq, norm_sq, clip, ctl, lr, beta1, beta2, eps) as mt_adamw_f32
-    // takes them; every chunk lies inside its parameter and the three flat buffers (off elements each); norm_sq
-    // is one float, ctl three.
+    b.arg(&b1).arg(&b2).arg(&e).arg(&omb1).arg(&omb2);
+    // SAFETY: (tab, chunks, grad, exp_avg, exp_avg_sq, norm_sq, clip, ctl, lr, beta1, beta2, eps, omb1, omb2) as
+    // mt_adamw_f32 takes them; every chunk lies inside its parameter and the three flat buffers (off elements
+    // each); norm_sq is one float, ctl three.
     unsafe { b.launch(cfg(tb.blocks)) }.w()?;
     Ok(())
 }
