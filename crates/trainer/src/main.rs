@@ -444,6 +444,9 @@ fn info(c: ConfigArgs) -> Result<()> {
         Some(note) => println!("step: {engine} ({note})"),
         None => println!("step: {engine}"),
     }
+    if cfg.kernels.recompute != config::RecomputeChoice::None {
+        println!("recompute: {} (kernels.recompute; the fused step only)", cfg.kernels.recompute.name());
+    }
     if policy.channels_last() {
         println!("layout: channels-last (kernels.conv = \"custom\"); shapes below are (n, c, h, w)");
     }
@@ -453,6 +456,15 @@ fn info(c: ConfigArgs) -> Result<()> {
     let trainable: usize = model.store().trainable().iter().map(|(_, v)| v.elem_count()).sum();
     println!("parameters: {}", model.store().num_parameters());
     println!("trainable: {trainable}");
+    let buckets = model.grad_buckets((cfg.train.bucket_mb * 1e6).max(1.0) as usize).len();
+    println!(
+        "data-parallel gradient all-reduce: {buckets} bucket(s) of about {} MB (train.bucket_mb), {} (train.grad_allreduce)",
+        cfg.train.bucket_mb,
+        match cfg.train.grad_allreduce {
+            config::GradAllreduce::Fp32 => "fp32",
+            config::GradAllreduce::Bf16 => "bf16",
+        }
+    );
     Ok(())
 }
 

@@ -231,6 +231,11 @@ fn info_prints_stages_and_parameter_count() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(text.contains("parameters: 60192808"), "{text}");
+    // ResNet-152's 240.8 MB of FP32 gradient in buckets of at least 25 MB (a parameter is never split).
+    assert!(
+        text.contains("data-parallel gradient all-reduce: 9 bucket(s) of about 25 MB (train.bucket_mb), fp32"),
+        "{text}"
+    );
     assert!(text.contains("layer4   [2, 2048, 7, 7]"), "{text}");
     assert!(!text.contains("layout: channels-last"), "{text}");
     // Channels-last: same (n, c, h, w) description, and the layout is said.
@@ -239,6 +244,11 @@ fn info_prints_stages_and_parameter_count() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(text.contains("layout: channels-last"), "{text}");
     assert!(text.contains("layer4   [16, 512, 1, 1]"), "{text}");
+    assert!(!text.contains("recompute:"), "{text}");
+    let out = trainer(&["info", "--config", &cfg, "--set", "kernels.recompute=\"relu+conv\""]);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("recompute: relu+conv (kernels.recompute; the fused step only)")
+    );
     // The kernels "auto" resolves to, for the configured device and dtype (info opens no device).
     let out = trainer(&["info", "--config", &cfg]);
     let text = String::from_utf8_lossy(&out.stdout);
