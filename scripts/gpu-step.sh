@@ -151,7 +151,7 @@ PYEOF
         echo "== ResNet-152 bf16 training from a generated JPEG folder (scripts/data-bench-gpu.sh, ONLY_TRAIN=1)"
         ONLY_TRAIN=1 timeout "${DATA_TIMEOUT:-300}" bash "$here/scripts/data-bench-gpu.sh" "$bin/trainer" "$out" \
             > /dev/null 2>&1 || { echo "data-bench-gpu: FAILED"; fails=$((fails + 1)); }
-        grep -E "step rate|epoch [0-9]+:|FAILED|^# [0-9]+ training" "$out/data-bench.log" 2>/dev/null
+        grep -E "step rate|waits for data|epoch [0-9]+:|FAILED|^# [0-9]+ training" "$out/data-bench.log" 2>/dev/null
     fi
     rm -rf "$bin"
     echo "== gpu-step: $fails failure(s)"
