@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Builds and assembles everything one call of scripts/gpu-step.sh needs on the GPU machine, in the git-ignored
+# folder target-gpurun (name it in the device tool's `carry`; at most 64 MiB travel):
+#   target-gpurun/dist/{trainer,gpu-step-tests,gpu-tests,dp-tests}.gz + BUILD_INFO   (an NCCL=1 build, ~60 MB)
+#   target-gpurun/ktrace/{ktrace.c,ktrace_report.py}   (from KTRACE_SRC, default ../shared/tools/ktrace, if there)
+# Then, on the GPU machine, from the repository root (docs/BENCHMARKS.md lists what is owed):
+#   GPU_TESTS_FILTER="..." NCCL_CHECK=1 DATA_E2E=1 KTRACE=$PWD/target-gpurun/ktrace \
+#       bash scripts/gpu-step.sh target-gpurun/dist
+# Run it from a shell without the wheel's nvcc on PATH (package-gpu.sh sets up its own).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+NCCL=1 DIST_MAX_MIB="${DIST_MAX_MIB:-300}" bash scripts/package-gpu.sh
+rm -rf target-gpurun
+mkdir -p target-gpurun/dist
+for f in trainer gpu-step-tests gpu-tests dp-tests; do
+    cp "dist/$f.gz" target-gpurun/dist/
+done
+cp dist/BUILD_INFO target-gpurun/dist/
+src="${KTRACE_SRC:-../shared/tools/ktrace}"
+if [ -f "$src/ktrace.c" ] && [ -f "$src/ktrace_report.py" ]; then
+    mkdir -p target-gpurun/ktrace
+    cp "$src/ktrace.c" "$src/ktrace_report.py" target-gpurun/ktrace/
+else
+    echo "prepare-gpurun: no ktrace sources in $src (KTRACE_SRC): the kernel timeline is left out" >&2
+fi
+size_kib="$(du -sk target-gpurun | cut -f1)"
+echo "target-gpurun: $((size_kib / 1024)) MiB (carry limit 64)"
+[ "$size_kib" -le $((64 * 1024)) ] || { echo "prepare-gpurun: over the 64 MiB carry limit" >&2; exit 1; }
