@@ -41,6 +41,8 @@ impl LossScaler {
     }
 
     /// Updates the scale after a step: inf/NaN found -> backoff and reset; else count, and grow at the interval.
+    /// The rule in f64 on the host: the reference that the device's FP32 rule ([`Self::update_f32`], which
+    /// training runs) is tested against; the trainer's own copy follows the device ([`Self::set_from_report`]).
     pub fn update(&mut self, found_inf: bool) {
         if !self.enabled {
             return;

@@ -502,10 +502,10 @@ impl StepRunner {
                 arrive(self.progress.as_deref());
                 c.all_reduce_sum(&counts)?;
                 let global_n = counts.narrow(0, 0, 1)?;
-                let (all, sq) = gather_scaled(&summed, 1.0, None)?;
+                // Into the optimizer's order and divided by the global count in one pass (the count read on the
+                // device), with the sum of squares of the result.
+                let (all, total_sq) = gather_scaled(&summed, 1.0, Some(&global_n))?;
                 drop(summed);
-                let all = all.broadcast_div(&global_n)?;
-                let total_sq = sq.reshape(1)?.broadcast_div(&global_n.sqr()?)?.reshape(())?;
                 let mean_loss = counts.narrow(0, 1, 1)?.broadcast_div(&global_n)?;
                 (all, total_sq, Tensor::cat(&[mean_loss, counts.narrow(0, 2, 1)?, global_n], 0)?)
             }

@@ -48,6 +48,12 @@ fn assert_close(a: &HashMap<String, Vec<f32>>, b: &HashMap<String, Vec<f32>>, to
     assert!(worst[0].0 <= tol, "differences above the tolerance {tol}: {:?}", &worst[..worst.len().min(5)]);
 }
 
+/// Two runs in `a` and `b` logged the same step losses and ended with the same weights (within `tol`).
+fn assert_runs_match(a: &Path, b: &Path, tol: f32) {
+    assert_losses_close(&step_losses(a), &step_losses(b));
+    assert_close(&weights(&a.join("model.safetensors")), &weights(&b.join("model.safetensors")), tol);
+}
+
 fn assert_losses_close(a: &[(u64, f64)], b: &[(u64, f64)]) {
     assert_eq!(a.len(), b.len(), "{a:?} vs {b:?}");
     for ((sa, la), (sb, lb)) in a.iter().zip(b) {
@@ -73,12 +79,7 @@ fn two_ranks_train_what_one_process_trains_at_twice_the_batch() {
     assert_eq!(s1.steps, 6);
     assert_eq!(s2.steps, 6);
     // Rank 0 logs the loss over the global batch: the single process's loss, step by step.
-    assert_losses_close(&step_losses(dp.path()), &step_losses(single.path()));
-    assert_close(
-        &weights(&dp.path().join("model.safetensors")),
-        &weights(&single.path().join("model.safetensors")),
-        2e-5,
-    );
+    assert_runs_match(dp.path(), single.path(), 2e-5);
     // Only rank 0 wrote: one record per step, each epoch's checkpoint once, the validation of both epochs.
     let text = std::fs::read_to_string(dp.path().join("metrics.jsonl")).unwrap();
     let kinds: Vec<String> = text
@@ -110,12 +111,7 @@ fn bucketed_all_reduce_during_the_fused_backward_trains_like_one_process() {
     let s1 = train::train(&config(16, &fused), single.path(), false).unwrap();
     let s2 = run_ranks(&config(8, &fused), dp.path(), 2, false);
     assert_eq!((s1.steps, s2.steps), (6, 6));
-    assert_losses_close(&step_losses(dp.path()), &step_losses(single.path()));
-    assert_close(
-        &weights(&dp.path().join("model.safetensors")),
-        &weights(&single.path().join("model.safetensors")),
-        2e-5,
-    );
+    assert_runs_match(dp.path(), single.path(), 2e-5);
 }
 
 /// With gradient accumulation the earlier micro-batches' sums join the last one's buckets: the fused step with
@@ -130,12 +126,7 @@ fn bucketed_all_reduce_adds_the_accumulated_micro_batches() {
     let (fused, autograd) = (TempDir::new("dpa-fused"), TempDir::new("dpa-autograd"));
     let (a, b) = (run("fused", &fused), run("autograd", &autograd));
     assert_eq!(a.steps, b.steps);
-    assert_losses_close(&step_losses(fused.path()), &step_losses(autograd.path()));
-    assert_close(
-        &weights(&fused.path().join("model.safetensors")),
-        &weights(&autograd.path().join("model.safetensors")),
-        5e-5,
-    );
+    assert_runs_match(fused.path(), autograd.path(), 5e-5);
 }
 
 #[test]
@@ -167,12 +158,7 @@ fn a_run_saved_by_two_ranks_resumes_in_one_process() {
     run_ranks(&config(8, &["train.max_steps=4", "checkpoint.every_steps=2"]), dp.path(), 2, false);
     let resumed = train::train(&config(16, &[]), dp.path(), true).unwrap();
     assert_eq!(resumed.steps, 6);
-    assert_losses_close(&step_losses(dp.path()), &step_losses(single.path()));
-    assert_close(
-        &weights(&dp.path().join("model.safetensors")),
-        &weights(&single.path().join("model.safetensors")),
-        2e-5,
-    );
+    assert_runs_match(dp.path(), single.path(), 2e-5);
     // The reverse at another global batch: a checkpoint 2 steps into an epoch of global batch 16 resumes at
     // global batch 8 four micro-batches in, and refuses global batch 12 (32 samples are not whole batches of 12).
     let three = TempDir::new("dpr-three");

@@ -94,11 +94,6 @@ impl<'a> BucketReducer<'a> {
         &mut self.acc
     }
 
-    /// How many buckets have started.
-    pub fn started(&self) -> usize {
-        self.started.len()
-    }
-
     /// Starts bucket `index` (the next one in plan order) from its members' gradients `grads` (FP32, plan order).
     pub fn start(&mut self, index: usize, grads: Vec<Tensor>) -> Result<()> {
         let members = &self.plan.members[index];
