@@ -1,7 +1,7 @@
 // Multi-tensor FP32 kernels for the end of a training step: one launch over all ~465 parameter tensors instead of
 // several candle ops per tensor (each its own launch and allocation).
 //
-// Tables (built on the host each step, crates/kernels/src/multi_tensor.rs): per tensor i, tab[4 i + 0] = device
+// Tables (built on the host, crates/kernels/src/cuda/optim.rs): per tensor i, tab[4 i + 0] = device
 // address of the tensor's FP32 data, tab[4 i + 1] = its offset in the flat buffer, tab[4 i + 2] = its length,
 // tab[4 i + 3] = two f32 (low: weight decay, high: lr multiplier). Per block b, chunks[b] = (tensor, first element):
 // every block handles up to CHUNK consecutive elements of one tensor.
@@ -16,7 +16,8 @@
 // coef = clip > 0 && sqrt(norm_sq) > clip ? clip / (sqrt(norm_sq) + 1e-6) : 1 (global-norm clipping).
 // mt_sgd_f32: PyTorch's SGD on each tensor, in place: g = flat_grad * coef (+ wd * p); momentum buffer (flat, zero
 //   before the first step, so its first value is g as PyTorch starts it) buf = momentum * buf + g;
-//   d = nesterov ? g + momentum * buf : buf (or g without momentum); p -= lr * lr_mult * d.
+//   d = nesterov ? g + momentum * buf : buf (or g without momentum); p -= lr * lr_mult * d. The learning rate is
+//   read from device memory (lr_p, one float), so that a captured CUDA graph replays with each step's rate.
 // mt_adamw_f32: PyTorch's AdamW on each tensor, in place: lr' = lr * lr_mult; p *= 1 - lr' * wd (decoupled decay);
 //   g = flat_grad * coef; m = beta1 m + (1 - beta1) g; v = beta2 v + (1 - beta2) g^2 (flat state buffers);
 //   p -= lr' * (m / bc1) / (sqrt(v / bc2) + eps), bc1 = 1 - beta1^t, bc2 = 1 - beta2^t, t = ctl[2] + 1 (the steps
@@ -82,9 +83,11 @@ extern "C" __global__ void __launch_bounds__(256) mt_sgd_f32(const unsigned long
                                                               const float* __restrict__ grad,
                                                               float* __restrict__ mom,
                                                               const float* __restrict__ norm_sq, float clip,
-                                                              float lr, float momentum, int nesterov) {
+                                                              const float* __restrict__ lr_p, float momentum,
+                                                              int nesterov) {
     float coef;
     if (!clip_coef(norm_sq, clip, &coef)) return;
+    const float lr = *lr_p;
     const int2 ch = chunks[blockIdx.x];
     float* p = reinterpret_cast<float*>(tab[4 * ch.x]);
     const long long off = (long long)tab[4 * ch.x + 1], len = (long long)tab[4 * ch.x + 2];
@@ -150,11 +153,12 @@ extern "C" __global__ void __launch_bounds__(256) mt_adamw_f32(const unsigned lo
                                                                 float* __restrict__ exp_avg,
                                                                 float* __restrict__ exp_avg_sq,
                                                                 const float* __restrict__ norm_sq, float clip,
-                                                                const float* __restrict__ ctl, float lr,
-                                                                float beta1, float beta2, float eps, float omb1,
-                                                                float omb2) {
+                                                                const float* __restrict__ ctl,
+                                                                const float* __restrict__ lr_p, float beta1,
+                                                                float beta2, float eps, float omb1, float omb2) {
     float coef;
     if (!clip_coef(norm_sq, clip, &coef)) return;
+    const float lr = *lr_p;
     // 1 - beta^t from 1 - beta (omb, exact from the host's double): 1 - powf(beta, t) would cancel away the
     // digits of an f32 beta close to 1 (0.999f is 0.99900001, 1.3e-5 off in 1 - beta2 at t = 1).
     const float t = ctl[2] + 1.f;

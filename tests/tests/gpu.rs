@@ -727,8 +727,11 @@ fn multi_tensor_optimizers_match_cpu() -> Result<()> {
                 _ => (0.0, sq.clone(), want_sq.clone()),
             };
             let ctl = |d: &Device| Tensor::new(&[scale as f32, 0.0, taken as f32], d);
-            og.step_flat(&flat, &nsq_g, clip, 0.1, &ctl(&dev)?)?;
-            oc.step_flat(&want, &nsq_c, clip, 0.1, &ctl(&Device::Cpu)?)?;
+            // The CUDA kernels read the rate from the device (a captured step's way): the host value is NaN there,
+            // so a kernel that took it would poison the parameters.
+            let lr_dev = Tensor::new(&[0.1f32], &dev)?;
+            og.step_flat(&flat, &nsq_g, clip, (f64::NAN, Some(&lr_dev)), &ctl(&dev)?)?;
+            oc.step_flat(&want, &nsq_c, clip, (0.1, None), &ctl(&Device::Cpu)?)?;
             if step != 2 {
                 taken += 1;
             }
@@ -762,8 +765,8 @@ fn multi_tensor_optimizers_match_cpu() -> Result<()> {
         let flat = Tensor::cat(&g, 0)?;
         let nsq = Tensor::new(flat.elem_count() as f32, &dev)?;
         let ctl = Tensor::new(&[1f32, 0.0, taken as f32], &dev)?;
-        or.step_flat(&flat, &nsq, 0.0, 0.1, &ctl)?;
-        og.step_flat(&flat, &nsq, 0.0, 0.1, &ctl)?;
+        or.step_flat(&flat, &nsq, 0.0, (0.1, None), &ctl)?;
+        og.step_flat(&flat, &nsq, 0.0, (0.1, None), &ctl)?;
         for (i, (a, b)) in vr.iter().zip(&vg).enumerate() {
             assert_close(&format!("resumed param {i}"), a.as_tensor(), b.as_tensor(), 0.0, 0.0)?;
         }

@@ -368,3 +368,124 @@ fn fused_runner_matches_autograd_over_three_fp16_steps() -> Result<()> {
     );
     Ok(())
 }
+
+/// One step of [`graph_replay_matches_eager_steps`]'s script: a full (16) or partial (10) batch, the learning
+/// rate, and a loss scale the host sets before it (with nothing in flight).
+struct ScriptStep {
+    full: bool,
+    lr: f64,
+    set_scale: Option<f64>,
+}
+
+/// Runs `script` through a StepRunner the way the trainer does (step k + 1 queued before step k's report is
+/// read); returns every step's (loss, gradient norm, skipped, loss scale) and every model tensor afterwards.
+#[allow(clippy::type_complexity)]
+fn drive(
+    runner: &mut trainer::train::StepRunner,
+    batches: &[(Tensor, Tensor)],
+    script: &[ScriptStep],
+) -> Result<(Vec<(f64, f64, bool, f64)>, Vec<(String, Tensor)>)> {
+    let act = runner.precision.act_dtype();
+    let mut outs = Vec::new();
+    let mut pending = None;
+    for (i, s) in script.iter().enumerate() {
+        if let Some(scale) = s.set_scale {
+            if let Some(p) = pending.take() {
+                outs.push(runner.resolve(p)?);
+            }
+            runner.scaler.scale = scale;
+        }
+        let (x, labels) = &batches[i % batches.len()];
+        let n = if s.full { 16 } else { 10 };
+        let b = trainer::train::Batch { images: x.narrow(0, 0, n)?.to_dtype(act)?, labels: labels.narrow(0, 0, n)?, n };
+        let p = runner.step_async(&[b], s.lr)?;
+        if let Some(prev) = pending.replace(p) {
+            outs.push(runner.resolve(prev)?);
+        }
+    }
+    if let Some(p) = pending {
+        outs.push(runner.resolve(p)?);
+    }
+    let outs = outs.iter().map(|o| (o.loss, o.grad_norm, o.skipped, o.loss_scale)).collect();
+    let tensors = runner
+        .model
+        .store()
+        .entries()
+        .into_iter()
+        .map(|(n, e)| (n, e.param.var().as_tensor().copy()))
+        .collect::<Vec<_>>();
+    let tensors = tensors.into_iter().map(|(n, t)| Ok((n, t?))).collect::<Result<_>>()?;
+    Ok((outs, tensors))
+}
+
+/// `kernels.graph`: the fused step captured as a CUDA graph and replayed against the same steps run eagerly, for
+/// SGD and AdamW in fp16 with dynamic loss scaling, over a script that changes the learning rate every step,
+/// grows the loss scale every step until fp16 overflows (skips decided on the device inside replays), resets the
+/// scale from the host (the graph's loss-scale buffer moves: the plan is dropped and captured again) and runs an
+/// epoch's last, smaller batch eagerly between replays. Every step's report and every model tensor afterwards
+/// (parameters and running statistics) must match; the graph runner must have captured twice and replayed
+/// the other full steps.
+#[test]
+fn graph_replay_matches_eager_steps() -> Result<()> {
+    let gpu = cuda()?;
+    let mut batches = Vec::new();
+    for i in 0..4u32 {
+        let x = Tensor::randn(0f32, 1.0, (16, 3, 32, 32), &Device::Cpu)?.to_device(&gpu)?;
+        let labels = Tensor::new((0..16u32).map(|j| (j * 3 + i) % 10).collect::<Vec<_>>().as_slice(), &gpu)?;
+        batches.push((x, labels));
+    }
+    let script: Vec<ScriptStep> = (0..10)
+        .map(|i| ScriptStep { full: i != 7, lr: 0.02 + 0.01 * i as f64, set_scale: (i == 4).then_some(1e9) })
+        .collect();
+    for optim in ["sgd", "adamw"] {
+        let run = |graph: &str| -> Result<_> {
+            let sets = [
+                "kernels.step=\"fused\"".to_string(),
+                format!("kernels.graph=\"{graph}\""),
+                format!("optim.name=\"{optim}\""),
+                "amp.growth_interval=1".into(),
+                "amp.growth_factor=1000.0".into(),
+            ];
+            let cfg = trainer::config::Config::from_str_with(RUNNER_TOML, "gpu.toml", &sets)?;
+            let model = trainer::train::build_model(&cfg, &gpu)?;
+            let mut runner = trainer::train::StepRunner::new(&cfg, model)?;
+            let (outs, tensors) = drive(&mut runner, &batches, &script)?;
+            Ok((outs, tensors, runner.graphs.captures, runner.graphs.replayed, runner.graphs.nodes()))
+        };
+        let (eager, eager_t, c0, r0, _) = run("off")?;
+        let (graphed, graphed_t, captures, replayed, nodes) = run("on")?;
+        ensure!(c0 == 0 && r0 == 0, "kernels.graph = off captured {c0} and replayed {r0}");
+        // Steps 0 (warm-up), 1 (capture), 2-3 replayed; 4 (the scale moved: warm-up again), 5 (capture),
+        // 6 replayed, 7 (the smaller batch: eager), 8-9 replayed.
+        ensure!(captures == 2 && replayed == 5, "{optim}: {captures} captures, {replayed} replays (want 2 and 5)");
+        for (i, (e, g)) in eager.iter().zip(&graphed).enumerate() {
+            let same = |a: f64, b: f64| (a.is_nan() && b.is_nan()) || (a - b).abs() <= 1e-6 * a.abs().max(1e-30);
+            ensure!(
+                same(e.0, g.0) && same(e.1, g.1) && e.2 == g.2 && same(e.3, g.3),
+                "{optim} step {i}: eager (loss, norm, skipped, scale) {e:?}, graph {g:?}"
+            );
+        }
+        ensure!(eager.len() == script.len(), "{} reports for {} steps", eager.len(), script.len());
+        let skipped: Vec<usize> = eager.iter().enumerate().filter(|(_, o)| o.2).map(|(i, _)| i).collect();
+        ensure!(
+            skipped.iter().any(|&i| i == 2 || i == 3 || i == 6 || i >= 8),
+            "{optim}: no replayed step skipped: {skipped:?}"
+        );
+        let mut worst = 0f64;
+        for ((name, e), (_, g)) in eager_t.iter().zip(&graphed_t) {
+            let d = if e.dtype() == DType::I64 {
+                (e.to_dtype(DType::F64)? - g.to_dtype(DType::F64)?)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?
+            } else {
+                rel_err(g, e)?
+            };
+            ensure!(d <= 1e-6, "{optim} {name}: graph vs eager rel err {d:.2e}");
+            worst = worst.max(d);
+        }
+        println!(
+            "graph vs eager, {optim}: {} steps, skipped {skipped:?}, {captures} captures ({nodes} nodes), {replayed} \
+             replays, every tensor within rel err {worst:.1e}",
+            script.len()
+        );
+    }
+    Ok(())
+}

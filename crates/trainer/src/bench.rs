@@ -24,6 +24,10 @@ pub struct BenchResult {
     /// Per-phase milliseconds per step (forward, backward, grads, optimizer) when run with `--phases`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub phases_ms: Option<std::collections::BTreeMap<String, f64>>,
+    /// How the timed steps ran with respect to CUDA graphs (`kernels.graph`): replayed from a captured graph,
+    /// or eagerly and why. None on the CPU.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub graph: Option<String>,
 }
 
 /// Samples the GPU's used memory through NVML every few milliseconds and keeps the maximum.
@@ -81,11 +85,13 @@ pub fn bench_one(cfg: &Config, dtype: Precision, bs: usize, warmup: usize, steps
         oom: false,
         error: None,
         phases_ms: None,
+        graph: None,
     };
     let mut cfg = cfg.clone();
     cfg.amp.dtype = dtype;
     cfg.train.batch_size = bs;
     let mut phase_ms = None;
+    let mut graph_note = None;
     let mut run = || -> Result<(f64, Option<f64>)> {
         let device = select_device(&cfg.device)?;
         let mem = if device.is_cuda() { PeakMemory::start(cfg.cuda_ordinal()) } else { None };
@@ -102,6 +108,7 @@ pub fn bench_one(cfg: &Config, dtype: Precision, bs: usize, warmup: usize, steps
         }
         // As the trainer runs: step k's report is read once step k + 1 is queued.
         let t = Instant::now();
+        let replayed_before = runner.graphs.replayed;
         let mut in_flight = None;
         for _ in 0..steps {
             let p = runner.step_async(std::slice::from_ref(&batch), lr)?;
@@ -114,6 +121,17 @@ pub fn bench_one(cfg: &Config, dtype: Precision, bs: usize, warmup: usize, steps
         }
         device.synchronize()?;
         let secs = t.elapsed().as_secs_f64();
+        if device.is_cuda() {
+            let g = &runner.graphs;
+            let replayed = g.replayed - replayed_before;
+            graph_note = Some(match g.policy.disabled() {
+                Some(why) => format!("eager (kernels.graph = \"{}\"; the capture failed: {why})", g.choice.name()),
+                None if replayed > 0 => {
+                    format!("{replayed} of {steps} timed steps replayed from one CUDA graph of {} nodes", g.nodes())
+                }
+                None => format!("eager (kernels.graph = \"{}\")", g.choice.name()),
+            });
+        }
         phase_ms = runner.phases.map(|p| {
             p.per_step_ms().iter().map(|(k, v)| (k.to_string(), *v)).collect::<std::collections::BTreeMap<_, _>>()
         });
@@ -134,6 +152,7 @@ pub fn bench_one(cfg: &Config, dtype: Precision, bs: usize, warmup: usize, steps
             r.img_per_s = Some((bs * steps) as f64 / secs);
             r.peak_gib = peak;
             r.phases_ms = phase_ms;
+            r.graph = graph_note;
         }
         Err(e) => {
             r.oom = is_oom(&e);
@@ -169,6 +188,9 @@ pub fn print_row(r: &BenchResult) {
             .filter_map(|k| p.get(*k).map(|v| format!("{k} {v:.1}")))
             .collect();
         println!("  phases, ms per step (device synchronized between phases): {}", parts.join(", "));
+    }
+    if let Some(g) = &r.graph {
+        println!("  graph: {g}");
     }
 }
 

@@ -422,6 +422,11 @@ pub struct KernelsSection {
     /// "relu+conv" also drops each block's last conv output and its downsample conv output and runs those convs
     /// again in the backward. Same gradients bit for bit at every level.
     pub recompute: RecomputeChoice,
+    /// CUDA graphs for the fused step: "auto" (on where they can run: the fused step on CUDA, one process, no
+    /// `bench --phases`) | "on" (the same, and an error where they cannot run) | "off". The first step of a
+    /// batch shape runs eagerly (it tunes the kernels), the second is captured as one graph, and every later step
+    /// of that shape replays it: one launch per step. Other shapes (an epoch's last, smaller batch) run eagerly.
+    pub graph: GraphChoice,
 }
 
 impl Default for KernelsSection {
@@ -433,6 +438,26 @@ impl Default for KernelsSection {
             autotune_cache: "auto".into(),
             step: StepChoice::Auto,
             recompute: RecomputeChoice::None,
+            graph: GraphChoice::Auto,
+        }
+    }
+}
+
+/// `kernels.graph`: whether the fused step is captured as a CUDA graph and replayed.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum GraphChoice {
+    Auto,
+    On,
+    Off,
+}
+
+impl GraphChoice {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::On => "on",
+            Self::Off => "off",
         }
     }
 }
@@ -880,6 +905,7 @@ mod tests {
             ("amp.loss_scaling", "auto, on, off"),
             ("kernels.conv", "auto, fwdconv, candle, custom"),
             ("kernels.matmul", "auto, cublas, custom"),
+            ("kernels.graph", "auto, on, off"),
         ] {
             let e = super::Config::from_str_with("", "x.toml", &[format!("{key}=\"nope\"")]).unwrap_err();
             let e = format!("{e:#}");

@@ -8,6 +8,7 @@ pub mod databench;
 pub mod dist;
 #[cfg(feature = "cuda")]
 pub mod feed;
+pub mod graphs;
 pub mod metrics;
 pub mod optim;
 pub mod plot;

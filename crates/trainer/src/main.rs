@@ -447,6 +447,19 @@ fn info(c: ConfigArgs) -> Result<()> {
     if cfg.kernels.recompute != config::RecomputeChoice::None {
         println!("recompute: {} (kernels.recompute; the fused step only)", cfg.kernels.recompute.name());
     }
+    let graph = cfg.kernels.graph;
+    match (
+        graph,
+        trainer::graphs::unsupported(cuda && cfg!(feature = "cuda"), engine == config::StepEngine::Fused, false, false),
+    ) {
+        (config::GraphChoice::Off, _) => println!("graph: off (kernels.graph = \"off\")"),
+        (_, Some(why)) => println!("graph: off (kernels.graph = \"{}\"; {why})", graph.name()),
+        (_, None) => println!(
+            "graph: on (kernels.graph = \"{}\"): each batch shape's second step is captured as one CUDA graph and \
+             replayed after (one process; data-parallel runs eagerly)",
+            graph.name()
+        ),
+    }
     if policy.channels_last() {
         println!("layout: channels-last (kernels.conv = \"custom\"); shapes below are (n, c, h, w)");
     }

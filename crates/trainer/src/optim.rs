@@ -32,6 +32,14 @@ pub struct Optimizer {
     flat_state: Vec<Tensor>,
 }
 
+impl Optimizer {
+    /// The tensors the optimizer keeps and writes in place between steps (the flat state buffers of the
+    /// multi-tensor path): a captured CUDA graph has their addresses baked in.
+    pub fn persistent_state(&self) -> &[Tensor] {
+        &self.flat_state
+    }
+}
+
 /// Per-parameter options, decided by the trainer from the config.
 pub struct ParamOptions {
     pub weight_decay: f64,
@@ -66,12 +74,31 @@ impl Optimizer {
     /// AdamW is `ctl[2] + 1` (`ctl`: the runner's [scale, growth tracker, steps taken] state on the same device).
     /// [`Self::steps`] is not touched here: the runner counts the steps taken when it reads the step's report.
     /// On a CUDA device SGD and AdamW run as one multi-tensor kernel over all parameters
-    /// (kernels/optim/01_multi_tensor.cu); otherwise the per-parameter [`Optimizer::step`].
-    pub fn step_flat(&mut self, flat: &Tensor, norm_sq: &Tensor, clip: f64, lr: f64, ctl: &Tensor) -> Result<()> {
+    /// (kernels/optim/01_multi_tensor.cu), which reads the learning rate from `lr_dev` (one FP32 on the device,
+    /// written by the host before the step: a captured CUDA graph replays with each step's rate; None: a copy of
+    /// `lr` made here); otherwise the per-parameter [`Optimizer::step`] with `lr`.
+    pub fn step_flat(
+        &mut self,
+        flat: &Tensor,
+        norm_sq: &Tensor,
+        clip: f64,
+        (lr, lr_dev): (f64, Option<&Tensor>),
+        ctl: &Tensor,
+    ) -> Result<()> {
         #[cfg(feature = "cuda")]
         if flat.device().is_cuda() {
-            return self.step_multi_tensor(flat, norm_sq, clip, lr, ctl);
+            let made;
+            let lr_dev = match lr_dev {
+                Some(t) => t,
+                None => {
+                    made = Tensor::new(&[lr as f32], flat.device())?;
+                    &made
+                }
+            };
+            return self.step_multi_tensor(flat, norm_sq, clip, lr_dev, ctl);
         }
+        #[cfg(not(feature = "cuda"))]
+        let _ = lr_dev;
         let norm_sq = norm_sq.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?[0] as f64;
         if !norm_sq.is_finite() {
             return Ok(());
@@ -131,7 +158,14 @@ impl Optimizer {
     }
 
     #[cfg(feature = "cuda")]
-    fn step_multi_tensor(&mut self, flat: &Tensor, norm_sq: &Tensor, clip: f64, lr: f64, ctl: &Tensor) -> Result<()> {
+    fn step_multi_tensor(
+        &mut self,
+        flat: &Tensor,
+        norm_sq: &Tensor,
+        clip: f64,
+        lr: &Tensor,
+        ctl: &Tensor,
+    ) -> Result<()> {
         let decision = kernels::cuda::optim::DeviceDecision { norm_sq, clip: clip as f32 };
         match self.kind {
             OptimKind::Sgd { momentum, nesterov } => {
@@ -141,13 +175,13 @@ impl Optimizer {
                 }
                 let params = self.sgd_params();
                 let mom = if momentum > 0.0 { &self.flat_state[0] } else { flat };
-                kernels::cuda::optim::sgd_step(&params, flat, mom, decision, lr as f32, momentum as f32, nesterov)?;
+                kernels::cuda::optim::sgd_step(&params, flat, mom, decision, lr, momentum as f32, nesterov)?;
             }
             OptimKind::AdamW { beta1, beta2, eps } => {
                 self.flat_states(2, flat.device())?;
                 let params = self.sgd_params();
                 let (m, v) = (&self.flat_state[0], &self.flat_state[1]);
-                kernels::cuda::optim::adamw_step(&params, flat, m, v, decision, ctl, lr as f32, (beta1, beta2, eps))?;
+                kernels::cuda::optim::adamw_step(&params, flat, m, v, decision, ctl, lr, (beta1, beta2, eps))?;
             }
         }
         Ok(())

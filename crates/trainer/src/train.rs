@@ -215,6 +215,11 @@ pub struct StepRunner {
     /// CUDA: pinned buffers for the reports of queued steps, reused once resolved.
     #[cfg(feature = "cuda")]
     readbacks: Vec<kernels::cuda::readback::HostReadback>,
+    /// CUDA: the learning rate on the device (one FP32), written by the host before each step.
+    #[cfg(feature = "cuda")]
+    lr_dev: Option<Tensor>,
+    /// `kernels.graph`, and the captured steps with the policy that decides when to capture.
+    pub graphs: crate::graphs::Graphs,
 }
 
 /// The trainer's collective as the explicit step's [`resnet::step::BnSync`], counting arrivals like the
@@ -298,6 +303,13 @@ impl StepRunner {
                 cfg.kernels.recompute.name()
             );
         }
+        if cfg.kernels.graph == crate::config::GraphChoice::On {
+            let why =
+                crate::graphs::unsupported(cuda && cfg!(feature = "cuda"), engine == StepEngine::Fused, false, false);
+            if let Some(why) = why {
+                bail!("kernels.graph = \"on\": {why}");
+            }
+        }
         // On the CPU autograd is the expected engine: the note is for CUDA runs that miss the fused step.
         if let (Some(note), true) = (note, cuda) {
             eprintln!("note: {note}");
@@ -323,6 +335,9 @@ impl StepRunner {
             resolved: 0,
             #[cfg(feature = "cuda")]
             readbacks: Vec::new(),
+            #[cfg(feature = "cuda")]
+            lr_dev: None,
+            graphs: crate::graphs::Graphs::new(cfg.kernels.graph),
             model,
         })
     }
@@ -338,7 +353,7 @@ impl StepRunner {
     /// The device state ([`crate::scaler::DEVICE_STATE_LEN`]: loss scale, growth tracker, steps taken), uploaded
     /// again only when the host's values were changed from outside since the last step was resolved (a resumed
     /// checkpoint, a test that sets the scale).
-    fn device_state(&mut self) -> Result<Tensor> {
+    pub(crate) fn device_state(&mut self) -> Result<Tensor> {
         let mirror = (self.scaler.clone(), self.opt.steps);
         match (&self.ctl, &self.ctl_seen) {
             (Some(ctl), Some(seen)) if *seen == mirror => Ok(ctl.clone()),
@@ -358,6 +373,42 @@ impl StepRunner {
     /// synchronisation inside the step. The returned report is read by [`Self::resolve`], whenever the caller
     /// chooses (the trainer reads step k's while step k + 1 runs). Steps must be resolved in order.
     pub fn step_async(&mut self, micro: &[Batch], lr: f64) -> Result<PendingStep> {
+        // The learning rate goes to the device (the update kernels read it there), so that a captured step
+        // replays with each step's rate.
+        #[cfg(feature = "cuda")]
+        let lr_dev = self.lr_device(lr)?;
+        #[cfg(not(feature = "cuda"))]
+        let lr_dev: Option<Tensor> = None;
+        #[cfg(feature = "cuda")]
+        if let Some(report) = crate::graphs::graph_step(self, micro, lr_dev.as_ref())? {
+            return self.queue_report(report);
+        }
+        let report = self.queue_step(micro, (lr, lr_dev.as_ref()))?;
+        self.queue_report(report)
+    }
+
+    /// CUDA: the device copy of the learning rate, `lr` written into it after the work queued so far.
+    #[cfg(feature = "cuda")]
+    fn lr_device(&mut self, lr: f64) -> Result<Option<Tensor>> {
+        if !self.model.device().is_cuda() {
+            return Ok(None);
+        }
+        let t = match &self.lr_dev {
+            Some(t) => t.clone(),
+            None => {
+                let t = Tensor::zeros(1, DType::F32, self.model.device())?;
+                self.lr_dev = Some(t.clone());
+                t
+            }
+        };
+        kernels::cuda::graph::write_f32(&t, &[lr as f32])?;
+        Ok(Some(t))
+    }
+
+    /// Queues the step's work and returns its report on the device ([`Self::resolve`] reads it): [mean loss,
+    /// correct, samples, sum of squares, then the scaler's report]. `lr`: the host's rate and, on CUDA, the
+    /// device copy the update reads. Inside a CUDA graph capture this is what the graph records.
+    pub(crate) fn queue_step(&mut self, micro: &[Batch], lr: (f64, Option<&Tensor>)) -> Result<Tensor> {
         let timing = self.phases.is_some();
         let device = self.model.device().clone();
         let mut mark = Instant::now();
@@ -529,7 +580,21 @@ impl StepRunner {
         let (ctl, report) = self.scaler.update_on_device(&ctl, &total_sq)?;
         self.ctl = Some(ctl);
         let report = Tensor::cat(&[totals.to_dtype(DType::F32)?, total_sq.reshape(1)?, report], 0)?;
-        // On CUDA the report goes to pinned host memory right away, so that reading it waits for this step only.
+        times.optimizer += lap(timing)?;
+        if let Some(p) = self.phases.as_mut() {
+            p.forward += times.forward;
+            p.backward += times.backward;
+            p.grads += times.grads;
+            p.optimizer += times.optimizer;
+            p.steps += 1;
+        }
+        Ok(report)
+    }
+
+    /// Hands a queued step's report to the host: on CUDA it goes to pinned host memory right away, so that
+    /// reading it waits for this step only.
+    fn queue_report(&mut self, report: Tensor) -> Result<PendingStep> {
+        let device = self.model.device().clone();
         let report = match &device {
             #[cfg(feature = "cuda")]
             Device::Cuda(d) => {
@@ -542,14 +607,6 @@ impl StepRunner {
             }
             _ => Report::Tensor(report),
         };
-        times.optimizer += lap(timing)?;
-        if let Some(p) = self.phases.as_mut() {
-            p.forward += times.forward;
-            p.backward += times.backward;
-            p.grads += times.grads;
-            p.optimizer += times.optimizer;
-            p.steps += 1;
-        }
         self.queued += 1;
         Ok(PendingStep { report, seq: self.queued })
     }
@@ -610,7 +667,7 @@ enum Report {
 
 /// Values in a step's report: [mean loss, correct, samples, sum of squares] and the scaler's report.
 #[cfg(feature = "cuda")]
-const REPORT_MAX: usize = 4 + crate::scaler::REPORT_LEN;
+pub(crate) const REPORT_MAX: usize = 4 + crate::scaler::REPORT_LEN;
 
 /// Validation result.
 #[derive(Debug, Clone, Copy)]

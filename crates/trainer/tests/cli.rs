@@ -249,6 +249,10 @@ fn info_prints_stages_and_parameter_count() {
     assert!(
         String::from_utf8_lossy(&out.stdout).contains("recompute: relu+conv (kernels.recompute; the fused step only)")
     );
+    // CUDA graphs: off on the CPU, with the reason.
+    assert!(text.contains("graph: off (kernels.graph = \"auto\"; CUDA graphs need a CUDA device)"), "{text}");
+    let out = trainer(&["info", "--config", &cfg, "--set", "kernels.graph=\"off\""]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("graph: off (kernels.graph = \"off\")"));
     // The kernels "auto" resolves to, for the configured device and dtype (info opens no device).
     let out = trainer(&["info", "--config", &cfg]);
     let text = String::from_utf8_lossy(&out.stdout);

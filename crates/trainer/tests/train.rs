@@ -313,3 +313,24 @@ fn recompute_needs_the_fused_step() {
     let s = train::train(&tiny(&fused), dir.path(), false).unwrap();
     assert!(s.last_loss.is_finite());
 }
+
+/// `kernels.graph`: "on" where graphs cannot run is one line naming the reason; "auto" (the default) and "off"
+/// train on the CPU as before.
+#[test]
+fn graph_on_needs_cuda_and_the_fused_step() {
+    for sets in [
+        vec!["kernels.graph=\"on\""],
+        vec!["kernels.graph=\"on\"", "kernels.conv=\"custom\"", "kernels.step=\"fused\""],
+    ] {
+        let cfg = tiny(&sets);
+        let model = train::build_model(&cfg, &candle_core::Device::Cpu).unwrap();
+        let e = train::StepRunner::new(&cfg, model).err().unwrap().to_string();
+        assert_eq!(e, "kernels.graph = \"on\": CUDA graphs need a CUDA device");
+    }
+    for graph in ["auto", "off"] {
+        let dir = TempDir::new("graph");
+        let set = format!("kernels.graph=\"{graph}\"");
+        let s = train::train(&tiny(&[set.as_str(), "train.epochs=1"]), dir.path(), false).unwrap();
+        assert!(s.last_loss.is_finite());
+    }
+}

@@ -58,6 +58,10 @@ pub fn pick<F: FnMut(Tile) -> Result<()>>(
     if let Some(t) = tuner.get(&key) {
         return Ok(t);
     }
+    if super::graph::capturing() {
+        // Timing waits for the device, which a capture cannot do: the warm-up step tunes every shape first.
+        candle_core::bail!("autotune: shape not tuned before the CUDA graph capture ({key})");
+    }
     let stream = dev.cuda_stream();
     let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
     let mut best = (f64::INFINITY, heuristic);

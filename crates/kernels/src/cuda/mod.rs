@@ -8,6 +8,7 @@
 //! | [`autotune`] | per-shape variant choice: forced, heuristic or timed on first use |
 //! | [`tma`] | TMA tensor maps (tiled and im2col) and the persistent TMA kernel launch with split-K |
 //! | [`gemm`] | GEMM launchers (`kernels/gemm/`) |
+//! | [`graph`] | capture of a fixed-shape step as one CUDA graph, and its replay |
 //! | [`conv`] | implicit-GEMM convolution launchers (`kernels/conv/01..05`) |
 //! | [`im2col`] | explicit im2col + TMA GEMM for few input channels (`kernels/conv/06_im2col.cu`) |
 //! | [`pool`] | max-pool and global average pool |
@@ -22,6 +23,7 @@ pub mod bn;
 pub mod common;
 pub mod conv;
 pub mod gemm;
+pub mod graph;
 pub mod im2col;
 pub mod loader;
 pub mod loss;
@@ -152,8 +154,8 @@ pub fn keep_pool_memory(dev: &CudaDevice) -> Result<()> {
     Ok(())
 }
 
-/// Returns the free memory held by the device's default pool to the driver (after [`keep_pool_memory`]), once
-/// the stream is idle: `trainer bench` and `sweep` call it between runs so that each run's peak is measured from
+/// Returns the free memory held by the device's default pool, and the memory CUDA graphs keep between replays, to
+/// the driver (after [`keep_pool_memory`]), once the stream is idle: `trainer bench` and `sweep` call it between runs so that each run's peak is measured from
 /// an empty pool, and after an out-of-memory batch.
 pub fn release_pool_memory(dev: &CudaDevice) -> Result<()> {
     use candle_core::cuda_backend::cudarc::driver::sys;
@@ -162,7 +164,12 @@ pub fn release_pool_memory(dev: &CudaDevice) -> Result<()> {
     // SAFETY: trimming only releases blocks that no allocation uses.
     unsafe { sys::cuMemPoolTrimTo(pool, 0) }
         .result()
-        .map_err(|e| candle_core::Error::Msg(format!("memory pool: trim: {e}")))
+        .map_err(|e| candle_core::Error::Msg(format!("memory pool: trim: {e}")))?;
+    // And the memory that CUDA graphs keep for their replays (graph::trim_graph_memory), unused once idle.
+    // SAFETY: the device handle is the bound context's.
+    unsafe { sys::cuDeviceGraphMemTrim(dev.cuda_stream().context().cu_device()) }
+        .result()
+        .map_err(|e| candle_core::Error::Msg(format!("graph memory: trim: {e}")))
 }
 
 /// The default memory pool of `dev`'s device, with its context bound to this thread.

@@ -56,8 +56,10 @@ fn tables(dev: &CudaDevice, entries: &[(u64, usize, usize, u64)]) -> Result<Tabl
     // SAFETY: both buffers are written in full by the copies below before any kernel reads them.
     let mut t = unsafe { dev.alloc::<u64>(tab.len())? };
     let mut c = unsafe { dev.alloc::<i32>(chunks.len())? };
-    dev.memcpy_htod(&tab, &mut t)?;
-    dev.memcpy_htod(&chunks, &mut c)?;
+    // Inside a graph capture the copies read pinned buffers that the graph keeps (the tables hold the addresses
+    // of that capture's buffers).
+    super::graph::htod(dev, &tab, &mut t)?;
+    super::graph::htod(dev, &chunks, &mut c)?;
     Ok(Tables { tab: t, chunks: c, blocks })
 }
 
@@ -125,13 +127,14 @@ pub struct DeviceDecision<'a> {
 
 /// PyTorch's SGD over all `params` in place, their gradients `grad` (flat, in order) clipped and skipped as
 /// `decision` says, momentum buffers in the flat `momentum_buf` (same length, zero before the first step; unused
-/// when `momentum` is 0).
+/// when `momentum` is 0). The learning rate is read on the device from `lr` (one FP32), so a captured step
+/// replays with each step's rate.
 pub fn sgd_step(
     params: &[SgdParam<'_>],
     grad: &Tensor,
     momentum_buf: &Tensor,
     decision: DeviceDecision<'_>,
-    lr: f32,
+    lr: &Tensor,
     momentum: f32,
     nesterov: bool,
 ) -> Result<()> {
@@ -155,13 +158,14 @@ pub fn sgd_step(
     let (pg, _) = f32_addr(grad, "gradient buffer")?;
     let (pm, _) = f32_addr(momentum_buf, "momentum buffer")?;
     let pn = scalar_addr(decision.norm_sq, "gradient norm")?;
+    let plr = scalar_addr(lr, "learning rate")?;
     let nest = i32::from(nesterov);
     let f = dev.get_or_load_custom_func("mt_sgd_f32", MODULE, ptx::OPTIM_01_MULTI_TENSOR)?;
     let mut b = f.builder();
     b.arg(&tb.tab).arg(&tb.chunks).arg(&pg).arg(&pm).arg(&pn).arg(&decision.clip);
-    b.arg(&lr).arg(&momentum).arg(&nest);
+    b.arg(&plr).arg(&momentum).arg(&nest);
     // SAFETY: (tab, chunks, grad, momentum, norm_sq, clip, lr, momentum, nesterov) as mt_sgd_f32 takes them; every
-    // chunk lies inside its parameter and the flat buffers (off elements each); norm_sq is one float.
+    // chunk lies inside its parameter and the flat buffers (off elements each); norm_sq and lr are one float each.
     unsafe { b.launch(cfg(tb.blocks)) }.w()?;
     Ok(())
 }
@@ -169,7 +173,7 @@ pub fn sgd_step(
 /// PyTorch's AdamW over all `params` in place (decoupled weight decay, per-parameter lr multiplier), their
 /// gradients `grad` (flat, in order) clipped and skipped as `decision` says, first and second moments in the flat
 /// `exp_avg` / `exp_avg_sq` (same length, zero before the first step). The bias corrections count the steps taken
-/// from `ctl[2]` ([`amp_update`]'s device state) + 1.
+/// from `ctl[2]` ([`amp_update`]'s device state) + 1; the learning rate is read on the device from `lr` (one FP32).
 #[allow(clippy::too_many_arguments)]
 pub fn adamw_step(
     params: &[SgdParam<'_>],
@@ -178,7 +182,7 @@ pub fn adamw_step(
     exp_avg_sq: &Tensor,
     decision: DeviceDecision<'_>,
     ctl: &Tensor,
-    lr: f32,
+    lr: &Tensor,
     (beta1, beta2, eps): (f64, f64, f64),
 ) -> Result<()> {
     let Some(p0) = params.first() else { candle_core::bail!("multi-tensor: no parameters") };
@@ -204,15 +208,16 @@ pub fn adamw_step(
     let (pv, _) = f32_addr(exp_avg_sq, "exp_avg_sq buffer")?;
     let pn = scalar_addr(decision.norm_sq, "gradient norm")?;
     let pc = scalar_addr(ctl, "step state")?;
+    let plr = scalar_addr(lr, "learning rate")?;
     let (b1, b2, e) = (beta1 as f32, beta2 as f32, eps as f32);
     let (omb1, omb2) = ((1.0 - beta1) as f32, (1.0 - beta2) as f32);
     let f = dev.get_or_load_custom_func("mt_adamw_f32", MODULE, ptx::OPTIM_01_MULTI_TENSOR)?;
     let mut b = f.builder();
-    b.arg(&tb.tab).arg(&tb.chunks).arg(&pg).arg(&pm).arg(&pv).arg(&pn).arg(&decision.clip).arg(&pc).arg(&lr);
+    b.arg(&tb.tab).arg(&tb.chunks).arg(&pg).arg(&pm).arg(&pv).arg(&pn).arg(&decision.clip).arg(&pc).arg(&plr);
     b.arg(&b1).arg(&b2).arg(&e).arg(&omb1).arg(&omb2);
     // SAFETY: (tab, chunks, grad, exp_avg, exp_avg_sq, norm_sq, clip, ctl, lr, beta1, beta2, eps, omb1, omb2) as
     // mt_adamw_f32 takes them; every chunk lies inside its parameter and the three flat buffers (off elements
-    // each); norm_sq is one float, ctl three.
+    // each); norm_sq and lr are one float each, ctl three.
     unsafe { b.launch(cfg(tb.blocks)) }.w()?;
     Ok(())
 }

@@ -496,10 +496,11 @@ multi-tensor kernels over ResNet-152's parameters, {dt:?} conversions (GB/s of t
     let norm_sq = Tensor::new(1.0f32, dev)?;
     let decision = DeviceDecision { norm_sq: &norm_sq, clip: 0.0 };
     let ctl = Tensor::new(&[1f32, 0.0, 10.0], dev)?;
+    let lr = Tensor::new(&[1e-6f32], dev)?;
     rows.push(mem_row(
         "SGD, momentum + Nesterov + weight decay (p, g, m read; p, m written)",
         timer.time(|| {
-            sgd_step(&sgd, &flat, &m, decision, 1e-6, 0.9, true)?;
+            sgd_step(&sgd, &flat, &m, decision, &lr, 0.9, true)?;
             Ok(flat.clone())
         })?,
         5.0 * f4,
@@ -507,7 +508,7 @@ multi-tensor kernels over ResNet-152's parameters, {dt:?} conversions (GB/s of t
     rows.push(mem_row(
         "AdamW (p, g, m, v read; p, m, v written)",
         timer.time(|| {
-            adamw_step(&sgd, &flat, &m, &v, decision, &ctl, 1e-6, (0.9, 0.999, 1e-8))?;
+            adamw_step(&sgd, &flat, &m, &v, decision, &ctl, &lr, (0.9, 0.999, 1e-8))?;
             Ok(flat.clone())
         })?,
         7.0 * f4,
