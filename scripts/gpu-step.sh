@@ -5,11 +5,12 @@
 #   2. `trainer bench` ResNet-152 at BATCH (default 256) with kernels.step = fused in DTYPES (default bf16,fp16;
 #      empty skips it; with TORCH=1 instead scripts/bench-vs-torch.sh: the trainer with no --set and PyTorch eager
 #      AMP channels-last in the same call; its "graph:" line says whether the steps replayed a CUDA graph), then
-#      the fused step without its graph (kernels.graph = "off", the first dtype; EAGER_COMPARE= skips it), then
+#      the fused step without its graph (kernels.graph = "off", the first dtype; EAGER_COMPARE= skips it) and with
+#      the BatchNorm moments from the conv epilogues (kernels.bn_stats = "conv"; EPI_COMPARE= skips it), then
 #      autograd in AUTOGRAD_DTYPES (default bf16; empty skips it) -- figures first, as device time is short;
 #   3. gpu-step-tests: tests/tests/gpu_step.rs (residual kernels vs CPU, fused vs autograd loss and every gradient
 #      in bf16/fp16 on ResNet-18/50/152, three fp16 StepRunner steps with a skipped one, ten steps replayed from a
-#      CUDA graph against the same steps run eagerly);
+#      CUDA graph against the same steps run eagerly, the conv-epilogue BatchNorm moments against the pass);
 #   4. with SWEEP=B: `trainer sweep --max` of ResNet-152 bf16 on the fused step from batch B (heuristic tiles, 1 + 2
 #      steps per probe, granularity 128): the largest batch that fits; SWEEP_RECOMPUTE=1 repeats it with
 #      kernels.recompute = "relu" and "relu+conv";
@@ -71,17 +72,20 @@ main() {
         dtypes=""
     fi
 
-    local step dts graph
-    for step in fused ${EAGER_COMPARE-fused-eager} autograd; do
+    local step dts graph stats
+    for step in fused ${EAGER_COMPARE-fused-eager} ${EPI_COMPARE-fused-epistats} autograd; do
         dts="$dtypes"
         graph=auto
+        stats=pass
         [ "$step" = autograd ] && dts="${AUTOGRAD_DTYPES-bf16}"
-        # fused-eager: the fused step without its CUDA graph (kernels.graph = "off"), in bf16, for comparison.
+        # fused-eager: the fused step without its CUDA graph (kernels.graph = "off"); fused-epistats: with the
+        # BatchNorm moments from the conv epilogues (kernels.bn_stats = "conv"); both in the first dtype only.
         [ "$step" = fused-eager ] && { graph=off; dts="${dtypes%%,*}"; }
+        [ "$step" = fused-epistats ] && { stats=conv; dts="${dtypes%%,*}"; }
         [ -n "$dts" ] || continue
-        echo "== bench resnet152 b$batch $dts, kernels.step = ${step%-eager}, kernels.graph = $graph"
+        echo "== bench resnet152 b$batch $dts, kernels.step = ${step%%-*}, kernels.graph = $graph, kernels.bn_stats = $stats"
         timeout "${BENCH_TIMEOUT:-150}" "$bin/trainer" bench --config "$here/configs/resnet152.toml" \
-            --set "kernels.step=\"${step%-eager}\"" --set "kernels.graph=\"$graph\"" \
+            --set "kernels.step=\"${step%%-*}\"" --set "kernels.graph=\"$graph\"" --set "kernels.bn_stats=\"$stats\"" \
             --dtypes "$dts" --batch-sizes "$batch" --warmup 3 --steps 10 > "$out/bench-$step.log" 2>&1 \
             || { echo "bench $step: FAILED"; fails=$((fails + 1)); }
         grep -vE "^\s*$" "$out/bench-$step.log" | tail -8

@@ -9,10 +9,13 @@
 // 128x64x64, 8 stages (GEMMs 64 wide, e.g. ResNet's 64-channel layers, where wider tiles multiply zeros).
 // Kernel arguments (IG_TMA_KERNEL, gemm/tma.cuh): (tensor maps of A, B and C, C, split-K workspace, bias, shape);
 // the same names and layouts as 01-04 (nt: A[M][K] B[N][K]; nn: A[M][K] B[K][N]; tn: A[K][M] B[K][N]).
+// gemm_nt_stats_*: nt with the per-column BatchNorm moments of C written to the workspace argument (the 1x1
+// convolutions of the training step; ig::tma_epilogue_stats).
 #include "gemm/tma.cuh"
 
 #define GEMM_TMA_ALL(T, SUF, BN)                                                                \
     IG_TMA_KERNEL(gemm_nt_x##BN##_vec_##SUF, T, ig::TMA_GEMM, true, true, BN)                   \
+    IG_TMA_KERNEL_STATS(gemm_nt_stats_x##BN##_vec_##SUF, T, ig::TMA_GEMM, true, true, BN)       \
     IG_TMA_KERNEL(gemm_nn_x##BN##_vec_##SUF, T, ig::TMA_GEMM, true, false, BN)                  \
     IG_TMA_KERNEL(gemm_tn_x##BN##_vec_##SUF, T, ig::TMA_GEMM, false, false, BN)
 

@@ -304,7 +304,89 @@ __device__ __forceinline__ void tma_wgmma(float (&acc)[BN / 2], uint64_t da, uin
     }
 }
 
-template <typename T, int CONV, bool A_KMAJOR, bool B_KMAJOR, int BN>
+// Barrier of the 256 consumer threads (both consumer warpgroups; named barrier 3).
+__device__ __forceinline__ void consumers_bar() { asm volatile("bar.sync 3, 256;\n" ::: "memory"); }
+
+// The value of an accumulator as the epilogue stores it (rounded to T).
+template <typename T>
+__device__ __forceinline__ float stored(float v) {
+    return to_f(from_f<T>(v));
+}
+
+// BatchNorm statistics in the epilogue (the STATS kernels: the forward convolutions and 1x1 GEMMs whose output a
+// training-mode BatchNorm normalises next, so that no separate pass reads the output again for its moments).
+// Per unit (row tile tm, column tile tn; no split-K), over the tile's rows [128 tm, 128 tm + 128) clipped at M,
+// from the values as stored: part[tm * N + col] = S = sum of x and part[(chunks + tm) * N + col] = M2 = the sum
+// of squared deviations from the tile's own mean (two passes over the registers: exact in FP32 whatever the
+// mean), chunks = ceil(M / 128); row tile 0 also writes the shift K = 0 at part[2 chunks N + col]. That is the
+// layout of bn_nhwc_moments_v8's partials with 128 rows per chunk (kernels/batchnorm/02_nhwc_vec.cu), which
+// bn_nhwc_moments_final combines (Chan et al.) and turns into the statistics and the running update.
+// Reduction: each column over the 16 rows of a warp by shuffles (fixed order), then over the 8 consumer warps in
+// shared memory (the epilogue staging buffers, once the previous unit's TMA stores have read them), in a fixed
+// order: deterministic.
+template <typename T, int BN>
+__device__ __forceinline__ void tma_epilogue_stats(const float (&acc)[BN / 2], float* __restrict__ part,
+                                                   const Shape& sh, int tm, int tn, int cw, float* red) {
+    const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, w8 = cw * 4 + warp;
+    const int ct = threadIdx.x - 128;  // 0 .. 255 over the consumers
+    const int M = sh.M, N = sh.N, r0 = tm * TMA_BM;
+    const int rows = min(TMA_BM, M - r0);
+    const int row = r0 + cw * 64 + warp * 16 + (lane >> 2);
+    const bool v0 = row < M, v1 = row + 8 < M;
+    if ((threadIdx.x & 127) == 0) bulk_wait_all<true>();
+    consumers_bar();
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            float x = (v0 ? stored<T>(acc[4 * j + e]) : 0.f) + (v1 ? stored<T>(acc[4 * j + 2 + e]) : 0.f);
+            x += __shfl_xor_sync(0xffffffffu, x, 4);
+            x += __shfl_xor_sync(0xffffffffu, x, 8);
+            x += __shfl_xor_sync(0xffffffffu, x, 16);
+            if (lane < 4) red[w8 * BN + 8 * j + 2 * lane + e] = x;
+        }
+    }
+    consumers_bar();
+    for (int col = ct; col < BN; col += 256) {
+        float s = 0.f;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) s += red[w * BN + col];
+        red[8 * BN + col] = s;
+    }
+    consumers_bar();
+    const float inv = 1.f / (float)rows;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const float mean = red[8 * BN + 8 * j + 2 * (lane & 3) + e] * inv;
+            const float d0 = v0 ? stored<T>(acc[4 * j + e]) - mean : 0.f;
+            const float d1 = v1 ? stored<T>(acc[4 * j + 2 + e]) - mean : 0.f;
+            float x = fmaf(d0, d0, d1 * d1);
+            x += __shfl_xor_sync(0xffffffffu, x, 4);
+            x += __shfl_xor_sync(0xffffffffu, x, 8);
+            x += __shfl_xor_sync(0xffffffffu, x, 16);
+            if (lane < 4) red[w8 * BN + 8 * j + 2 * lane + e] = x;
+        }
+    }
+    consumers_bar();
+    const int chunks = (M + TMA_BM - 1) / TMA_BM;
+    for (int col = ct; col < BN; col += 256) {
+        const int gc = tn * BN + col;
+        if (gc < N) {
+            float m2 = 0.f;
+#pragma unroll
+            for (int w = 0; w < 8; ++w) m2 += red[w * BN + col];
+            part[(size_t)tm * N + gc] = red[8 * BN + col];
+            part[(size_t)(chunks + tm) * N + gc] = m2;
+            if (tm == 0) part[(size_t)2 * chunks * N + gc] = 0.f;
+        }
+    }
+    // The staging buffer is written next (or by the next unit's statistics) only after every thread has read it.
+    consumers_bar();
+}
+
+template <typename T, int CONV, bool A_KMAJOR, bool B_KMAJOR, int BN, bool STATS = false>
 __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* tb, const TmaDesc* tc, T* C,
                                               float* ws, const T* bias, const Shape& sh, unsigned char* smem_raw) {
     using Cfg = TmaCfg<BN>;
@@ -386,11 +468,15 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
         fence_regs(acc);
         if (kts > 0 && (tid & 127) == 0) mbar_arrive(bars + 8 * (STAGES + prev));
 
+        if constexpr (STATS) {
+            // ws is the statistics' partials here (the launcher runs STATS kernels without split-K).
+            tma_epilogue_stats<T, BN>(acc, ws, sh, tm, tn, cw, reinterpret_cast<float*>(smem + STAGES * STAGE_BYTES));
+        }
         // Epilogue straight from the accumulators: fragment j (8 columns), element e: row + 8 (e >= 2),
         // column 2 (lane % 4) + (e & 1).
         const int row0 = tm * TMA_BM + cw * 64 + warp * 16 + (lane >> 2);
         const int col0 = tn * BN + 2 * (lane & 3);
-        if (splits > 1) {
+        if (!STATS && splits > 1) {
             float* out = ws + (size_t)ks * M * N;
 #pragma unroll
             for (int j = 0; j < BN / 8; ++j) {
@@ -485,11 +571,15 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
 
 // One TMA kernel: (map A, map B, map C, C, split-K workspace, bias, shape), MODE one of ig::TMA_GEMM /
 // TMA_CONV_*, AK / BKM whether A / B are K-major, BN the tile width. Used by gemm/ and conv/05_tma_wgmma.cu.
-#define IG_TMA_KERNEL(NAME, T, MODE, AK, BKM, BN)                                                                \
+#define IG_TMA_KERNEL(NAME, T, MODE, AK, BKM, BN) IG_TMA_KERNEL_S(NAME, T, MODE, AK, BKM, BN, false)
+// The same with the BatchNorm statistics of the output in the epilogue (ig::tma_epilogue_stats): the workspace
+// argument is the partials buffer, and there is no split-K.
+#define IG_TMA_KERNEL_STATS(NAME, T, MODE, AK, BKM, BN) IG_TMA_KERNEL_S(NAME, T, MODE, AK, BKM, BN, true)
+#define IG_TMA_KERNEL_S(NAME, T, MODE, AK, BKM, BN, STATS)                                                       \
     extern "C" __global__ void __launch_bounds__(ig::TMA_THREADS, 1)                                            \
         NAME(const __grid_constant__ ig::TmaDesc ta, const __grid_constant__ ig::TmaDesc tb,                    \
              const __grid_constant__ ig::TmaDesc tc, T* __restrict__ c, float* __restrict__ ws,                  \
              const T* __restrict__ bias, ig::Shape sh) {                                                        \
         extern __shared__ __align__(1024) unsigned char ig_smem[];                                               \
-        ig::tma_gemm_body<T, MODE, AK, BKM, BN>(&ta, &tb, &tc, c, ws, bias, sh, ig_smem);                        \
+        ig::tma_gemm_body<T, MODE, AK, BKM, BN, STATS>(&ta, &tb, &tc, c, ws, bias, sh, ig_smem);                 \
     }

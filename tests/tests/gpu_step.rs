@@ -489,3 +489,105 @@ fn graph_replay_matches_eager_steps() -> Result<()> {
     }
     Ok(())
 }
+
+/// `kernels.bn_stats = "conv"`: the BatchNorm moments computed in the epilogue of the TMA convolutions and 1x1
+/// GEMMs (`conv_fwd_stats_*`, `gemm_nt_stats_*`) and combined by `batch_stats_from_partials`, against the
+/// separate pass (`batch_stats`) over the same output, on every TMA tile, in bf16 and fp16, outputs and partials
+/// poisoned with NaN first: the convolution's output must be bit-identical to the plain kernel's, the statistics
+/// and the running statistics within FP32 summation-order error. Shapes: a 1x1 (GEMM), a 3x3, a strided 3x3, a
+/// strided 1x1 downsample, channel counts of 64 / 256 / 1024 (below, at and above a tile's width) and row counts
+/// that do not fill the last 128-row tile. Then the explicit step of ResNet-50 with the epilogue statistics
+/// against the pass: loss and every gradient.
+#[test]
+fn epilogue_stats_match_the_pass() -> Result<()> {
+    use kernels::ops::batchnorm::{batch_stats, batch_stats_from_partials, Running};
+    use kernels::variants::{X128, X256, X64};
+    use kernels::Tuning;
+    let gpu = cuda()?;
+    let _poison = kernels::cuda::poison_outputs();
+    // (n, hw, c, ko, k, stride, pad)
+    let shapes = [
+        (3, 14, 256, 1024, 1, 1, 0),
+        (2, 28, 64, 64, 3, 1, 1),
+        (3, 15, 128, 128, 3, 2, 1),
+        (2, 14, 256, 512, 1, 2, 0),
+        (5, 7, 512, 2048, 1, 1, 0),
+    ];
+    let mut worst = 0f64;
+    for dt in [DType::BF16, DType::F16] {
+        for tile in [X256, X128, X64] {
+            let policy =
+                KernelPolicy { bn_stats_in_conv: true, ..KernelPolicy::custom().with_tuning(Tuning::Forced(tile)) };
+            for &(n, hw, c, ko, k, stride, pad) in &shapes {
+                let tag = format!("{dt:?} {} n{n} {hw}x{hw}x{c} -> {ko} k{k} s{stride}", tile.name);
+                // Inputs of mean 1: each output channel has a mean of its own, away from zero.
+                let x = (Tensor::randn(0f32, 1.0, (n, hw, hw, c), &gpu)? + 1.0)?.to_dtype(dt)?;
+                let w = (Tensor::randn(0f32, 1.0, (ko, k, k, c), &gpu)? * (1.0 / ((c * k * k) as f64).sqrt()))?;
+                let w = w.to_dtype(dt)?;
+                let (y, part) = kernels::conv2d_nhwc_forward_stats(&x, &w, stride, pad, &policy)?;
+                let part = part.with_context(|| format!("{tag}: no epilogue statistics"))?;
+                let plain = kernels::conv2d_nhwc_forward(&x, &w, stride, pad, &policy)?;
+                let diff = (y.to_dtype(DType::F32)? - plain.to_dtype(DType::F32)?)?.abs()?.flatten_all()?.max(0)?;
+                ensure!(
+                    diff.to_scalar::<f32>()? == 0.0,
+                    "{tag}: the stats kernel's output differs from the plain kernel's"
+                );
+                let rows = y.elem_count() / ko;
+                let running = |d: &Device| -> Result<(candle_core::Var, candle_core::Var, candle_core::Var)> {
+                    Ok((
+                        candle_core::Var::from_tensor(&Tensor::zeros(ko, DType::F32, d)?)?,
+                        candle_core::Var::from_tensor(&Tensor::ones(ko, DType::F32, d)?)?,
+                        candle_core::Var::from_tensor(&Tensor::new(0i64, d)?)?,
+                    ))
+                };
+                let (m1, v1, t1) = running(&gpu)?;
+                let (m2, v2, t2) = running(&gpu)?;
+                let r1 = Running { mean: &m1, var: &v1, num_batches_tracked: &t1, momentum: 0.1 };
+                let r2 = Running { mean: &m2, var: &v2, num_batches_tracked: &t2, momentum: 0.1 };
+                let got = batch_stats_from_partials(&part, rows, ko, 1e-5, &r1)?;
+                let want = batch_stats(&plain, 1e-5, &r2)?;
+                let e = rel_err(&got, &want)?;
+                ensure!(e <= 1e-5, "{tag}: statistics rel err {e:.2e}");
+                for (name, a, b) in [("running_mean", &m1, &m2), ("running_var", &v1, &v2)] {
+                    let e = rel_err(a.as_tensor(), b.as_tensor())?;
+                    ensure!(e <= 1e-5, "{tag}: {name} rel err {e:.2e}");
+                }
+                ensure!(t1.as_tensor().to_scalar::<i64>()? == 1, "{tag}: num_batches_tracked not counted");
+                worst = worst.max(e);
+            }
+        }
+    }
+    println!("epilogue statistics vs the pass: worst rel err {worst:.1e} (statistics and running statistics)");
+
+    // The whole explicit step, ResNet-50 at 64 px, bf16: the epilogue statistics against the pass.
+    let step = |conv: bool| -> Result<(f32, Vec<(String, Tensor)>)> {
+        let mut m = model(Arch::ResNet50, Stem::ImageNet, &gpu)?;
+        m.config.kernels.bn_stats_in_conv = conv;
+        let x = Tensor::randn(0f32, 1.0, (8, 3, 64, 64), &Device::Cpu)?.to_device(&gpu)?;
+        let labels = Tensor::new((0..8u32).collect::<Vec<_>>().as_slice(), &gpu)?;
+        let o = m.train_step_explicit_with(&x, &labels, resnet::step::StepArgs::new(0.1, 1.0, Precision::Bf16))?;
+        let grads = m
+            .store()
+            .trainable()
+            .into_iter()
+            .map(|(n, v)| Ok((n.clone(), o.grads.get(&v.as_tensor().id()).with_context(|| n)?.clone())))
+            .collect::<Result<Vec<_>>>()?;
+        Ok((o.loss.to_scalar::<f32>()?, grads))
+    };
+    let (la, ga) = step(true)?;
+    let (lb, gb) = step(false)?;
+    ensure!((la - lb).abs() <= 1e-3 * lb.abs().max(1.0), "loss {la} with epilogue statistics, {lb} with the pass");
+    let mut worst = (0f64, String::new());
+    for ((name, a), (_, b)) in ga.iter().zip(&gb) {
+        let e = rel_err(a, b)?;
+        ensure!(e <= 2e-2, "{name}: gradient rel err {e:.2e} (epilogue statistics vs the pass)");
+        if e > worst.0 {
+            worst = (e, name.clone());
+        }
+    }
+    println!(
+        "ResNet-50 step, epilogue statistics vs the pass: loss {la} vs {lb}, worst gradient {} rel err {:.2e}",
+        worst.1, worst.0
+    );
+    Ok(())
+}

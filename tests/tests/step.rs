@@ -243,3 +243,43 @@ fn recomputed_activations_give_the_same_step_with_less_memory() {
         }
     }
 }
+
+/// `kernels.bn_stats = "conv"` on the CPU: there is no epilogue there (`conv2d_nhwc_forward_stats` returns no
+/// moments), so the step takes the statistics pass and gives the same loss, gradients and running statistics bit
+/// for bit. (The epilogue itself is tested on the GPU: `epilogue_stats_match_the_pass` in gpu_step.rs.)
+#[test]
+fn epilogue_statistics_fall_back_to_the_pass_on_the_cpu() {
+    let dev = Device::Cpu;
+    let x = Tensor::randn(0f32, 1., (3, 3, 32, 32), &dev).unwrap();
+    let w = Tensor::randn(0f32, 1., (8, 3, 3, 3), &dev).unwrap();
+    let policy = kernels::KernelPolicy { bn_stats_in_conv: true, ..kernels::KernelPolicy::custom() };
+    let xn = x.permute((0, 2, 3, 1)).unwrap().contiguous().unwrap();
+    let (y, part) = kernels::conv2d_nhwc_forward_stats(&xn, &w, 1, 1, &policy).unwrap();
+    assert!(part.is_none());
+    let plain = kernels::conv2d_nhwc_forward(&xn, &w, 1, 1, &policy).unwrap();
+    assert_eq!(integration_tests::flat(&y), integration_tests::flat(&plain));
+
+    let labels = Tensor::new(&[3u32, 8, 0], &dev).unwrap();
+    let run = |conv: bool| {
+        let mut m = model(Arch::ResNet18, Stem::Cifar);
+        m.config.kernels.bn_stats_in_conv = conv;
+        let out = m.train_step_explicit(&x, &labels, 0.1, 8.0, Precision::F32).unwrap();
+        let mut grads: Vec<(String, Vec<f32>)> = m
+            .store()
+            .trainable()
+            .into_iter()
+            .map(|(n, v)| (n, integration_tests::flat(&out.grads[&v.as_tensor().id()])))
+            .collect();
+        for (n, e) in m.store().entries() {
+            if n.contains("running") {
+                grads.push((n, integration_tests::flat(e.param.var().as_tensor())));
+            }
+        }
+        (out.loss.to_scalar::<f32>().unwrap(), grads)
+    };
+    let (a, b) = (run(true), run(false));
+    assert_eq!(a.0, b.0);
+    for ((n, ga), (_, gb)) in a.1.iter().zip(&b.1) {
+        assert_eq!(ga, gb, "{n}");
+    }
+}

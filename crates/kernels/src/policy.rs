@@ -126,6 +126,9 @@ pub struct KernelPolicy {
     /// Testing aid: channels-last training-mode BatchNorm runs the fused op on the CPU too (its reference
     /// implementation) instead of composing candle ops.
     pub fused_batchnorm_on_cpu: bool,
+    /// The explicit training step takes a BatchNorm's moments from the epilogue of the convolution before it
+    /// when that runs on a TMA tile (CUDA, sm_90a), instead of a pass over the convolution's output.
+    pub bn_stats_in_conv: bool,
 }
 
 impl Default for KernelPolicy {
@@ -137,6 +140,7 @@ impl Default for KernelPolicy {
             tuning: Tuning::Heuristic,
             im2col_budget: IM2COL_BUDGET,
             fused_batchnorm_on_cpu: false,
+            bn_stats_in_conv: false,
         }
     }
 }
@@ -164,7 +168,8 @@ impl KernelPolicy {
                 None => "tiles autotuned (in memory)".to_string(),
             },
         };
-        format!("conv {}, matmul {}, {tiles}", self.conv.name(), self.matmul.name())
+        let stats = if self.bn_stats_in_conv { ", BatchNorm moments in the conv epilogues" } else { "" };
+        format!("conv {}, matmul {}, {tiles}{stats}", self.conv.name(), self.matmul.name())
     }
 }
 

@@ -17,7 +17,8 @@
 //!
 //! Kernels: the ops of the `kernels` crate (our convolutions, BatchNorm, pooling and fused residual kernels on
 //! CUDA in bf16/fp16, their CPU references elsewhere). Per step, every conv weight is cast to the activation
-//! dtype and (k, r, r, c) layout at the start (one launch on CUDA, [`kernels::ops::weights`]); the grad-weights
+//! dtype and (k, r, r, c) layout at the start (one launch on CUDA, [`kernels::ops::weights`]); with
+//! `kernels.bn_stats = "conv"` the BatchNorm moments come from the convolutions' epilogues; the grad-weights
 //! are converted back to FP32 (k, c, r, r) per gradient bucket (one launch per bucket; a single bucket at the end
 //! of the step unless data-parallel training asks for buckets, [`StepArgs::buckets`]); the BatchNorm statistics
 //! update the running statistics inside their finaliser. Buffers are still allocated per op by candle's caching allocator and the step is not
@@ -324,6 +325,24 @@ impl<'a> Engine<'a> {
         kernels::conv2d_nhwc_forward(x, &cw.w, cw.conv.stride, cw.conv.padding, self.policy)
     }
 
+    /// A conv whose output BatchNorm `bn` normalises next, with that BatchNorm's statistics ([`Self::stats`]).
+    /// With `policy.bn_stats_in_conv` (`kernels.bn_stats = "conv"`) the moments come from the conv's epilogue
+    /// when it ran on a TMA tile, and one small launch turns them into the statistics and the running update, so
+    /// no pass reads the output again for them; frozen or synchronised statistics, and convs on other kernels,
+    /// take the pass.
+    fn conv_stats(&self, x: &Tensor, cw: &ConvW, bn: &BatchNorm2d) -> Result<BnSaved> {
+        if !self.policy.bn_stats_in_conv || frozen(bn) || self.sync.is_some() {
+            let z = self.conv(x, cw)?;
+            return self.stats(&z, bn);
+        }
+        let (z, part) = kernels::conv2d_nhwc_forward_stats(x, &cw.w, cw.conv.stride, cw.conv.padding, self.policy)?;
+        let Some(part) = part else { return self.stats(&z, bn) };
+        let c = z.dim(z.rank() - 1)?;
+        let rows = z.elem_count() / c.max(1);
+        let stats = kernels::ops::batchnorm::batch_stats_from_partials(&part, rows, c, bn.eps, &bn.running())?;
+        Ok(BnSaved { z: Some(z), stats, global_rows: None })
+    }
+
     /// Records the gradient of a parameter unless it is frozen.
     fn put(&mut self, p: &crate::Param, g: impl FnOnce() -> Result<Tensor>) -> Result<()> {
         if !p.is_frozen() {
@@ -406,9 +425,8 @@ impl<'a> Engine<'a> {
         let mut inp = x.clone();
         for (i, (conv, bn)) in b.convs.iter().zip(&b.bns).enumerate() {
             let cw = self.weight(conv)?;
-            let z = self.conv(&inp, &cw)?;
+            let saved = self.conv_stats(&inp, &cw, bn)?;
             weights.push(cw.w);
-            let saved = self.stats(&z, bn)?;
             if i != last {
                 inp = self.bn_apply(&saved, bn, true)?;
                 if self.recompute == Recompute::None {
@@ -421,8 +439,7 @@ impl<'a> Engine<'a> {
         let (out, mut down, down_weight) = match &b.downsample {
             Some(d) => {
                 let cw = self.weight(&d.conv)?;
-                let zd = self.conv(&x, &cw)?;
-                let saved = self.stats(&zd, &d.bn)?;
+                let saved = self.conv_stats(&x, &cw, &d.bn)?;
                 let res = Self::bn_params(&d.bn, &saved.stats);
                 (kernels::bn_add_relu(bns[last].z()?, saved.z()?, &main, Some(&res))?, Some(saved), Some(cw.w))
             }
@@ -687,9 +704,7 @@ impl ResNet {
 
         // ----- forward
         let stem_w = e.weight(&m.conv1)?;
-        let z0 = e.conv(&input, &stem_w)?;
-        let stem = e.stats(&z0, &m.bn1)?;
-        drop(z0);
+        let stem = e.conv_stats(&input, &stem_w, &m.bn1)?;
         let mut a0 = Some(e.bn_apply(&stem, &m.bn1, true)?);
         let pool = MaxPool2d { kernel: 3, stride: 2, padding: 1 };
         let mut h = match (m.config.stem, &a0) {

@@ -427,6 +427,11 @@ pub struct KernelsSection {
     /// batch shape runs eagerly (it tunes the kernels), the second is captured as one graph, and every later step
     /// of that shape replays it: one launch per step. Other shapes (an epoch's last, smaller batch) run eagerly.
     pub graph: GraphChoice,
+    /// Where the fused step's BatchNorm moments come from: "pass" (one vectorised pass over each conv output)
+    /// or "conv" (the epilogue of the convolution before it, on the TMA tiles of an sm_90a GPU: no pass reads the
+    /// output again; one small launch combines the moments, as the pass's finaliser does). Not yet the default:
+    /// "conv" has not run on a GPU (the owed GPU test `epilogue_stats_match_the_pass`)
+    pub bn_stats: BnStatsChoice,
 }
 
 impl Default for KernelsSection {
@@ -439,8 +444,17 @@ impl Default for KernelsSection {
             step: StepChoice::Auto,
             recompute: RecomputeChoice::None,
             graph: GraphChoice::Auto,
+            bn_stats: BnStatsChoice::Pass,
         }
     }
+}
+
+/// `kernels.bn_stats`: where the fused step's BatchNorm moments come from.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum BnStatsChoice {
+    Pass,
+    Conv,
 }
 
 /// `kernels.graph`: whether the fused step is captured as a CUDA graph and replayed.
@@ -584,6 +598,7 @@ impl KernelsSection {
             conv: self.conv.resolve(cuda, act),
             matmul: self.matmul.resolve(cuda, act),
             tuning,
+            bn_stats_in_conv: self.bn_stats == BnStatsChoice::Conv,
             ..Default::default()
         })
     }
@@ -906,6 +921,7 @@ mod tests {
             ("kernels.conv", "auto, fwdconv, candle, custom"),
             ("kernels.matmul", "auto, cublas, custom"),
             ("kernels.graph", "auto, on, off"),
+            ("kernels.bn_stats", "pass, conv"),
         ] {
             let e = super::Config::from_str_with("", "x.toml", &[format!("{key}=\"nope\"")]).unwrap_err();
             let e = format!("{e:#}");

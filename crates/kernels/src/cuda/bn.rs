@@ -273,6 +273,42 @@ pub fn stats(
     }
 }
 
+/// Statistics (3, c) = [mean, biased var, invstd] of a (rows, c) convolution output from the moments its
+/// epilogue wrote (`ig::tma_epilogue_stats`: partials of [`super::tma::stats_partials_len`]`(rows, c)` floats,
+/// [`super::tma::STATS_ROWS`] rows per chunk), combined by bn_nhwc_moments_final (with the running update when
+/// `running` is given): one launch instead of the moments pass over the output and the finaliser.
+pub fn stats_from_partials(
+    s: &CudaStorage,
+    l: &Layout,
+    rows: usize,
+    c: usize,
+    eps: f64,
+    running: Option<RunningAddrs>,
+) -> Result<CudaStorage> {
+    const OP: &str = "batch_norm_nhwc_stats_from_partials";
+    let dev = &s.device;
+    let len = super::tma::stats_partials_len(rows, c);
+    let part = view::<f32>((s, l), len, dev, OP, "partials")?;
+    let chunks = rows.div_ceil(super::tma::STATS_ROWS);
+    let stats = alloc_out::<f32>(dev, 3 * c)?;
+    let (rm, rv, nb, momentum) = match running {
+        Some(r) => (r.mean, r.var, r.num_batches_tracked, r.momentum),
+        None => (0, 0, 0, 0.0),
+    };
+    let (chunks32, c32) = (super::i32_of(chunks, OP, "chunks")?, super::i32_of(c, OP, "c")?);
+    let (rows64, rpc, eps) = (rows as i64, super::tma::STATS_ROWS as i64, eps as f32);
+    let f = dev.get_or_load_custom_func("bn_nhwc_moments_final", MODULE_V8, ptx::BATCHNORM_02_NHWC_VEC)?;
+    let mut b = f.builder();
+    b.arg(&part).arg(&stats).arg(&chunks32).arg(&c32).arg(&rows64).arg(&rpc).arg(&eps);
+    b.arg(&rm).arg(&rv).arg(&nb).arg(&momentum);
+    let cfg = LaunchConfig { grid_dim: (c.div_ceil(8) as u32, 1, 1), block_dim: (8, 128, 1), shared_mem_bytes: 0 };
+    // SAFETY: matches bn_nhwc_moments_final (part, stats, chunks, c, rows, rpc, eps, running_mean, running_var,
+    // num_batches_tracked, momentum); part holds (2 chunks + 1) c floats (checked), stats 3 c; the running
+    // addresses are null or c / c / 1 elements; one block per 8 channels (the kernel skips channels >= c).
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(stats, dev.clone()))
+}
+
 // ----- forward normalisation -----------------------------------------------------------------------------------
 
 fn apply_t<T: CudaDType + DeviceRepr + WithDType + 'static>(

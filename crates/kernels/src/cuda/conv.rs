@@ -73,7 +73,8 @@ fn tma_fallback(tile: Tile) -> Tile {
 /// One pass of `g` on a TMA tile through im2col tensor maps (kernels/conv/05_tma_wgmma.cu): `a` / `b` are the
 /// pass's operands as [`conv_storage`] takes them (Fwd: x, w; Dgrad: dy, w; Wgrad: dy, x), `out` the result. The
 /// strided grad-input runs one launch per phase class of `classes` that has taps (`out` is zeroed beforehand
-/// when some class has none); `transposed` grad-weight writes dw^T (see [`wgrad_transposed`]).
+/// when some class has none); `transposed` grad-weight writes dw^T (see [`wgrad_transposed`]); `stats` (forward
+/// only): the BatchNorm moments of `out` go to the partials at that address (conv_fwd_stats_*).
 #[allow(clippy::too_many_arguments)]
 fn tma_conv<T: CudaDType + DeviceRepr + WithDType>(
     dev: &CudaDevice,
@@ -85,6 +86,7 @@ fn tma_conv<T: CudaDType + DeviceRepr + WithDType>(
     a: &CudaView<T>,
     b: &CudaView<T>,
     out: &CudaView<T>,
+    stats: Option<u64>,
     op: &str,
 ) -> Result<()> {
     let sfx = suffix(T::DTYPE, op)?;
@@ -101,7 +103,8 @@ fn tma_conv<T: CudaDType + DeviceRepr + WithDType>(
         ConvPass::Fwd => {
             let ma = tma_im2col_map(pa, dt, x_dims, lo, up, g.stride, 128, op)?;
             let mb = tma_map(pb, dt, rsc, g.ko, tile.bn as u32, op)?;
-            tma_run(dev, tile, &func("fwd")?, (&ma, &mb), (g.n * p * q, g.ko, rsc), base, out, None, true, op)?;
+            let name = if stats.is_some() { "fwd_stats" } else { "fwd" };
+            tma_run(dev, tile, &func(name)?, (&ma, &mb), (g.n * p * q, g.ko, rsc), base, out, None, true, stats, op)?;
         }
         // dx[nhw][c] = im2col(dy, padding r - 1 - pad)[nhw][(r', s', k)] . w[k][flipped (r', s')][c]
         ConvPass::Dgrad if g.stride == 1 => {
@@ -109,7 +112,7 @@ fn tma_conv<T: CudaDType + DeviceRepr + WithDType>(
             let ma = tma_im2col_map(pa, dt, (g.n, p, q, g.ko), lo, up, 1, 128, op)?;
             let mb = tma_map(pb, dt, rsc, g.ko, 64, op)?;
             let mnk = (g.n * g.h * g.w, g.c, g.r * g.r * g.ko);
-            tma_run(dev, tile, &func("dgrad")?, (&ma, &mb), mnk, base, out, None, true, op)?;
+            tma_run(dev, tile, &func("dgrad")?, (&ma, &mb), mnk, base, out, None, true, None, op)?;
         }
         // Per phase class: dx[(n, hh, ww)][c] = im2col(dy, class corners)[..][(i', j', k)] . w[k][class tap][c],
         // stored to dx pixel (n, hh * stride + ph, ww * stride + pw).
@@ -127,20 +130,32 @@ fn tma_conv<T: CudaDType + DeviceRepr + WithDType>(
                 let (lw, uw) = corner(sh.pw, sh.s0, ts, sh.mw, q);
                 let ma = tma_im2col_map(pa, dt, (g.n, p, q, g.ko), (lh, lw), (uh, uw), 1, 128, op)?;
                 let mnk = (*m, g.c, tr * ts * g.ko);
-                tma_run(dev, tile, &f, (&ma, &mb), mnk, *sh, out, None, false, op)?;
+                tma_run(dev, tile, &f, (&ma, &mb), mnk, *sh, out, None, false, None, op)?;
             }
         }
         // Transposed (Ko <= 64, see wgrad_transposed): dw^T[(r, s, c)][ko] = im2col(x)^T[..][npq] . dy[npq][ko]
         ConvPass::Wgrad if transposed => {
             let ma = tma_im2col_map(pb, dt, x_dims, lo, up, g.stride, 64, op)?;
             let mb = tma_map(pa, dt, g.ko, g.n * p * q, 64, op)?;
-            tma_run(dev, tile, &func("wgradt")?, (&ma, &mb), (rsc, g.ko, g.n * p * q), base, out, None, true, op)?;
+            tma_run(
+                dev,
+                tile,
+                &func("wgradt")?,
+                (&ma, &mb),
+                (rsc, g.ko, g.n * p * q),
+                base,
+                out,
+                None,
+                true,
+                None,
+                op,
+            )?;
         }
         // dw[ko][(r, s, c)] = dy[npq][ko]^T . im2col(x)[npq][(r, s, c)]
         ConvPass::Wgrad => {
             let ma = tma_map(pa, dt, g.ko, g.n * p * q, 64, op)?;
             let mb = tma_im2col_map(pb, dt, x_dims, lo, up, g.stride, 64, op)?;
-            tma_run(dev, tile, &func("wgrad")?, (&ma, &mb), (g.ko, rsc, g.n * p * q), base, out, None, true, op)?;
+            tma_run(dev, tile, &func("wgrad")?, (&ma, &mb), (g.ko, rsc, g.n * p * q), base, out, None, true, None, op)?;
         }
     }
     drop((ga, gb));
@@ -169,6 +184,18 @@ pub struct ConvLaunch<'a> {
     pub tuning: &'a Tuning,
     /// Byte budget of the few-channel im2col buffer.
     pub im2col_budget: usize,
+    /// Forward only: where the BatchNorm moments of the output go when the pass runs on a TMA tile
+    /// (`ig::tma_epilogue_stats`), and the flag set when they were written.
+    pub stats: Option<StatsOut<'a>>,
+}
+
+/// The epilogue statistics of a forward pass: the device address of an FP32 buffer of
+/// [`super::tma::stats_partials_len`]`(n p q, ko)` floats, and `wrote`, set when the launch that ran wrote it (a
+/// TMA tile: the others, and the few-channel im2col path, leave the statistics to a separate pass).
+#[derive(Debug, Clone, Copy)]
+pub struct StatsOut<'a> {
+    pub part: u64,
+    pub wrote: &'a std::sync::atomic::AtomicBool,
 }
 
 impl ConvLaunch<'_> {
@@ -261,13 +288,32 @@ impl<T: CudaDType + DeviceRepr + WithDType + ValidAsZeroBits + 'static> Pass<'_,
         };
         let y = alloc_out::<T>(dev, m * n)?;
         let stream = dev.cuda_stream();
+        let stats = self.cl.stats;
+        let part = stats.map(|s| s.part);
         let mut run = |tile: Tile| -> Result<()> {
             if tile.is_tma() && self.tma_ok {
+                if let Some(s) = stats {
+                    s.wrote.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
                 if g.is_plain() {
                     // 1x1, stride 1: y[npq][ko] = x[npq][c] w[ko][c]^T
-                    return tma_gemm(dev, tile, GemmLayout::Nt, (m, n, k), &self.v1, &self.v2, &y.as_view(), None, op);
+                    return tma_gemm(
+                        dev,
+                        tile,
+                        GemmLayout::Nt,
+                        (m, n, k),
+                        &self.v1,
+                        &self.v2,
+                        &y.as_view(),
+                        None,
+                        part,
+                        op,
+                    );
                 }
-                return tma_conv(dev, tile, ConvPass::Fwd, g, &[], false, &self.v1, &self.v2, &y.as_view(), op);
+                return tma_conv(dev, tile, ConvPass::Fwd, g, &[], false, &self.v1, &self.v2, &y.as_view(), part, op);
+            }
+            if let Some(s) = stats {
+                s.wrote.store(false, std::sync::atomic::Ordering::Relaxed);
             }
             let tile = tma_fallback(tile);
             let name = format!("conv_fwd_{}_{}_{}", tile.name, if vec { "vec" } else { "scalar" }, self.sfx);
@@ -339,9 +385,21 @@ impl<T: CudaDType + DeviceRepr + WithDType + ValidAsZeroBits + 'static> Pass<'_,
                 if g.is_plain() {
                     // 1x1, stride 1: dx[nhw][c] = dy[nhw][ko] w[ko][c]
                     let mnk = (g.n * g.h * g.w, g.c, g.ko);
-                    return tma_gemm(dev, tile, GemmLayout::Nn, mnk, &self.v1, &self.v2, &dx.as_view(), None, op);
+                    return tma_gemm(dev, tile, GemmLayout::Nn, mnk, &self.v1, &self.v2, &dx.as_view(), None, None, op);
                 }
-                return tma_conv(dev, tile, ConvPass::Dgrad, g, &classes, false, &self.v1, &self.v2, &dx.as_view(), op);
+                return tma_conv(
+                    dev,
+                    tile,
+                    ConvPass::Dgrad,
+                    g,
+                    &classes,
+                    false,
+                    &self.v1,
+                    &self.v2,
+                    &dx.as_view(),
+                    None,
+                    op,
+                );
             }
             let tile = tma_fallback(tile);
             let name = format!("conv_dgrad_{}_vec_{}", tile.name, self.sfx);
@@ -369,9 +427,20 @@ impl<T: CudaDType + DeviceRepr + WithDType + ValidAsZeroBits + 'static> Pass<'_,
             let tile = if tile.is_tma() { tile } else { X64 };
             if g.is_plain() {
                 // 1x1, stride 1: dw^T[c][ko] = x[npq][c]^T dy[npq][ko]
-                return tma_gemm(dev, tile, GemmLayout::Tn, (m, n, k), &self.v2, &self.v1, &dwt.as_view(), None, op);
+                return tma_gemm(
+                    dev,
+                    tile,
+                    GemmLayout::Tn,
+                    (m, n, k),
+                    &self.v2,
+                    &self.v1,
+                    &dwt.as_view(),
+                    None,
+                    None,
+                    op,
+                );
             }
-            tma_conv(dev, tile, ConvPass::Wgrad, g, &[], true, &self.v1, &self.v2, &dwt.as_view(), op)
+            tma_conv(dev, tile, ConvPass::Wgrad, g, &[], true, &self.v1, &self.v2, &dwt.as_view(), None, op)
         };
         let tile = self.pick(true, &self.tma_tiles(), X64, &mut run)?;
         run(tile)?;
@@ -388,9 +457,32 @@ impl<T: CudaDType + DeviceRepr + WithDType + ValidAsZeroBits + 'static> Pass<'_,
             if tile.is_tma() && self.tma_ok {
                 if g.is_plain() {
                     // 1x1, stride 1: dw[ko][c] = dy[npq][ko]^T x[npq][c]
-                    return tma_gemm(dev, tile, GemmLayout::Tn, (m, n, k), &self.v1, &self.v2, &dw.as_view(), None, op);
+                    return tma_gemm(
+                        dev,
+                        tile,
+                        GemmLayout::Tn,
+                        (m, n, k),
+                        &self.v1,
+                        &self.v2,
+                        &dw.as_view(),
+                        None,
+                        None,
+                        op,
+                    );
                 }
-                return tma_conv(dev, tile, ConvPass::Wgrad, g, &[], false, &self.v1, &self.v2, &dw.as_view(), op);
+                return tma_conv(
+                    dev,
+                    tile,
+                    ConvPass::Wgrad,
+                    g,
+                    &[],
+                    false,
+                    &self.v1,
+                    &self.v2,
+                    &dw.as_view(),
+                    None,
+                    op,
+                );
             }
             let tile = tma_fallback(tile);
             let (k_split, splits) = split_k(tile, m, n, k, self.sms);

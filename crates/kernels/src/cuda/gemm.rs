@@ -58,7 +58,7 @@ pub fn gemm<T: CudaDType + DeviceRepr + WithDType + 'static>(
     let stream = dev.cuda_stream();
     let mut run = |tile: Tile| -> Result<()> {
         if tile.is_tma() {
-            return tma_gemm(dev, tile, layout, (m, n, k), va, vb, &c.as_view(), bias, op);
+            return tma_gemm(dev, tile, layout, (m, n, k), va, vb, &c.as_view(), bias, None, op);
         }
         // Split-K only on the 64x64 tile, when even its blocks cannot fill the GPU.
         let (k_split, splits) = if tile == T64 && m.div_ceil(64) * n.div_ceil(64) < sms {

@@ -117,12 +117,12 @@ pub fn im2col_conv<T: CudaDType + DeviceRepr + WithDType>(
         match &second {
             Second::Weights(wp) => {
                 let yv = out.slice(m0 * g.ko..(m0 + rows) * g.ko);
-                tma_gemm(dev, tile, GemmLayout::Nt, (rows, g.ko, kp), &cv, &wp.as_view(), &yv, None, op)?;
+                tma_gemm(dev, tile, GemmLayout::Nt, (rows, g.ko, kp), &cv, &wp.as_view(), &yv, None, None, op)?;
             }
             Second::Parts(parts) => {
                 let dyv = a.slice(m0 * g.ko..(m0 + rows) * g.ko);
                 let pv = parts.slice(z * g.ko * kp..(z + 1) * g.ko * kp);
-                tma_gemm(dev, tile, GemmLayout::Tn, (g.ko, kp, rows), &dyv, &cv, &pv, None, op)?;
+                tma_gemm(dev, tile, GemmLayout::Tn, (g.ko, kp, rows), &dyv, &cv, &pv, None, None, op)?;
             }
         }
     }

@@ -78,6 +78,35 @@ pub(crate) fn alloc_out<T: DeviceRepr + WithDType + 'static>(dev: &CudaDevice, l
     Ok(out)
 }
 
+/// An FP32 tensor of `len` elements on the CUDA device of `like`, not initialised (NaN under
+/// [`poison_outputs`]): a buffer a kernel fills in full (the epilogue statistics' partials).
+pub fn empty_f32(like: &candle_core::Tensor, len: usize) -> Result<candle_core::Tensor> {
+    like.apply_op1_no_bwd(&EmptyF32(len))
+}
+
+struct EmptyF32(usize);
+
+impl candle_core::CustomOp1 for EmptyF32 {
+    fn name(&self) -> &'static str {
+        "empty_f32"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        candle_core::bail!("empty_f32: CUDA only")
+    }
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        let out = alloc_out::<f32>(&s.device, self.0)?;
+        Ok((candle_core::CudaStorage::wrap_cuda_slice(out, s.device.clone()), candle_core::Shape::from(self.0)))
+    }
+}
+
 /// Address of the first element of a contiguous CUDA tensor of dtype `T` (`len` elements), for in-place writes.
 /// The multi-tensor tables and in-place updates (running statistics, NCCL) pass such addresses to kernels.
 pub fn addr_of<T: candle_core::cuda_backend::CudaDType + DeviceRepr + WithDType>(

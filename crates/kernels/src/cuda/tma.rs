@@ -137,10 +137,20 @@ fn tma_split(tile: Tile, m: usize, n: usize, k: usize, sms: usize) -> (usize, us
     (k_split, k.div_ceil(k_split).max(1))
 }
 
+/// Elements of the BatchNorm moments that a STATS kernel (`*_stats_*`, `ig::tma_epilogue_stats`) writes for an
+/// m x n output: (2 ceil(m / 128) + 1) x n FP32, bn_nhwc_moments_v8's partial layout with 128 rows per chunk.
+pub fn stats_partials_len(m: usize, n: usize) -> usize {
+    (2 * m.div_ceil(STATS_ROWS) + 1) * n
+}
+
+/// Rows per chunk of the epilogue statistics (the TMA row tile).
+pub const STATS_ROWS: usize = 128;
+
 /// One launch of a TMA kernel `f` (tile x256, x128 or x64) over the m x n x k problem described by the tensor maps:
 /// the persistent grid, split-K through an FP32 workspace and gemm_splitk_reduce (which then adds the bias).
 /// `base` carries the convolution geometry (zero for matmuls); c is m x n row-major when `plain_c` (else the
-/// kernel places the rows itself, without split-K).
+/// kernel places the rows itself, without split-K). `stats`: `f` is a STATS kernel and this is the device address
+/// of its partials ([`stats_partials_len`] floats): no split-K, the address goes in the workspace argument.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
     dev: &CudaDevice,
@@ -152,13 +162,17 @@ pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
     c: &CudaView<T>,
     bias: Option<&CudaView<T>>,
     plain_c: bool,
+    stats: Option<u64>,
     op: &str,
 ) -> Result<()> {
     let sms = sm_count(dev)?;
     // Split-K and the TMA store need C to be the plain row-major m x n matrix (not the strided grad-input's
-    // scattered rows).
-    let (k_split, splits) =
-        if plain_c { tma_split(tile, m, n, k, sms) } else { (k.div_ceil(tile.bk).max(1) * tile.bk, 1) };
+    // scattered rows); the statistics need whole sums in one unit.
+    let (k_split, splits) = if plain_c && stats.is_none() {
+        tma_split(tile, m, n, k, sms)
+    } else {
+        (k.div_ceil(tile.bk).max(1) * tile.bk, 1)
+    };
     let split = splits > 1;
     if split {
         i32_of(splits * m * n, op, "split-K workspace")?;
@@ -187,7 +201,11 @@ pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
     };
     let ws = splitk_workspace(dev, split.then_some(splits * m * n))?;
     let mut bld = stream.launch_builder(f);
-    bld.arg(ma).arg(mb).arg(&mc).arg(c).arg(&*ws);
+    bld.arg(ma).arg(mb).arg(&mc).arg(c);
+    match &stats {
+        Some(part) => bld.arg(part),
+        None => bld.arg(&*ws),
+    };
     match bias {
         Some(v) => bld.arg(v),
         None => bld.arg(c), // never read: has_bias = 0
@@ -195,7 +213,7 @@ pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
     bld.arg(&sh);
     // SAFETY: (map A, map B, map C, c, ws, bias, shape) as the x256 / x128 / x64 kernels take them; the maps cover exactly
     // the operands of the m x n x k problem and c (read by the kernel only when tma_c), c holds m*n elements, ws
-    // splits*m*n when split.
+    // splits*m*n when split, or (stats) the caller's stats_partials_len(m, n) floats for a STATS kernel.
     unsafe { bld.launch(cfg) }.w()?;
     if split {
         splitk_reduce(dev, &ws, c, bias, (m, n, splits), op)?;
@@ -205,6 +223,8 @@ pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
 
 /// C (m x n) = A B in `layout` on a TMA tile, plus `bias` (length n) when given. The operands must be contiguous
 /// and 16-byte aligned with rows of a multiple of 8 elements (the `vec` condition of the other kernels).
+/// `stats` (NT only): also the BatchNorm moments of C's columns into the partials at that address
+/// ([`stats_partials_len`]).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn tma_gemm<T: CudaDType + DeviceRepr + WithDType>(
     dev: &CudaDevice,
@@ -215,6 +235,7 @@ pub(crate) fn tma_gemm<T: CudaDType + DeviceRepr + WithDType>(
     b: &CudaView<T>,
     c: &CudaView<T>,
     bias: Option<&CudaView<T>>,
+    stats: Option<u64>,
     op: &str,
 ) -> Result<()> {
     let sfx = super::suffix(T::DTYPE, op)?;
@@ -227,8 +248,12 @@ pub(crate) fn tma_gemm<T: CudaDType + DeviceRepr + WithDType>(
         GemmLayout::Nn => (tma_map(pa, dt, k, m, 128, op)?, tma_map(pb, dt, n, k, 64, op)?, "nn"),
         GemmLayout::Tn => (tma_map(pa, dt, m, k, 64, op)?, tma_map(pb, dt, n, k, 64, op)?, "tn"),
     };
+    if stats.is_some() && (layout != GemmLayout::Nt || bias.is_some()) {
+        candle_core::bail!("{op} (cuda): epilogue statistics need an NT GEMM without bias");
+    }
+    let tag = if stats.is_some() { "nt_stats" } else { tag };
     let f = function(dev, tile.gemm_module, &format!("gemm_{tag}_{}_vec_{sfx}", tile.name), tile.smem)?;
-    tma_run(dev, tile, &f, (&ma, &mb), (m, n, k), GemmShape::default(), c, bias, true, op)?;
+    tma_run(dev, tile, &f, (&ma, &mb), (m, n, k), GemmShape::default(), c, bias, true, stats, op)?;
     drop((ga, gb));
     Ok(())
 }

@@ -265,6 +265,53 @@ pub fn batch_stats(x: &Tensor, eps: f64, running: &Running) -> Result<Tensor> {
     Ok(stats)
 }
 
+/// [`batch_stats`] of a (rows, c) convolution output from the moments its epilogue wrote
+/// ([`crate::conv2d_nhwc_forward_stats`]), with `running` updated in the same launch (CUDA only).
+pub fn batch_stats_from_partials(part: &Tensor, rows: usize, c: usize, eps: f64, running: &Running) -> Result<Tensor> {
+    if rows < 2 {
+        candle_core::bail!("BatchNorm2d in training mode needs more than one value per channel, got {rows} rows");
+    }
+    #[cfg(feature = "cuda")]
+    if part.device().is_cuda() {
+        use crate::cuda::addr_of;
+        let addrs = crate::cuda::bn::RunningAddrs {
+            mean: addr_of::<f32>(running.mean.as_tensor(), c, "running_mean")?,
+            var: addr_of::<f32>(running.var.as_tensor(), c, "running_var")?,
+            num_batches_tracked: addr_of::<i64>(running.num_batches_tracked.as_tensor(), 1, "num_batches_tracked")?,
+            momentum: running.momentum as f32,
+        };
+        return part.apply_op1_no_bwd(&BnStatsFromPartials { rows, c, eps, running: addrs });
+    }
+    let _ = (part, eps, running);
+    candle_core::bail!("batch_stats_from_partials: the epilogue statistics exist on CUDA only ({rows} x {c})")
+}
+
+/// [`batch_stats_from_partials`] as a candle op over the partials.
+#[cfg(feature = "cuda")]
+#[derive(Debug, Clone, Copy)]
+struct BnStatsFromPartials {
+    rows: usize,
+    c: usize,
+    eps: f64,
+    running: crate::cuda::bn::RunningAddrs,
+}
+
+#[cfg(feature = "cuda")]
+impl CustomOp1 for BnStatsFromPartials {
+    fn name(&self) -> &'static str {
+        "batch_norm_nhwc_stats_from_partials"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("{}: CUDA only", self.name())
+    }
+
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        let st = crate::cuda::bn::stats_from_partials(s, l, self.rows, self.c, self.eps, Some(self.running))?;
+        Ok((st, Shape::from((3, self.c))))
+    }
+}
+
 /// [`BnStats`] whose launch also updates the running statistics at `running` in place (CUDA only).
 #[cfg(feature = "cuda")]
 #[derive(Debug, Clone, Copy)]

@@ -73,6 +73,25 @@ pub fn conv2d_nhwc_forward(x: &Tensor, w: &Tensor, stride: usize, pad: usize, po
     conv2d_nhwc_reference(&x.detach(), &w.detach(), stride, pad)
 }
 
+/// [`conv2d_nhwc_forward`] and, on CUDA when the convolution runs on a TMA tile, the moments of its output for the
+/// BatchNorm that follows, computed in the convolution's epilogue instead of by a pass over the output
+/// ([`crate::ops::batchnorm::batch_stats_from_partials`] turns them into the statistics); None elsewhere (the
+/// caller computes the statistics from the output).
+pub fn conv2d_nhwc_forward_stats(
+    x: &Tensor,
+    w: &Tensor,
+    stride: usize,
+    pad: usize,
+    policy: &KernelPolicy,
+) -> Result<(Tensor, Option<Tensor>)> {
+    check_nhwc(x, w, stride, pad)?;
+    #[cfg(feature = "cuda")]
+    if kernels_apply(x) {
+        return cuda_ops::conv_nhwc_fwd_stats(x, w, stride, pad, policy);
+    }
+    Ok((conv2d_nhwc_forward(x, w, stride, pad, policy)?, None))
+}
+
 /// Grad-input of [`conv2d_nhwc_forward`]: dy (n, p, q, k), w (k, r, r, c) -> dx (n, h, w, c) for an input of
 /// `in_hw`. Our kernels on CUDA in BF16/FP16; elsewhere candle's forward convolutions
 /// ([`super::conv::conv2d_grad_input`]) through permutes.
@@ -127,18 +146,20 @@ fn dgrad_reference(dy: &Tensor, w: &Tensor, g: ConvGeom) -> Result<Tensor> {
 }
 
 #[cfg(feature = "cuda")]
-pub use cuda_ops::{conv_nhwc_dgrad, conv_nhwc_fwd, conv_nhwc_wgrad};
+pub use cuda_ops::{conv_nhwc_dgrad, conv_nhwc_fwd, conv_nhwc_fwd_stats, conv_nhwc_wgrad};
 
 /// The candle ops over the CUDA launchers.
 #[cfg(feature = "cuda")]
 mod cuda_ops {
     use super::{dgrad_reference, kernels_apply};
-    use crate::cuda::conv::{conv_storage, wgrad_transposed, ConvLaunch};
+    use crate::cuda::conv::{conv_storage, wgrad_transposed, ConvLaunch, StatsOut};
     use crate::cuda::im2col::im2col_applies;
     use crate::geom::{ConvGeom, ConvPass};
     use crate::ops::aligned;
     use crate::policy::{KernelPolicy, Tuning};
     use candle_core::{CpuStorage, CudaStorage, CustomOp2, Layout, Result, Shape, Tensor};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
 
     /// One pass of a channels-last convolution as a candle op (no backward of its own; [`ConvNhwc`] has the
     /// backward of the forward pass). Fwd: (x, w) -> y. Dgrad: (dy, w) -> dx. Wgrad: (dy, x) -> dw.
@@ -150,11 +171,21 @@ mod cuda_ops {
         transposed: bool,
         tuning: Tuning,
         im2col_budget: usize,
+        /// Forward only: the address of the epilogue statistics' partials and the flag the launch sets when it
+        /// wrote them ([`crate::cuda::conv::StatsOut`]).
+        stats: Option<(u64, Arc<AtomicBool>)>,
     }
 
     impl ConvOp {
         fn new(geom: ConvGeom, pass: ConvPass, policy: &KernelPolicy) -> Self {
-            Self { geom, pass, transposed: false, tuning: policy.tuning.clone(), im2col_budget: policy.im2col_budget }
+            Self {
+                geom,
+                pass,
+                transposed: false,
+                tuning: policy.tuning.clone(),
+                im2col_budget: policy.im2col_budget,
+                stats: None,
+            }
         }
         fn launch(&self) -> ConvLaunch<'_> {
             ConvLaunch {
@@ -163,6 +194,7 @@ mod cuda_ops {
                 transposed: self.transposed,
                 tuning: &self.tuning,
                 im2col_budget: self.im2col_budget,
+                stats: self.stats.as_ref().map(|(part, wrote)| StatsOut { part: *part, wrote }),
             }
         }
     }
@@ -297,6 +329,27 @@ mod cuda_ops {
         let (x, w) = pad_channels(x, w)?;
         let geom = geom_of(&x, &w, stride, pad)?;
         aligned(&x)?.apply_op2_no_bwd(&aligned(&w)?, &ConvOp::new(geom, ConvPass::Fwd, policy))
+    }
+
+    /// [`conv_nhwc_fwd`] with the BatchNorm moments of its output computed in the epilogue, when the pass runs on a
+    /// TMA tile: (y, Some(partials)) with the partials of [`crate::cuda::tma::stats_partials_len`] floats for
+    /// [`crate::ops::batchnorm::batch_stats_from_partials`]; (y, None) on the other paths.
+    pub fn conv_nhwc_fwd_stats(
+        x: &Tensor,
+        w: &Tensor,
+        stride: usize,
+        pad: usize,
+        policy: &KernelPolicy,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let (x, w) = pad_channels(x, w)?;
+        let geom = geom_of(&x, &w, stride, pad)?;
+        let len = crate::cuda::tma::stats_partials_len(geom.n * geom.p() * geom.q(), geom.ko);
+        let part = crate::cuda::empty_f32(&x, len)?;
+        let addr = crate::cuda::addr_of::<f32>(&part, len, "epilogue statistics")?;
+        let wrote = Arc::new(AtomicBool::new(false));
+        let op = ConvOp { stats: Some((addr, wrote.clone())), ..ConvOp::new(geom, ConvPass::Fwd, policy) };
+        let y = aligned(&x)?.apply_op2_no_bwd(&aligned(&w)?, &op)?;
+        Ok((y, wrote.load(Ordering::Relaxed).then_some(part)))
     }
 
     /// Grad-input: dy (n, p, q, ko), w (ko, r, r, c) -> dx (n, h, w, c) for an input of `in_hw`.
