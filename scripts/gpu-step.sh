@@ -6,7 +6,7 @@
 #      empty skips it; with TORCH=1 instead scripts/bench-vs-torch.sh: the trainer with no --set and PyTorch eager
 #      AMP channels-last in the same call; its "graph:" line says whether the steps replayed a CUDA graph), then
 #      the fused step without its graph (kernels.graph = "off", the first dtype; EAGER_COMPARE= skips it) and with
-#      the BatchNorm moments from the conv epilogues (kernels.bn_stats = "conv"; EPI_COMPARE= skips it), then
+#      the BatchNorm moments from the conv epilogues (kernels.bn_stats = "fused"; EPI_COMPARE= skips it), then
 #      autograd in AUTOGRAD_DTYPES (default bf16; empty skips it) -- figures first, as device time is short;
 #   3. gpu-step-tests: tests/tests/gpu_step.rs (residual kernels vs CPU, fused vs autograd loss and every gradient
 #      in bf16/fp16 on ResNet-18/50/152, three fp16 StepRunner steps with a skipped one, ten steps replayed from a
@@ -79,9 +79,9 @@ main() {
         stats=pass
         [ "$step" = autograd ] && dts="${AUTOGRAD_DTYPES-bf16}"
         # fused-eager: the fused step without its CUDA graph (kernels.graph = "off"); fused-epistats: with the
-        # BatchNorm moments from the conv epilogues (kernels.bn_stats = "conv"); both in the first dtype only.
+        # BatchNorm moments from the conv epilogues (kernels.bn_stats = "fused"); both in the first dtype only.
         [ "$step" = fused-eager ] && { graph=off; dts="${dtypes%%,*}"; }
-        [ "$step" = fused-epistats ] && { stats=conv; dts="${dtypes%%,*}"; }
+        [ "$step" = fused-epistats ] && { stats=fused; dts="${dtypes%%,*}"; }
         [ -n "$dts" ] || continue
         echo "== bench resnet152 b$batch $dts, kernels.step = ${step%%-*}, kernels.graph = $graph, kernels.bn_stats = $stats"
         timeout "${BENCH_TIMEOUT:-150}" "$bin/trainer" bench --config "$here/configs/resnet152.toml" \

@@ -18,7 +18,8 @@
 // Element-wise passes (apply, bwd_dx): one thread per 8 consecutive elements, grid-stride, 16-byte loads of the
 // per-channel constants.
 //
-// Exported: bn_nhwc_{moments,apply,bwd_sum,bwd_dx}_v8_{f32,bf16,f16}, bn_nhwc_moments_final,
+// Exported: bn_nhwc_{moments,apply,bwd_sum,bwd_dx}_v8_{f32,bf16,f16}, bn_nhwc_join_sum_{1,2}_v8_{f32,bf16,f16}
+// (the block output's ReLU gradient with its BatchNorm's backward sums), bn_nhwc_moments_final,
 // bn_nhwc_bwd_final_v8, bn_nhwc_running_update.
 
 #include "common.cuh"
@@ -176,6 +177,56 @@ __device__ void bnv_bwd_partial(const T* __restrict__ x, const T* __restrict__ d
     }
 }
 
+// The ReLU gradient at a block's output joined with the residual gradient, as relu_grad_{1,2} of
+// kernels/residual/01_fused.cu compute it (g = y > 0 ? a (+ b) : 0 in FP32, rounded once to T and written to gout),
+// and in the same pass the BatchNorm backward sums over (x, g) of the block's last BatchNorm, as bnv_bwd_partial
+// (relu = 0) computes them from the rounded g: same chunks, same per-thread order, same partial layout (reduced by
+// bn_nhwc_bwd_final_v8), so g and the sums equal the two kernels' bit for bit, with one read of g and one launch
+// fewer.
+template <typename T, bool TWO>
+__device__ void bnv_join_partial(const T* __restrict__ a, const T* __restrict__ b, const T* __restrict__ y,
+                                 T* __restrict__ gout, const T* __restrict__ x, const float* __restrict__ stats,
+                                 const float* __restrict__ weight, const float* __restrict__ bias,
+                                 float* __restrict__ part, int64_t rows, int c, int64_t rpc) {
+    __shared__ float sh[8 * VB];
+    const int G = c >> 3, t = threadIdx.x, cg = t % G, rstep = VB / G, ch0 = cg * 8;
+    const int64_t r0 = (int64_t)blockIdx.x * rpc, r1 = min(rows, r0 + rpc);
+    const Consts k = load_consts(stats, weight, bias, c, ch0);
+    float ag[8] = {0, 0, 0, 0, 0, 0, 0, 0}, agx[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll 2
+    for (int64_t r = r0 + t / G; r < r1; r += rstep) {
+        const int64_t i = r * c + ch0;
+        const Vec8<T> av = *reinterpret_cast<const Vec8<T>*>(a + i);
+        const Vec8<T> yv = *reinterpret_cast<const Vec8<T>*>(y + i);
+        const Vec8<T> xv = *reinterpret_cast<const Vec8<T>*>(x + i);
+        Vec8<T> bv;
+        if (TWO) bv = *reinterpret_cast<const Vec8<T>*>(b + i);
+        Vec8<T> gv;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float s = TWO ? to_f32(av.v[j]) + to_f32(bv.v[j]) : to_f32(av.v[j]);
+            gv.v[j] = from_f32<T>(to_f32(yv.v[j]) > 0.0f ? s : 0.0f);
+        }
+        *reinterpret_cast<Vec8<T>*>(gout + i) = gv;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            float g, xhat;
+            grad_of(to_f32(xv.v[j]), to_f32(gv.v[j]), k, j, 0, g, xhat);
+            ag[j] += g;
+            agx[j] = fmaf(g, xhat, agx[j]);
+        }
+    }
+    group_sum(ag, sh, G);
+    group_sum(agx, sh, G);
+    if (t < G) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            part[(int64_t)blockIdx.x * c + ch0 + j] = ag[j];
+            part[((int64_t)gridDim.x + blockIdx.x) * c + ch0 + j] = agx[j];
+        }
+    }
+}
+
 template <typename T>
 __device__ void bnv_bwd_dx(const T* __restrict__ x, const T* __restrict__ dy, const float* __restrict__ stats,
                            const float* __restrict__ weight, const float* __restrict__ bias,
@@ -233,6 +284,18 @@ __device__ void bnv_bwd_dx(const T* __restrict__ x, const T* __restrict__ dy, co
                                                         const float* weight, const float* bias, const float* sums,  \
                                                         T* dx, long long rows, int c, float count, int relu) {      \
         bnv_bwd_dx<T>(x, dy, stats, weight, bias, sums, dx, rows, c, count, relu);                                  \
+    }                                                                                                               \
+    extern "C" __global__ void bn_nhwc_join_sum_1_v8_##NAME(const T* a, const T* b, const T* y, T* g, const T* x,   \
+                                                            const float* stats, const float* weight,                \
+                                                            const float* bias, float* part, long long rows, int c,  \
+                                                            long long rpc) {                                        \
+        bnv_join_partial<T, false>(a, b, y, g, x, stats, weight, bias, part, rows, c, rpc);                         \
+    }                                                                                                               \
+    extern "C" __global__ void bn_nhwc_join_sum_2_v8_##NAME(const T* a, const T* b, const T* y, T* g, const T* x,   \
+                                                            const float* stats, const float* weight,                \
+                                                            const float* bias, float* part, long long rows, int c,  \
+                                                            long long rpc) {                                        \
+        bnv_join_partial<T, true>(a, b, y, g, x, stats, weight, bias, part, rows, c, rpc);                          \
     }
 
 BNV_EXPORT(float, f32)

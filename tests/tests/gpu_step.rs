@@ -490,7 +490,7 @@ fn graph_replay_matches_eager_steps() -> Result<()> {
     Ok(())
 }
 
-/// `kernels.bn_stats = "conv"`: the BatchNorm moments computed in the epilogue of the TMA convolutions and 1x1
+/// `kernels.bn_stats = "fused"`: the BatchNorm moments computed in the epilogue of the TMA convolutions and 1x1
 /// GEMMs (`conv_fwd_stats_*`, `gemm_nt_stats_*`) and combined by `batch_stats_from_partials`, against the
 /// separate pass (`batch_stats`) over the same output, on every TMA tile, in bf16 and fp16, outputs and partials
 /// poisoned with NaN first: the convolution's output must be bit-identical to the plain kernel's, the statistics
@@ -589,5 +589,56 @@ fn epilogue_stats_match_the_pass() -> Result<()> {
         "ResNet-50 step, epilogue statistics vs the pass: loss {la} vs {lb}, worst gradient {} rel err {:.2e}",
         worst.1, worst.0
     );
+    Ok(())
+}
+
+/// `kernels.bn_stats = "fused"`, backward: the block output's ReLU gradient joined with the residual gradient and
+/// its last BatchNorm's backward sums in one pass (`join_grad_sums`, `bn_nhwc_join_sum_{1,2}_v8_*`) against the
+/// two kernels it replaces (`add_relu_grad` / `relu_grad`, then the sums pass of `BnGrad`): the gradient and the
+/// sums must be equal bit for bit (the same rounding, chunks and summation order), with and without the shortcut
+/// operand, in f32, bf16 and fp16, for 64, 256 and 2048 channels and a row count that leaves a ragged last chunk;
+/// outputs poisoned first.
+#[test]
+fn joined_relu_grad_sums_match_the_two_passes() -> Result<()> {
+    use kernels::ops::batchnorm::{join_grad_sums, BnGrad};
+    let gpu = cuda()?;
+    let _poison = kernels::cuda::poison_outputs();
+    for dt in [DType::F32, DType::BF16, DType::F16] {
+        for (rows, c) in [(3 * 28 * 28 + 5, 64usize), (2 * 14 * 14, 256), (7 * 7 * 3, 2048)] {
+            let r = |seed: f32| -> Result<Tensor> {
+                Ok((Tensor::randn(0f32, 1.0, (rows, c), &gpu)? + seed as f64)?.to_dtype(dt)?)
+            };
+            let (a, b, z) = (r(0.0)?, r(0.0)?, r(0.5)?);
+            // A ReLU output: about half of it zero.
+            let y = r(0.0)?.relu()?;
+            let mean: Vec<f32> = (0..c).map(|i| 0.5 + 0.001 * i as f32).collect();
+            let var: Vec<f32> = (0..c).map(|i| 1.0 + 0.01 * (i % 7) as f32).collect();
+            let inv: Vec<f32> = var.iter().map(|v| 1.0 / (v + 1e-5f32).sqrt()).collect();
+            let p = kernels::BnParams {
+                stats: Tensor::from_vec([mean, var, inv].concat(), (3, c), &gpu)?,
+                weight: Tensor::from_vec((0..c).map(|i| 1.0 - 0.001 * i as f32).collect::<Vec<_>>(), c, &gpu)?,
+                bias: Tensor::from_vec((0..c).map(|i| 0.01 * i as f32).collect::<Vec<_>>(), c, &gpu)?,
+            };
+            for two in [true, false] {
+                let tag = format!("{dt:?} {rows}x{c} two={two}");
+                let (g, sums) = join_grad_sums(&a, two.then_some(&b), &y, &z, &p)?;
+                let want_g = if two { kernels::add_relu_grad(&a, &b, &y)? } else { kernels::relu_grad(&a, &y)? };
+                let op = BnGrad {
+                    relu: false,
+                    stats: p.stats.clone(),
+                    weight: p.weight.clone(),
+                    bias: p.bias.clone(),
+                    sums: None,
+                };
+                let want_sums = z.apply_op2_no_bwd(&want_g, &op)?;
+                let same = |x: &Tensor, w: &Tensor| -> Result<bool> {
+                    Ok(host_f32(x)?.iter().zip(host_f32(w)?).all(|(p, q)| p.to_bits() == q.to_bits()))
+                };
+                ensure!(same(&g, &want_g)?, "{tag}: the joined gradient differs from relu_grad's");
+                ensure!(same(&sums, &want_sums)?, "{tag}: the joined sums differ from the sums pass's");
+            }
+        }
+    }
+    println!("joined ReLU gradient + BatchNorm sums: equal bit for bit to the two passes (f32, bf16, fp16)");
     Ok(())
 }

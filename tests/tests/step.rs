@@ -244,9 +244,10 @@ fn recomputed_activations_give_the_same_step_with_less_memory() {
     }
 }
 
-/// `kernels.bn_stats = "conv"` on the CPU: there is no epilogue there (`conv2d_nhwc_forward_stats` returns no
-/// moments), so the step takes the statistics pass and gives the same loss, gradients and running statistics bit
-/// for bit. (The epilogue itself is tested on the GPU: `epilogue_stats_match_the_pass` in gpu_step.rs.)
+/// `kernels.bn_stats = "fused"` on the CPU: there is no epilogue there (`conv2d_nhwc_forward_stats` returns no
+/// moments), so the step takes the statistics pass, and the joined backward sums (`join_grad_sums`) run as the
+/// two ops; the step gives the same loss, gradients and running statistics bit for bit. (The fused kernels are
+/// tested on the GPU: `epilogue_stats_match_the_pass`, `joined_relu_grad_sums_match_the_two_passes`.)
 #[test]
 fn epilogue_statistics_fall_back_to_the_pass_on_the_cpu() {
     let dev = Device::Cpu;

@@ -18,7 +18,7 @@
 //! Kernels: the ops of the `kernels` crate (our convolutions, BatchNorm, pooling and fused residual kernels on
 //! CUDA in bf16/fp16, their CPU references elsewhere). Per step, every conv weight is cast to the activation
 //! dtype and (k, r, r, c) layout at the start (one launch on CUDA, [`kernels::ops::weights`]); with
-//! `kernels.bn_stats = "conv"` the BatchNorm moments come from the convolutions' epilogues; the grad-weights
+//! `kernels.bn_stats = "fused"` the BatchNorm moments come from the convolutions' epilogues; the grad-weights
 //! are converted back to FP32 (k, c, r, r) per gradient bucket (one launch per bucket; a single bucket at the end
 //! of the step unless data-parallel training asks for buckets, [`StepArgs::buckets`]); the BatchNorm statistics
 //! update the running statistics inside their finaliser. Buffers are still allocated per op by candle's caching allocator and the step is not
@@ -326,7 +326,7 @@ impl<'a> Engine<'a> {
     }
 
     /// A conv whose output BatchNorm `bn` normalises next, with that BatchNorm's statistics ([`Self::stats`]).
-    /// With `policy.bn_stats_in_conv` (`kernels.bn_stats = "conv"`) the moments come from the conv's epilogue
+    /// With `policy.bn_stats_in_conv` (`kernels.bn_stats = "fused"`) the moments come from the conv's epilogue
     /// when it ran on a TMA tile, and one small launch turns them into the statistics and the running update, so
     /// no pass reads the output again for them; frozen or synchronised statistics, and convs on other kernels,
     /// take the pass.
@@ -341,6 +341,34 @@ impl<'a> Engine<'a> {
         let rows = z.elem_count() / c.max(1);
         let stats = kernels::ops::batchnorm::batch_stats_from_partials(&part, rows, c, bn.eps, &bn.running())?;
         Ok(BnSaved { z: Some(z), stats, global_rows: None })
+    }
+
+    /// The gradient at the pre-ReLU output of block `b` (saved state `s`) from the gradients `a` (+ `b2`, the
+    /// shortcut's) after it, masked by the block's ReLU output; with `policy.bn_stats_in_conv`, while the block's
+    /// last pre-activation is kept (not `Recompute::ReluConv`), also its last BatchNorm's backward sums from the
+    /// same pass ([`kernels::ops::batchnorm::join_grad_sums`]; bit for bit the sums the BatchNorm backward would
+    /// compute), which [`Self::block_backward`] then takes instead of a pass of its own.
+    fn block_output_grad(
+        &self,
+        b: &Block,
+        s: &BlockSaved,
+        a: &Tensor,
+        b2: Option<&Tensor>,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        if self.policy.bn_stats_in_conv {
+            if let (Some(saved), Some(bn)) = (s.bns.last(), b.bns.last()) {
+                if let Some(z) = &saved.z {
+                    let p = Self::bn_params(bn, &saved.stats);
+                    let (g, sums) = kernels::ops::batchnorm::join_grad_sums(a, b2, &s.out, z, &p)?;
+                    return Ok((g, Some(sums)));
+                }
+            }
+        }
+        let g = match b2 {
+            Some(b2) => kernels::add_relu_grad(a, b2, &s.out)?,
+            None => kernels::relu_grad(a, &s.out)?,
+        };
+        Ok((g, None))
     }
 
     /// Records the gradient of a parameter unless it is frozen.
@@ -388,11 +416,24 @@ impl<'a> Engine<'a> {
     /// Backward of `[relu](bn(z))` for the gradient g of its output: records dweight, dbias, returns dz. With
     /// frozen statistics the mean and variance are constants, so dz = w * invstd * g: the dx pass with zero
     /// sums computes exactly that.
-    fn bn_backward(&mut self, s: &BnSaved, g: &Tensor, bn: &BatchNorm2d, relu: bool) -> Result<Tensor> {
+    /// BatchNorm backward from the gradient `g` at its output (through the ReLU when `relu`): records the weight
+    /// and bias gradients and returns the gradient at its input. `pre`: the sums (2, c) already computed with `g`
+    /// ([`Self::block_output_grad`]).
+    fn bn_backward(
+        &mut self,
+        s: &BnSaved,
+        g: &Tensor,
+        bn: &BatchNorm2d,
+        relu: bool,
+        pre: Option<Tensor>,
+    ) -> Result<Tensor> {
         let p = Self::bn_params(bn, &s.stats);
         let op = BnGrad { relu, stats: p.stats, weight: p.weight, bias: p.bias, sums: None };
         let z = s.z()?;
-        let sums = z.apply_op2_no_bwd(g, &op)?;
+        let sums = match pre {
+            Some(sums) => sums,
+            None => z.apply_op2_no_bwd(g, &op)?,
+        };
         let dx_sums = match (&s.global_rows, self.sync) {
             _ if frozen(bn) => sums.zeros_like()?,
             (Some(w), Some(sync)) => sync_grad_sums(sync, &sums, local_rows(z)?, w)?,
@@ -457,7 +498,14 @@ impl<'a> Engine<'a> {
 
     /// Backward of a block from the gradient `gp` at its output's pre-ReLU sum: returns the two gradient
     /// contributions at its input (main path, shortcut), which the caller joins.
-    fn block_backward(&mut self, b: &'a Block, s: BlockSaved, gp: &Tensor) -> Result<(Tensor, Tensor)> {
+    /// `pre`: the backward sums of the block's last BatchNorm, made with `gp` ([`Self::block_output_grad`]).
+    fn block_backward(
+        &mut self,
+        b: &'a Block,
+        s: BlockSaved,
+        gp: &Tensor,
+        mut pre: Option<Tensor>,
+    ) -> Result<(Tensor, Tensor)> {
         let BlockSaved { x, mut bns, mut acts, down, out, mut weights, down_weight } = s;
         drop(out);
         let last = b.convs.len() - 1;
@@ -477,7 +525,7 @@ impl<'a> Engine<'a> {
                 // The last conv's output, dropped by the forward: the same conv on the same input again.
                 saved.z = Some(self.conv(&input, &cw)?);
             }
-            let dz = self.bn_backward(&saved, &g, &b.bns[i], i != last)?;
+            let dz = self.bn_backward(&saved, &g, &b.bns[i], i != last, if i == last { pre.take() } else { None })?;
             drop(saved);
             let dx = self.conv_backward(&cw, &input, &dz, true)?.expect("grad-input requested");
             if i == 0 {
@@ -492,7 +540,7 @@ impl<'a> Engine<'a> {
                 if saved.z.is_none() {
                     saved.z = Some(self.conv(&x, &cw)?);
                 }
-                let dz = self.bn_backward(&saved, gp, &d.bn, false)?;
+                let dz = self.bn_backward(&saved, gp, &d.bn, false, None)?;
                 drop(saved);
                 self.conv_backward(&cw, &x, &dz, true)?.expect("grad-input requested")
             }
@@ -744,14 +792,15 @@ impl ResNet {
 
         // ----- backward: blocks, last to first
         let last = saved.last().expect("a ResNet has blocks");
-        let mut gp = kernels::relu_grad(&g_last, &last.out)?;
+        let last_block = blocks.last().expect("a ResNet has blocks");
+        let (mut gp, mut pre) = e.block_output_grad(last_block, last, &g_last, None)?;
         let mut g_stem = None;
         for (i, b) in blocks.iter().enumerate().rev() {
             let s = saved.pop().expect("one saved state per block");
-            let (gm, gs) = e.block_backward(b, s, &gp)?;
+            let (gm, gs) = e.block_backward(b, s, &gp, pre.take())?;
             if i > 0 {
                 // The block input is the previous block's ReLU output: join and mask in one pass.
-                gp = kernels::add_relu_grad(&gm, &gs, &saved[i - 1].out)?;
+                (gp, pre) = e.block_output_grad(blocks[i - 1], &saved[i - 1], &gm, Some(&gs))?;
             } else {
                 g_stem = Some((gm + gs)?);
             }
@@ -770,7 +819,7 @@ impl ResNet {
             Stem::Cifar => g_stem,
         };
         drop(a0);
-        let dz0 = e.bn_backward(&stem, &g_a0, &m.bn1, true)?;
+        let dz0 = e.bn_backward(&stem, &g_a0, &m.bn1, true, None)?;
         drop(stem);
         e.conv_backward(&stem_w, &input, &dz0, false)?;
         let (grads, buckets_held) = e.buckets.finish()?;

@@ -427,10 +427,12 @@ pub struct KernelsSection {
     /// batch shape runs eagerly (it tunes the kernels), the second is captured as one graph, and every later step
     /// of that shape replays it: one launch per step. Other shapes (an epoch's last, smaller batch) run eagerly.
     pub graph: GraphChoice,
-    /// Where the fused step's BatchNorm moments come from: "pass" (one vectorised pass over each conv output)
-    /// or "conv" (the epilogue of the convolution before it, on the TMA tiles of an sm_90a GPU: no pass reads the
-    /// output again; one small launch combines the moments, as the pass's finaliser does). Not yet the default:
-    /// "conv" has not run on a GPU (the owed GPU test `epilogue_stats_match_the_pass`)
+    /// Where the fused step's BatchNorm reductions run: "pass" (each its own pass: the moments over each conv
+    /// output, the backward sums over each BatchNorm's input and output gradient) or "fused" (inside the kernels
+    /// next to them: the moments in the epilogue of the convolution before the BatchNorm, on the TMA tiles of an
+    /// sm_90a GPU; the block output BatchNorm's backward sums in the pass that makes the block's ReLU gradient;
+    /// one small launch then combines the moments as the pass's finaliser does). Not yet the default: "fused" has
+    /// not run on a GPU (the owed GPU tests `epilogue_stats_match_the_pass`, `joined_relu_grad_sums_match_the_two_passes`)
     pub bn_stats: BnStatsChoice,
 }
 
@@ -454,7 +456,7 @@ impl Default for KernelsSection {
 #[serde(rename_all = "lowercase")]
 pub enum BnStatsChoice {
     Pass,
-    Conv,
+    Fused,
 }
 
 /// `kernels.graph`: whether the fused step is captured as a CUDA graph and replayed.
@@ -598,7 +600,7 @@ impl KernelsSection {
             conv: self.conv.resolve(cuda, act),
             matmul: self.matmul.resolve(cuda, act),
             tuning,
-            bn_stats_in_conv: self.bn_stats == BnStatsChoice::Conv,
+            bn_stats_in_conv: self.bn_stats == BnStatsChoice::Fused,
             ..Default::default()
         })
     }
@@ -921,7 +923,7 @@ mod tests {
             ("kernels.conv", "auto, fwdconv, candle, custom"),
             ("kernels.matmul", "auto, cublas, custom"),
             ("kernels.graph", "auto, on, off"),
-            ("kernels.bn_stats", "pass, conv"),
+            ("kernels.bn_stats", "pass, fused"),
         ] {
             let e = super::Config::from_str_with("", "x.toml", &[format!("{key}=\"nope\"")]).unwrap_err();
             let e = format!("{e:#}");

@@ -482,6 +482,83 @@ fn grad_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     }
 }
 
+fn join_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
+    (a, b, y): (Arg, Option<Arg>, Arg),
+    x: &Tensor,
+    op: &GradArgs,
+    (rows, c): (usize, usize),
+    sums_out: u64,
+) -> Result<CudaStorage> {
+    const OP: &str = "batch_norm_nhwc_join_grad_sums";
+    let dev = &a.0.device;
+    let len = rows * c;
+    let av = view::<T>(a, len, dev, OP, "a")?;
+    let bv = view::<T>(b.unwrap_or(a), len, dev, OP, "b")?;
+    let yv = view::<T>(y, len, dev, OP, "y")?;
+    let (xs, xl) = held(x);
+    let Storage::Cuda(xc) = &*xs else { candle_core::bail!("{OP} (cuda): z is not on a CUDA device") };
+    let xv = view::<T>((xc, xl), len, dev, OP, "z")?;
+    let (st, sl) = held(op.stats);
+    let sv = held_view(&st, sl, 3 * c, dev, OP, "stats")?;
+    let (wt, wl) = held(op.weight);
+    let wv = held_view(&wt, wl, c, dev, OP, "weight")?;
+    let (bt, bl) = held(op.bias);
+    let bnv = held_view(&bt, bl, c, dev, OP, "bias")?;
+    let elems = [a.1, b.map_or(a.1, |b| b.1), y.1, xl];
+    if !v8_applies(c, &elems, &[sl, wl, bl]) {
+        candle_core::bail!("{OP} (cuda): the 8-channel path does not apply (c = {c})");
+    }
+    // The chunks of the sums pass it replaces (grad_t), so that the sums are the same bit for bit.
+    let sp = Split::v8(rows, c, OP)?;
+    let g = alloc_out::<T>(dev, len)?;
+    // SAFETY: bn_nhwc_join_sum_*_v8_* writes every (2, chunk, channel) element.
+    let part = unsafe { dev.alloc::<f32>(2 * sp.chunks * c)? };
+    let sfx = suffix(T::DTYPE, OP)?;
+    let name = format!("bn_nhwc_join_sum_{}_v8_{sfx}", if b.is_some() { 2 } else { 1 });
+    let f = dev.get_or_load_custom_func(&name, MODULE_V8, ptx::BATCHNORM_02_NHWC_VEC)?;
+    let mut bld = f.builder();
+    bld.arg(&av).arg(&bv).arg(&yv).arg(&g).arg(&xv).arg(&sv).arg(&wv).arg(&bnv).arg(&part);
+    bld.arg(&sp.rows).arg(&sp.c).arg(&sp.rows_per_chunk);
+    // SAFETY: matches bn_nhwc_join_sum_{1,2}_v8_* (a, b, y, g, x, stats, weight, bias, part, rows, c, rpc); a, b, y,
+    // x and g hold rows*c elements (g fresh), stats 3*c, weight and bias c, all 16-byte aligned with c % 8 == 0
+    // and 256 % (c / 8) == 0 (v8_applies); part 2*chunks*c; gridDim.x = chunks.
+    unsafe { bld.launch(sp.v8_rows_cfg()) }.w()?;
+    let chunks = sp.chunks as i32;
+    let f = dev.get_or_load_custom_func("bn_nhwc_bwd_final_v8", MODULE_V8, ptx::BATCHNORM_02_NHWC_VEC)?;
+    let mut bld = f.builder();
+    bld.arg(&part).arg(&sums_out).arg(&chunks).arg(&sp.c);
+    // SAFETY: matches bn_nhwc_bwd_final_v8 (part, sums, chunks, c); sums_out is the caller's 2*c floats, one block
+    // per 8 channels.
+    unsafe { bld.launch(sp.v8_final_cfg()) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(g, dev.clone()))
+}
+
+/// The gradient at a block's output, g = a (+ b) where the block's ReLU output y is positive (rounded once, as
+/// the relu_grad kernels give it), and the backward sums (2, c) of the BatchNorm `op` that made the block's last
+/// pre-activation `x`, over (x, g), written to the 2 c floats at `sums_out` (as the sums pass gives them): one pass
+/// over the rows (bn_nhwc_join_sum_{1,2}_v8) and the sums' finaliser. The 8-channel path only (an error
+/// otherwise; `ops::batchnorm::join_grad_sums` checks first). Returns g.
+pub fn join_sums(
+    (a, b, y): (Arg, Option<Arg>, Arg),
+    x: &Tensor,
+    op: &GradArgs,
+    rows: usize,
+    c: usize,
+    sums_out: u64,
+) -> Result<CudaStorage> {
+    const OP: &str = "batch_norm_nhwc_join_grad_sums";
+    let dts = [Some(a.0.dtype()), b.map(|b| b.0.dtype()), Some(y.0.dtype()), Some(x.dtype())];
+    if dts.iter().flatten().any(|d| *d != a.0.dtype()) {
+        candle_core::bail!("{OP} (cuda): operands of different dtypes");
+    }
+    match a.0.dtype() {
+        DType::F32 => join_t::<f32>((a, b, y), x, op, (rows, c), sums_out),
+        DType::BF16 => join_t::<bf16>((a, b, y), x, op, (rows, c), sums_out),
+        DType::F16 => join_t::<f16>((a, b, y), x, op, (rows, c), sums_out),
+        other => candle_core::bail!("{OP} (cuda): unsupported dtype {other:?} (f32, bf16, f16 only)"),
+    }
+}
+
 /// The backward passes of the BatchNorm on CUDA: (x, dy) (rows, c) -> (2, c) f32 sums [sum g, sum g * xhat]
 /// (`op.sums` unset) or dx like x (`op.sums` set).
 pub fn grad(x: Arg, dy: Arg, op: &GradArgs, rows: usize, c: usize) -> Result<CudaStorage> {

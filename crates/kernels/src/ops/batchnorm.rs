@@ -265,6 +265,115 @@ pub fn batch_stats(x: &Tensor, eps: f64, running: &Running) -> Result<Tensor> {
     Ok(stats)
 }
 
+/// The gradient at a residual block's output and its last BatchNorm's backward sums, as one pass where it can:
+/// g = `a` (+ `b`) where the block's ReLU output `y` is positive (what [`crate::relu_grad`] /
+/// [`crate::add_relu_grad`] give) and the sums (2, c) = [sum g, sum g * xhat] of the BatchNorm `p` that made the
+/// block's last pre-activation `z` (what [`BnGrad`] without sums gives). On CUDA, where the 8-channel path
+/// applies, one kernel reads g's inputs once and the sums come out bit for bit as the separate pass gives them
+/// (`bn_nhwc_join_sum_*`); elsewhere the two ops run. Returns (g, sums).
+pub fn join_grad_sums(
+    a: &Tensor,
+    b: Option<&Tensor>,
+    y: &Tensor,
+    z: &Tensor,
+    p: &crate::BnParams,
+) -> Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if a.device().is_cuda() && joinable(a, b, y, z, p) {
+        let (_, c) = rows_c(z.dims())?;
+        let sums = crate::cuda::empty_f32(a, 2 * c)?.reshape((2, c))?;
+        let addr = crate::cuda::addr_of::<f32>(&sums, 2 * c, "backward sums")?;
+        let op = JoinGradSums {
+            two: b.is_some(),
+            z: z.clone(),
+            stats: p.stats.clone(),
+            weight: p.weight.clone(),
+            bias: p.bias.clone(),
+            sums: addr,
+        };
+        let g = a.apply_op3_no_bwd(b.unwrap_or(a), y, &op)?;
+        return Ok((g, sums));
+    }
+    let g = match b {
+        Some(b) => crate::add_relu_grad(a, b, y)?,
+        None => crate::relu_grad(a, y)?,
+    };
+    let op = BnGrad { relu: false, stats: p.stats.clone(), weight: p.weight.clone(), bias: p.bias.clone(), sums: None };
+    let sums = z.apply_op2_no_bwd(&g, &op)?;
+    Ok((g, sums))
+}
+
+/// Whether [`join_grad_sums`] runs as one kernel: one shape and dtype (f32, bf16, f16), contiguous, and the
+/// 8-channel path's channel count and alignment.
+#[cfg(feature = "cuda")]
+fn joinable(a: &Tensor, b: Option<&Tensor>, y: &Tensor, z: &Tensor, p: &crate::BnParams) -> bool {
+    let elems: Vec<&Tensor> = [Some(a), b, Some(y), Some(z)].into_iter().flatten().collect();
+    let Some(&c) = z.dims().last() else { return false };
+    let same = elems.iter().all(|t| t.dims() == z.dims() && t.dtype() == z.dtype() && t.is_contiguous());
+    let chans = [&p.stats, &p.weight, &p.bias];
+    let f32s = chans.iter().all(|t| t.dtype() == DType::F32 && t.is_contiguous());
+    let layouts: Vec<&Layout> = elems.iter().map(|t| t.layout()).collect();
+    let chan_layouts: Vec<&Layout> = chans.iter().map(|t| t.layout()).collect();
+    same && f32s
+        && matches!(z.dtype(), DType::F32 | DType::BF16 | DType::F16)
+        && p.stats.elem_count() == 3 * c
+        && crate::cuda::bn::v8_applies(c, &layouts, &chan_layouts)
+}
+
+/// [`join_grad_sums`] as a candle op over (a, b, y) (b = a and `two` false for the one-operand gradient).
+#[cfg(feature = "cuda")]
+#[derive(Debug, Clone)]
+struct JoinGradSums {
+    two: bool,
+    z: Tensor,
+    stats: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    /// Device address of the (2, c) FP32 sums the op writes.
+    sums: u64,
+}
+
+#[cfg(feature = "cuda")]
+impl CustomOp3 for JoinGradSums {
+    fn name(&self) -> &'static str {
+        "batch_norm_nhwc_join_grad_sums"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("{}: CUDA only (join_grad_sums runs the two ops elsewhere)", self.name())
+    }
+
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (rows, c) = rows_c(l1.dims())?;
+        let args = crate::cuda::bn::GradArgs {
+            relu: false,
+            stats: &self.stats,
+            weight: &self.weight,
+            bias: &self.bias,
+            sums: None,
+        };
+        let b = self.two.then_some((s2, l2));
+        let g = crate::cuda::bn::join_sums(((s1, l1), b, (s3, l3)), &self.z, &args, rows, c, self.sums)?;
+        Ok((g, l1.shape().clone()))
+    }
+}
+
 /// [`batch_stats`] of a (rows, c) convolution output from the moments its epilogue wrote
 /// ([`crate::conv2d_nhwc_forward_stats`]), with `running` updated in the same launch (CUDA only).
 pub fn batch_stats_from_partials(part: &Tensor, rows: usize, c: usize, eps: f64, running: &Running) -> Result<Tensor> {
