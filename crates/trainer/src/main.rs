@@ -447,6 +447,12 @@ fn info(c: ConfigArgs) -> Result<()> {
     if cfg.kernels.recompute != config::RecomputeChoice::None {
         println!("recompute: {} (kernels.recompute; the fused step only)", cfg.kernels.recompute.name());
     }
+    if cfg.kernels.bn_stats == config::BnStatsChoice::Fused {
+        println!(
+            "bn_stats: fused (kernels.bn_stats; the fused step on CUDA: moments in the conv epilogues, block-output \
+             sums with the ReLU gradient)"
+        );
+    }
     let graph = cfg.kernels.graph;
     match (
         graph,

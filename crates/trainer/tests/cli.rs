@@ -253,6 +253,9 @@ fn info_prints_stages_and_parameter_count() {
     assert!(text.contains("graph: off (kernels.graph = \"auto\"; CUDA graphs need a CUDA device)"), "{text}");
     let out = trainer(&["info", "--config", &cfg, "--set", "kernels.graph=\"off\""]);
     assert!(String::from_utf8_lossy(&out.stdout).contains("graph: off (kernels.graph = \"off\")"));
+    assert!(!text.contains("bn_stats:"), "{text}");
+    let out = trainer(&["info", "--config", &cfg, "--set", "kernels.bn_stats=\"fused\""]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("bn_stats: fused (kernels.bn_stats;"));
     // The kernels "auto" resolves to, for the configured device and dtype (info opens no device).
     let out = trainer(&["info", "--config", &cfg]);
     let text = String::from_utf8_lossy(&out.stdout);
