@@ -145,6 +145,34 @@ __device__ __forceinline__ void grad_of(float xv, float dyv, const Consts& k, in
     xhat = (xv - k.mean[j]) * k.invstd[j];
 }
 
+// One row of a chunk's backward sums: the 8 elements (x, dy) added to ag (g) and agx (g * xhat), in order.
+template <typename T>
+__device__ __forceinline__ void add_grad_row(const Vec8<T>& xv, const Vec8<T>& gv, const Consts& k, int relu,
+                                             float (&ag)[8], float (&agx)[8]) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        float g, xhat;
+        grad_of(to_f32(xv.v[j]), to_f32(gv.v[j]), k, j, relu, g, xhat);
+        ag[j] += g;
+        agx[j] = fmaf(g, xhat, agx[j]);
+    }
+}
+
+// The chunk's backward sums over the block's threads of each channel group, written as its partials:
+// part[chunk * c + ch] = sum g, part[(chunks + chunk) * c + ch] = sum g * xhat.
+__device__ __forceinline__ void write_grad_partials(float (&ag)[8], float (&agx)[8], float* sh, int G,
+                                                    float* __restrict__ part, int c, int ch0) {
+    group_sum(ag, sh, G);
+    group_sum(agx, sh, G);
+    if ((int)threadIdx.x < G) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            part[(int64_t)blockIdx.x * c + ch0 + j] = ag[j];
+            part[((int64_t)gridDim.x + blockIdx.x) * c + ch0 + j] = agx[j];
+        }
+    }
+}
+
 template <typename T>
 __device__ void bnv_bwd_partial(const T* __restrict__ x, const T* __restrict__ dy, const float* __restrict__ stats,
                                 const float* __restrict__ weight, const float* __restrict__ bias,
@@ -158,31 +186,17 @@ __device__ void bnv_bwd_partial(const T* __restrict__ x, const T* __restrict__ d
     for (int64_t r = r0 + t / G; r < r1; r += rstep) {
         const Vec8<T> xv = *reinterpret_cast<const Vec8<T>*>(x + r * c + ch0);
         const Vec8<T> gv = *reinterpret_cast<const Vec8<T>*>(dy + r * c + ch0);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            float g, xhat;
-            grad_of(to_f32(xv.v[j]), to_f32(gv.v[j]), k, j, relu, g, xhat);
-            ag[j] += g;
-            agx[j] = fmaf(g, xhat, agx[j]);
-        }
+        add_grad_row(xv, gv, k, relu, ag, agx);
     }
-    group_sum(ag, sh, G);
-    group_sum(agx, sh, G);
-    if (t < G) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            part[(int64_t)blockIdx.x * c + ch0 + j] = ag[j];
-            part[((int64_t)gridDim.x + blockIdx.x) * c + ch0 + j] = agx[j];
-        }
-    }
+    write_grad_partials(ag, agx, sh, G, part, c, ch0);
 }
 
 // The ReLU gradient at a block's output joined with the residual gradient, as relu_grad_{1,2} of
 // kernels/residual/01_fused.cu compute it (g = y > 0 ? a (+ b) : 0 in FP32, rounded once to T and written to gout),
 // and in the same pass the BatchNorm backward sums over (x, g) of the block's last BatchNorm, as bnv_bwd_partial
-// (relu = 0) computes them from the rounded g: same chunks, same per-thread order, same partial layout (reduced by
-// bn_nhwc_bwd_final_v8), so g and the sums equal the two kernels' bit for bit, with one read of g and one launch
-// fewer.
+// (relu = 0) computes them from the rounded g: same chunks, the same per-row and per-chunk code (add_grad_row,
+// write_grad_partials), same partial layout (reduced by bn_nhwc_bwd_final_v8), so g and the sums equal the two
+// kernels' bit for bit, with one read of g and one launch fewer.
 template <typename T, bool TWO>
 __device__ void bnv_join_partial(const T* __restrict__ a, const T* __restrict__ b, const T* __restrict__ y,
                                  T* __restrict__ gout, const T* __restrict__ x, const float* __restrict__ stats,
@@ -193,7 +207,7 @@ __device__ void bnv_join_partial(const T* __restrict__ a, const T* __restrict__ 
     const int64_t r0 = (int64_t)blockIdx.x * rpc, r1 = min(rows, r0 + rpc);
     const Consts k = load_consts(stats, weight, bias, c, ch0);
     float ag[8] = {0, 0, 0, 0, 0, 0, 0, 0}, agx[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#pragma unroll 2
+#pragma unroll 4
     for (int64_t r = r0 + t / G; r < r1; r += rstep) {
         const int64_t i = r * c + ch0;
         const Vec8<T> av = *reinterpret_cast<const Vec8<T>*>(a + i);
@@ -208,23 +222,9 @@ __device__ void bnv_join_partial(const T* __restrict__ a, const T* __restrict__ 
             gv.v[j] = from_f32<T>(to_f32(yv.v[j]) > 0.0f ? s : 0.0f);
         }
         *reinterpret_cast<Vec8<T>*>(gout + i) = gv;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            float g, xhat;
-            grad_of(to_f32(xv.v[j]), to_f32(gv.v[j]), k, j, 0, g, xhat);
-            ag[j] += g;
-            agx[j] = fmaf(g, xhat, agx[j]);
-        }
+        add_grad_row(xv, gv, k, 0, ag, agx);
     }
-    group_sum(ag, sh, G);
-    group_sum(agx, sh, G);
-    if (t < G) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            part[(int64_t)blockIdx.x * c + ch0 + j] = ag[j];
-            part[((int64_t)gridDim.x + blockIdx.x) * c + ch0 + j] = agx[j];
-        }
-    }
+    write_grad_partials(ag, agx, sh, G, part, c, ch0);
 }
 
 template <typename T>

@@ -172,6 +172,17 @@ pub struct RunningAddrs {
     pub momentum: f32,
 }
 
+impl RunningAddrs {
+    /// The finalisers' (running_mean, running_var, num_batches_tracked, momentum) arguments: null addresses
+    /// without a running update.
+    fn kernel_args(r: Option<Self>) -> (u64, u64, u64, f32) {
+        match r {
+            Some(r) => (r.mean, r.var, r.num_batches_tracked, r.momentum),
+            None => (0, 0, 0, 0.0),
+        }
+    }
+}
+
 fn stats_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     x: Arg,
     sp: Split,
@@ -186,10 +197,7 @@ fn stats_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     let stats = alloc_out::<f32>(dev, 3 * c)?;
     let sfx = suffix(T::DTYPE, OP)?;
     let (chunks, count, eps) = (sp.chunks as i32, sp.count(), eps as f32);
-    let (rm, rv, nb, momentum) = match running {
-        Some(r) => (r.mean, r.var, r.num_batches_tracked, r.momentum),
-        None => (0, 0, 0, 0.0),
-    };
+    let (rm, rv, nb, momentum) = RunningAddrs::kernel_args(running);
 
     if v8 {
         // One pass: per-chunk shifted sums and M2 (2 x chunks x c) and the shift (c), then the exact combination
@@ -291,10 +299,7 @@ pub fn stats_from_partials(
     let part = view::<f32>((s, l), len, dev, OP, "partials")?;
     let chunks = rows.div_ceil(super::tma::STATS_ROWS);
     let stats = alloc_out::<f32>(dev, 3 * c)?;
-    let (rm, rv, nb, momentum) = match running {
-        Some(r) => (r.mean, r.var, r.num_batches_tracked, r.momentum),
-        None => (0, 0, 0, 0.0),
-    };
+    let (rm, rv, nb, momentum) = RunningAddrs::kernel_args(running);
     let (chunks32, c32) = (super::i32_of(chunks, OP, "chunks")?, super::i32_of(c, OP, "c")?);
     let (rows64, rpc, eps) = (rows as i64, super::tma::STATS_ROWS as i64, eps as f32);
     let f = dev.get_or_load_custom_func("bn_nhwc_moments_final", MODULE_V8, ptx::BATCHNORM_02_NHWC_VEC)?;
