@@ -170,7 +170,9 @@ fn maxpool_forward_backward_against_reference() {
         for (a, b) in gx.iter().zip(&want_g) {
             assert!((a - b).abs() < 1e-6, "backward {dims:?}");
         }
-        // Finite differences on a few inputs (random inputs have no ties).
+        // Finite differences on a few inputs. A step that changes some window's argmax (two values within 1e-3 of
+        // each other: random inputs have such near-ties now and then) straddles a kink of the max: the difference
+        // is then no derivative, and that input is skipped (the exact check above covers it).
         let loss_at = |xs: &[f32]| -> f64 {
             let (o, _) = naive_maxpool(xs, dims, k, s, p);
             o.iter().zip(&gv).map(|(a, b)| (*a as f64) * (*b as f64)).sum()
@@ -180,6 +182,9 @@ fn maxpool_forward_backward_against_reference() {
             xp[i] += 1e-3;
             let mut xm = xv.clone();
             xm[i] -= 1e-3;
+            if naive_maxpool(&xp, dims, k, s, p).1 != arg || naive_maxpool(&xm, dims, k, s, p).1 != arg {
+                continue;
+            }
             let fd = (loss_at(&xp) - loss_at(&xm)) / 2e-3;
             assert!((fd - gx[i] as f64).abs() < 1e-2, "fd {fd} vs {} at {i}", gx[i]);
         }
