@@ -17,7 +17,8 @@
 //   grad-weight transposed (conv_wgradt_*, Ko <= 64): dw^T[(r,s,c)][ko] = im2col(x)^T . dy, so that the 128-row
 //                tile runs over R*S*C instead of a half-empty Ko = 64; the launcher transposes the result.
 // conv_fwd_stats_*: the forward with the per-channel BatchNorm moments of y written to the workspace argument
-// (ig::tma_epilogue_stats; no split-K).
+// (ig::tma_epilogue_stats; no split-K). conv_dgrad_gsums_*: the stride-1 grad-input with the BatchNorm backward
+// sums of dx (ig::tma_epilogue_grad_sums; no split-K).
 // Tiles x256 (128x256x64, 4 stages), x128 (128x128x64, 6 stages) and x64 (128x64x64, 8 stages). Kernel arguments
 // as the GEMM's (IG_TMA_KERNEL): (maps A, B and out, out, split-K workspace, bias (unused), shape).
 #include "gemm/tma.cuh"
@@ -26,6 +27,7 @@
     IG_TMA_KERNEL(conv_fwd_x##BN##_tma_##SUF, T, ig::TMA_CONV_FWD, true, true, BN)              \
     IG_TMA_KERNEL_STATS(conv_fwd_stats_x##BN##_tma_##SUF, T, ig::TMA_CONV_FWD, true, true, BN)  \
     IG_TMA_KERNEL(conv_dgrad_x##BN##_tma_##SUF, T, ig::TMA_CONV_DGRAD, true, false, BN)         \
+    IG_TMA_KERNEL_GSUMS(conv_dgrad_gsums_x##BN##_tma_##SUF, T, ig::TMA_CONV_DGRAD, true, false, BN) \
     IG_TMA_KERNEL(conv_wgrad_x##BN##_tma_##SUF, T, ig::TMA_CONV_WGRAD, false, false, BN)        \
     IG_TMA_KERNEL(conv_dgrads_x##BN##_tma_##SUF, T, ig::TMA_CONV_DGRAD_S, true, false, BN)      \
     IG_TMA_KERNEL(conv_wgradt_x##BN##_tma_##SUF, T, ig::TMA_CONV_WGRAD_T, false, false, BN)

@@ -10,13 +10,15 @@
 // Kernel arguments (IG_TMA_KERNEL, gemm/tma.cuh): (tensor maps of A, B and C, C, split-K workspace, bias, shape);
 // the same names and layouts as 01-04 (nt: A[M][K] B[N][K]; nn: A[M][K] B[K][N]; tn: A[K][M] B[K][N]).
 // gemm_nt_stats_*: nt with the per-column BatchNorm moments of C written to the workspace argument (the 1x1
-// convolutions of the training step; ig::tma_epilogue_stats).
+// convolutions of the training step; ig::tma_epilogue_stats). gemm_nn_gsums_*: nn with the BatchNorm backward
+// sums of C (the 1x1 grad-input passes; ig::tma_epilogue_grad_sums).
 #include "gemm/tma.cuh"
 
 #define GEMM_TMA_ALL(T, SUF, BN)                                                                \
     IG_TMA_KERNEL(gemm_nt_x##BN##_vec_##SUF, T, ig::TMA_GEMM, true, true, BN)                   \
     IG_TMA_KERNEL_STATS(gemm_nt_stats_x##BN##_vec_##SUF, T, ig::TMA_GEMM, true, true, BN)       \
     IG_TMA_KERNEL(gemm_nn_x##BN##_vec_##SUF, T, ig::TMA_GEMM, true, false, BN)                  \
+    IG_TMA_KERNEL_GSUMS(gemm_nn_gsums_x##BN##_vec_##SUF, T, ig::TMA_GEMM, true, false, BN)      \
     IG_TMA_KERNEL(gemm_tn_x##BN##_vec_##SUF, T, ig::TMA_GEMM, false, false, BN)
 
 GEMM_TMA_ALL(__nv_bfloat16, bf16, 256)

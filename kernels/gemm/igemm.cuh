@@ -42,6 +42,11 @@ struct Shape {
     // (ww < mw); kernel taps r = r0 + stride * i (i < tr), s = s0 + stride * j (j < ts).
     int ph, pw, mh, mw, r0, s0, tr, ts;
     int tma_c;  // TMA kernels: 1 = C (contiguous, ldc = N, N % 8 == 0) is stored through its tensor map
+    // The GRAD_SUMS TMA kernels (ig::tma_epilogue_grad_sums): the BatchNorm whose output gradient C is, its
+    // statistics (3, N) = [mean, var, invstd], weight and bias (N), FP32. Null elsewhere.
+    const float* bn_stats;
+    const float* bn_weight;
+    const float* bn_bias;
 };
 
 __device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }

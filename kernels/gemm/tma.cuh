@@ -386,7 +386,78 @@ __device__ __forceinline__ void tma_epilogue_stats(const float (&acc)[BN / 2], f
     consumers_bar();
 }
 
-template <typename T, int CONV, bool A_KMAJOR, bool B_KMAJOR, int BN, bool STATS = false>
+// The BatchNorm backward sums in the epilogue (the GRAD_SUMS kernels: the grad-input passes whose output is the
+// gradient at a BatchNorm + ReLU's output, so that the sums pass need not read it again). Per unit (no split-K),
+// over its 128 rows clipped at M, per column: g = the stored value where that BatchNorm's pre-activation
+// bn(z) = (z - mean) invstd weight + bias is >= 0 (else 0: the ReLU mask, as kernels/batchnorm's grad_of takes it),
+// xhat = (z - mean) invstd, z read at the same place (z is C-shaped, row-major); part[tm * N + col] = sum g and
+// part[(chunks + tm) * N + col] = sum g xhat, chunks = ceil(M / 128): the partial layout of the sums pass, which
+// bn_nhwc_bwd_final_v8 reduces. The same reduction as tma_epilogue_stats (shuffles, then the 8 consumer warps in
+// the staging buffers, fixed order).
+template <typename T, int BN>
+__device__ __forceinline__ void tma_epilogue_grad_sums(const float (&acc)[BN / 2], float* __restrict__ part,
+                                                       const T* __restrict__ z, const Shape& sh, int tm, int tn,
+                                                       int cw, float* red) {
+    const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, w8 = cw * 4 + warp;
+    const int ct = threadIdx.x - 128;
+    const int M = sh.M, N = sh.N;
+    const int row = tm * TMA_BM + cw * 64 + warp * 16 + (lane >> 2);
+    const bool valid[2] = {row < M, row + 8 < M};
+    if ((threadIdx.x & 127) == 0) bulk_wait_all<true>();
+    consumers_bar();
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int col = tn * BN + 8 * j + 2 * (lane & 3) + e;
+            float sg = 0.f, sgx = 0.f;
+            if (col < N) {
+                const float mean = sh.bn_stats[col], invstd = sh.bn_stats[2 * N + col];
+                const float scale = invstd * sh.bn_weight[col], shift = sh.bn_bias[col];
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    if (valid[h]) {
+                        const float x = to_f(z[(size_t)(row + 8 * h) * N + col]);
+                        const float dy = stored<T>(acc[4 * j + 2 * h + e]);
+                        const float g = !(fmaf(x - mean, scale, shift) >= 0.f) ? 0.f : dy;
+                        sg += g;
+                        sgx = fmaf(g, (x - mean) * invstd, sgx);
+                    }
+                }
+            }
+#pragma unroll
+            for (int o = 4; o < 32; o <<= 1) {
+                sg += __shfl_xor_sync(0xffffffffu, sg, o);
+                sgx += __shfl_xor_sync(0xffffffffu, sgx, o);
+            }
+            if (lane < 4) {
+                red[(2 * w8) * BN + 8 * j + 2 * lane + e] = sg;
+                red[(2 * w8 + 1) * BN + 8 * j + 2 * lane + e] = sgx;
+            }
+        }
+    }
+    consumers_bar();
+    const int chunks = (M + TMA_BM - 1) / TMA_BM;
+    for (int col = ct; col < BN; col += 256) {
+        const int gc = tn * BN + col;
+        if (gc < N) {
+            float a = 0.f, b = 0.f;
+#pragma unroll
+            for (int w = 0; w < 8; ++w) {
+                a += red[(2 * w) * BN + col];
+                b += red[(2 * w + 1) * BN + col];
+            }
+            part[(size_t)tm * N + gc] = a;
+            part[(size_t)(chunks + tm) * N + gc] = b;
+        }
+    }
+    consumers_bar();
+}
+
+// What a TMA kernel's epilogue adds (the EPI template argument).
+constexpr int EPI_PLAIN = 0, EPI_MOMENTS = 1, EPI_GRAD_SUMS = 2;
+
+template <typename T, int CONV, bool A_KMAJOR, bool B_KMAJOR, int BN, int EPI = EPI_PLAIN>
 __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* tb, const TmaDesc* tc, T* C,
                                               float* ws, const T* bias, const Shape& sh, unsigned char* smem_raw) {
     using Cfg = TmaCfg<BN>;
@@ -468,15 +539,19 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
         fence_regs(acc);
         if (kts > 0 && (tid & 127) == 0) mbar_arrive(bars + 8 * (STAGES + prev));
 
-        if constexpr (STATS) {
-            // ws is the statistics' partials here (the launcher runs STATS kernels without split-K).
+        if constexpr (EPI == EPI_MOMENTS) {
+            // ws is the statistics' partials here (the launcher runs these kernels without split-K).
             tma_epilogue_stats<T, BN>(acc, ws, sh, tm, tn, cw, reinterpret_cast<float*>(smem + STAGES * STAGE_BYTES));
+        } else if constexpr (EPI == EPI_GRAD_SUMS) {
+            // ws: the sums' partials; the bias argument: the BatchNorm's input z (no bias in these passes).
+            tma_epilogue_grad_sums<T, BN>(acc, ws, bias, sh, tm, tn, cw,
+                                          reinterpret_cast<float*>(smem + STAGES * STAGE_BYTES));
         }
         // Epilogue straight from the accumulators: fragment j (8 columns), element e: row + 8 (e >= 2),
         // column 2 (lane % 4) + (e & 1).
         const int row0 = tm * TMA_BM + cw * 64 + warp * 16 + (lane >> 2);
         const int col0 = tn * BN + 2 * (lane & 3);
-        if (!STATS && splits > 1) {
+        if (EPI == EPI_PLAIN && splits > 1) {
             float* out = ws + (size_t)ks * M * N;
 #pragma unroll
             for (int j = 0; j < BN / 8; ++j) {
@@ -571,15 +646,19 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
 
 // One TMA kernel: (map A, map B, map C, C, split-K workspace, bias, shape), MODE one of ig::TMA_GEMM /
 // TMA_CONV_*, AK / BKM whether A / B are K-major, BN the tile width. Used by gemm/ and conv/05_tma_wgmma.cu.
-#define IG_TMA_KERNEL(NAME, T, MODE, AK, BKM, BN) IG_TMA_KERNEL_S(NAME, T, MODE, AK, BKM, BN, false)
+#define IG_TMA_KERNEL(NAME, T, MODE, AK, BKM, BN) IG_TMA_KERNEL_S(NAME, T, MODE, AK, BKM, BN, ig::EPI_PLAIN)
 // The same with the BatchNorm statistics of the output in the epilogue (ig::tma_epilogue_stats): the workspace
 // argument is the partials buffer, and there is no split-K.
-#define IG_TMA_KERNEL_STATS(NAME, T, MODE, AK, BKM, BN) IG_TMA_KERNEL_S(NAME, T, MODE, AK, BKM, BN, true)
-#define IG_TMA_KERNEL_S(NAME, T, MODE, AK, BKM, BN, STATS)                                                       \
+#define IG_TMA_KERNEL_STATS(NAME, T, MODE, AK, BKM, BN) IG_TMA_KERNEL_S(NAME, T, MODE, AK, BKM, BN, ig::EPI_MOMENTS)
+// The same with the BatchNorm backward sums of the output in the epilogue (ig::tma_epilogue_grad_sums): the
+// workspace argument is the partials buffer, the bias argument the BatchNorm's input, Shape::bn_* its
+// per-channel tensors; no split-K.
+#define IG_TMA_KERNEL_GSUMS(NAME, T, MODE, AK, BKM, BN) IG_TMA_KERNEL_S(NAME, T, MODE, AK, BKM, BN, ig::EPI_GRAD_SUMS)
+#define IG_TMA_KERNEL_S(NAME, T, MODE, AK, BKM, BN, EPI)                                                         \
     extern "C" __global__ void __launch_bounds__(ig::TMA_THREADS, 1)                                            \
         NAME(const __grid_constant__ ig::TmaDesc ta, const __grid_constant__ ig::TmaDesc tb,                    \
              const __grid_constant__ ig::TmaDesc tc, T* __restrict__ c, float* __restrict__ ws,                  \
              const T* __restrict__ bias, ig::Shape sh) {                                                        \
         extern __shared__ __align__(1024) unsigned char ig_smem[];                                               \
-        ig::tma_gemm_body<T, MODE, AK, BKM, BN, STATS>(&ta, &tb, &tc, c, ws, bias, sh, ig_smem);                 \
+        ig::tma_gemm_body<T, MODE, AK, BKM, BN, EPI>(&ta, &tb, &tc, c, ws, bias, sh, ig_smem);                   \
     }

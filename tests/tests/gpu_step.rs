@@ -642,3 +642,61 @@ fn joined_relu_grad_sums_match_the_two_passes() -> Result<()> {
     println!("joined ReLU gradient + BatchNorm sums: equal bit for bit to the two passes (f32, bf16, fp16)");
     Ok(())
 }
+
+/// `kernels.bn_stats = "fused"`, backward: the BatchNorm + ReLU backward sums computed in the epilogue of the
+/// grad-input passes (`gemm_nn_gsums_*` for 1x1, `conv_dgrad_gsums_*` for stride-1 convolutions) against the sums
+/// pass (`BnGrad` with the ReLU) over the same (z, dx), on every TMA tile, in bf16 and fp16, partials poisoned
+/// first; a strided 3x3 (whose grad-input scatters its rows) must leave the sums to the pass.
+#[test]
+fn grad_input_epilogue_sums_match_the_pass() -> Result<()> {
+    use kernels::ops::batchnorm::BnGrad;
+    use kernels::ops::conv_nhwc::conv_nhwc_dgrad_sums;
+    use kernels::variants::{X128, X256, X64};
+    use kernels::Tuning;
+    let gpu = cuda()?;
+    let _poison = kernels::cuda::poison_outputs();
+    // (n, h, c, ko, k, stride, pad): dx is (n, h, h, c), dy (n, h / stride, h / stride, ko).
+    let shapes =
+        [(3, 14, 256, 1024, 1, 1, 0), (2, 28, 64, 64, 3, 1, 1), (5, 7, 512, 2048, 1, 1, 0), (2, 14, 128, 128, 3, 2, 1)];
+    let mut worst = 0f64;
+    for dt in [DType::BF16, DType::F16] {
+        for tile in [X256, X128, X64] {
+            let policy = KernelPolicy::custom().with_tuning(Tuning::Forced(tile));
+            for &(n, h, c, ko, k, stride, pad) in &shapes {
+                let tag = format!("{dt:?} {} n{n} {h}x{h}x{c} <- {ko} k{k} s{stride}", tile.name);
+                let p_hw = (h + 2 * pad - k) / stride + 1;
+                let dy = Tensor::randn(0f32, 1.0, (n, p_hw, p_hw, ko), &gpu)?.to_dtype(dt)?;
+                let w = (Tensor::randn(0f32, 1.0, (ko, k, k, c), &gpu)? * (1.0 / ((ko * k * k) as f64).sqrt()))?;
+                let w = w.to_dtype(dt)?;
+                let z = (Tensor::randn(0f32, 1.0, (n, h, h, c), &gpu)? + 0.3)?.to_dtype(dt)?;
+                let mean: Vec<f32> = (0..c).map(|i| 0.3 + 0.001 * i as f32).collect();
+                let var: Vec<f32> = (0..c).map(|i| 1.0 + 0.01 * (i % 5) as f32).collect();
+                let inv: Vec<f32> = var.iter().map(|v| 1.0 / (v + 1e-5f32).sqrt()).collect();
+                let p = kernels::BnParams {
+                    stats: Tensor::from_vec([mean, var, inv].concat(), (3, c), &gpu)?,
+                    weight: Tensor::from_vec((0..c).map(|i| 1.0 - 0.001 * i as f32).collect::<Vec<_>>(), c, &gpu)?,
+                    bias: Tensor::from_vec((0..c).map(|i| 0.02 * (i % 7) as f32 - 0.05).collect::<Vec<_>>(), c, &gpu)?,
+                };
+                let (dx, sums) = conv_nhwc_dgrad_sums(&dy, &w, stride, pad, (h, h), &policy, &z, &p)?;
+                if stride != 1 && k != 1 {
+                    ensure!(sums.is_none(), "{tag}: a strided grad-input claimed epilogue sums");
+                    continue;
+                }
+                let sums = sums.with_context(|| format!("{tag}: no epilogue sums"))?;
+                let op = BnGrad {
+                    relu: true,
+                    stats: p.stats.clone(),
+                    weight: p.weight.clone(),
+                    bias: p.bias.clone(),
+                    sums: None,
+                };
+                let want = z.apply_op2_no_bwd(&dx, &op)?;
+                let e = rel_err(&sums, &want)?;
+                ensure!(e <= 1e-4, "{tag}: backward sums rel err {e:.2e} against the pass");
+                worst = worst.max(e);
+            }
+        }
+    }
+    println!("grad-input epilogue sums vs the pass: worst rel err {worst:.1e}");
+    Ok(())
+}

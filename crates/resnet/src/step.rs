@@ -447,17 +447,39 @@ impl<'a> Engine<'a> {
 
     /// Grad-weight (recorded, FP32 torchvision layout) and, when `need_dx`, grad-input of a conv.
     fn conv_backward(&mut self, cw: &ConvW, x: &Tensor, dz: &Tensor, need_dx: bool) -> Result<Option<Tensor>> {
-        let (c, s, p) = (cw.conv, cw.conv.stride, cw.conv.padding);
-        let r = cw.w.dim(1)?;
-        if !c.weight.is_frozen() {
-            let g = kernels::conv2d_nhwc_grad_weight(dz, x, r, s, p, self.policy)?;
-            self.buckets.put(c.weight.var().as_tensor().id(), Piece::Conv(g))?;
-        }
+        self.record_grad_weight(cw, x, dz)?;
         if !need_dx {
             return Ok(None);
         }
-        let (_, h, w, _) = x.dims4()?;
-        Ok(Some(kernels::conv2d_nhwc_grad_input(dz, &cw.w, s, p, (h, w), self.policy)?))
+        let (c, (_, h, w, _)) = (cw.conv, x.dims4()?);
+        Ok(Some(kernels::conv2d_nhwc_grad_input(dz, &cw.w, c.stride, c.padding, (h, w), self.policy)?))
+    }
+
+    /// [`Self::conv_backward`] for a conv whose input is BatchNorm `bn` + ReLU of the saved `prev`: also that
+    /// BatchNorm's backward sums over (its input, the grad-input), from the grad-input's epilogue where it can
+    /// ([`kernels::conv2d_nhwc_grad_input_sums`]), for its [`Self::bn_backward`].
+    fn conv_backward_sums(
+        &mut self,
+        cw: &ConvW,
+        x: &Tensor,
+        dz: &Tensor,
+        prev: &BnSaved,
+        bn: &BatchNorm2d,
+    ) -> Result<(Tensor, Tensor)> {
+        self.record_grad_weight(cw, x, dz)?;
+        let (c, (_, h, w, _)) = (cw.conv, x.dims4()?);
+        let p = Self::bn_params(bn, &prev.stats);
+        kernels::conv2d_nhwc_grad_input_sums(dz, &cw.w, (c.stride, c.padding, (h, w)), self.policy, prev.z()?, &p)
+    }
+
+    /// The grad-weight of a conv, recorded unless the weight is frozen.
+    fn record_grad_weight(&mut self, cw: &ConvW, x: &Tensor, dz: &Tensor) -> Result<()> {
+        let (c, s, p) = (cw.conv, cw.conv.stride, cw.conv.padding);
+        if !c.weight.is_frozen() {
+            let g = kernels::conv2d_nhwc_grad_weight(dz, x, cw.w.dim(1)?, s, p, self.policy)?;
+            self.buckets.put(c.weight.var().as_tensor().id(), Piece::Conv(g))?;
+        }
+        Ok(())
     }
 
     fn block_forward(&self, b: &'a Block, x: Tensor) -> Result<BlockSaved> {
@@ -525,9 +547,19 @@ impl<'a> Engine<'a> {
                 // The last conv's output, dropped by the forward: the same conv on the same input again.
                 saved.z = Some(self.conv(&input, &cw)?);
             }
-            let dz = self.bn_backward(&saved, &g, &b.bns[i], i != last, if i == last { pre.take() } else { None })?;
+            // The sums of this BatchNorm: made with its output gradient by the pass before (the block output's, or
+            // the next conv's grad-input epilogue), or None.
+            let dz = self.bn_backward(&saved, &g, &b.bns[i], i != last, pre.take())?;
             drop(saved);
-            let dx = self.conv_backward(&cw, &input, &dz, true)?.expect("grad-input requested");
+            let dx = match bns.last() {
+                // The conv's input is relu(bn(z)) of the conv before: its sums come with the grad-input.
+                Some(prev) if self.policy.bn_stats_in_conv => {
+                    let (dx, sums) = self.conv_backward_sums(&cw, &input, &dz, prev, &b.bns[i - 1])?;
+                    pre = Some(sums);
+                    dx
+                }
+                _ => self.conv_backward(&cw, &input, &dz, true)?.expect("grad-input requested"),
+            };
             if i == 0 {
                 gx = Some(dx);
             } else {

@@ -430,9 +430,11 @@ pub struct KernelsSection {
     /// Where the fused step's BatchNorm reductions run: "pass" (each its own pass: the moments over each conv
     /// output, the backward sums over each BatchNorm's input and output gradient) or "fused" (inside the kernels
     /// next to them: the moments in the epilogue of the convolution before the BatchNorm, on the TMA tiles of an
-    /// sm_90a GPU; the block output BatchNorm's backward sums in the pass that makes the block's ReLU gradient;
-    /// one small launch then combines the moments as the pass's finaliser does). Not yet the default: "fused" has
-    /// not run on a GPU (the owed GPU tests `epilogue_stats_match_the_pass`, `joined_relu_grad_sums_match_the_two_passes`)
+    /// sm_90a GPU; the block output BatchNorm's backward sums in the pass that makes the block's ReLU gradient,
+    /// an inner BatchNorm's in the epilogue of the grad-input that makes its output gradient; small launches then
+    /// combine the partials as the passes' finalisers do). Not yet the default: "fused" has not run on a GPU (the
+    /// owed GPU tests `epilogue_stats_match_the_pass`, `joined_relu_grad_sums_match_the_two_passes`,
+    /// `grad_input_epilogue_sums_match_the_pass`)
     pub bn_stats: BnStatsChoice,
 }
 

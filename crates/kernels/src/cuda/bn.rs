@@ -314,6 +314,27 @@ pub fn stats_from_partials(
     Ok(CudaStorage::wrap_cuda_slice(stats, dev.clone()))
 }
 
+/// Backward sums (2, c) = [sum g, sum g * xhat] of a BatchNorm from the partials a grad-input's epilogue wrote
+/// (`ig::tma_epilogue_grad_sums`: [`super::tma::grad_sums_partials_len`]`(rows, c)` floats, 128 rows per chunk),
+/// reduced by bn_nhwc_bwd_final_v8.
+pub fn sums_from_partials(s: &CudaStorage, l: &Layout, rows: usize, c: usize) -> Result<CudaStorage> {
+    const OP: &str = "batch_norm_nhwc_sums_from_partials";
+    let dev = &s.device;
+    let len = super::tma::grad_sums_partials_len(rows, c);
+    let part = view::<f32>((s, l), len, dev, OP, "partials")?;
+    let chunks = super::i32_of(rows.div_ceil(super::tma::STATS_ROWS), OP, "chunks")?;
+    let c32 = super::i32_of(c, OP, "c")?;
+    let sums = alloc_out::<f32>(dev, 2 * c)?;
+    let f = dev.get_or_load_custom_func("bn_nhwc_bwd_final_v8", MODULE_V8, ptx::BATCHNORM_02_NHWC_VEC)?;
+    let mut b = f.builder();
+    b.arg(&part).arg(&sums).arg(&chunks).arg(&c32);
+    let cfg = LaunchConfig { grid_dim: (c.div_ceil(8) as u32, 1, 1), block_dim: (8, 128, 1), shared_mem_bytes: 0 };
+    // SAFETY: matches bn_nhwc_bwd_final_v8 (part, sums, chunks, c); part holds 2 chunks c floats (checked), sums
+    // 2 c; one block per 8 channels (the kernel skips channels >= c).
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(sums, dev.clone()))
+}
+
 // ----- forward normalisation -----------------------------------------------------------------------------------
 
 fn apply_t<T: CudaDType + DeviceRepr + WithDType + 'static>(

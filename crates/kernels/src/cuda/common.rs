@@ -45,6 +45,11 @@ pub struct GemmShape {
     pub tr: i32,
     pub ts: i32,
     pub tma_c: i32,
+    /// The GRAD_SUMS kernels: device addresses of the BatchNorm's statistics (3, n), weight and bias (n), FP32
+    /// (0 elsewhere). 28 i32 fields before them: 8-byte aligned in C and here alike.
+    pub bn_stats: u64,
+    pub bn_weight: u64,
+    pub bn_bias: u64,
 }
 
 // SAFETY: #[repr(C)] plain integers, laid out as the C struct the kernels take by value.

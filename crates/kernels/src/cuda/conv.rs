@@ -8,7 +8,7 @@ use super::autotune::{choose, pick, split_k};
 use super::common::{blocks, reduce_cfg, GemmShape, BK};
 use super::im2col::{im2col_applies, im2col_conv};
 use super::loader::{function, has_wgmma, sm_count, tiles_for};
-use super::tma::{conv_corners, tma_gemm, tma_im2col_map, tma_map, tma_run};
+use super::tma::{conv_corners, tma_gemm, tma_im2col_map, tma_map, tma_run, Epi};
 use super::{aligned_range, alloc_out, i32_of, suffix};
 use crate::geom::{ConvGeom, ConvPass, GemmLayout};
 use crate::policy::Tuning;
@@ -86,10 +86,15 @@ fn tma_conv<T: CudaDType + DeviceRepr + WithDType>(
     a: &CudaView<T>,
     b: &CudaView<T>,
     out: &CudaView<T>,
-    stats: Option<u64>,
+    epi: Epi,
     op: &str,
 ) -> Result<()> {
     let sfx = suffix(T::DTYPE, op)?;
+    match (epi, pass) {
+        (Epi::Plain, _) | (Epi::Moments { .. }, ConvPass::Fwd) => {}
+        (Epi::GradSums { .. }, ConvPass::Dgrad) if g.stride == 1 => {}
+        _ => candle_core::bail!("{op} (cuda): no {epi:?} epilogue for this pass"),
+    }
     let stream = dev.cuda_stream();
     let (pa, ga) = a.device_ptr(&stream);
     let (pb, gb) = b.device_ptr(&stream);
@@ -103,8 +108,8 @@ fn tma_conv<T: CudaDType + DeviceRepr + WithDType>(
         ConvPass::Fwd => {
             let ma = tma_im2col_map(pa, dt, x_dims, lo, up, g.stride, 128, op)?;
             let mb = tma_map(pb, dt, rsc, g.ko, tile.bn as u32, op)?;
-            let name = if stats.is_some() { "fwd_stats" } else { "fwd" };
-            tma_run(dev, tile, &func(name)?, (&ma, &mb), (g.n * p * q, g.ko, rsc), base, out, None, true, stats, op)?;
+            let name = if epi == Epi::Plain { "fwd" } else { "fwd_stats" };
+            tma_run(dev, tile, &func(name)?, (&ma, &mb), (g.n * p * q, g.ko, rsc), base, out, None, true, epi, op)?;
         }
         // dx[nhw][c] = im2col(dy, padding r - 1 - pad)[nhw][(r', s', k)] . w[k][flipped (r', s')][c]
         ConvPass::Dgrad if g.stride == 1 => {
@@ -112,7 +117,8 @@ fn tma_conv<T: CudaDType + DeviceRepr + WithDType>(
             let ma = tma_im2col_map(pa, dt, (g.n, p, q, g.ko), lo, up, 1, 128, op)?;
             let mb = tma_map(pb, dt, rsc, g.ko, 64, op)?;
             let mnk = (g.n * g.h * g.w, g.c, g.r * g.r * g.ko);
-            tma_run(dev, tile, &func("dgrad")?, (&ma, &mb), mnk, base, out, None, true, None, op)?;
+            let name = if epi == Epi::Plain { "dgrad" } else { "dgrad_gsums" };
+            tma_run(dev, tile, &func(name)?, (&ma, &mb), mnk, base, out, None, true, epi, op)?;
         }
         // Per phase class: dx[(n, hh, ww)][c] = im2col(dy, class corners)[..][(i', j', k)] . w[k][class tap][c],
         // stored to dx pixel (n, hh * stride + ph, ww * stride + pw).
@@ -130,7 +136,7 @@ fn tma_conv<T: CudaDType + DeviceRepr + WithDType>(
                 let (lw, uw) = corner(sh.pw, sh.s0, ts, sh.mw, q);
                 let ma = tma_im2col_map(pa, dt, (g.n, p, q, g.ko), (lh, lw), (uh, uw), 1, 128, op)?;
                 let mnk = (*m, g.c, tr * ts * g.ko);
-                tma_run(dev, tile, &f, (&ma, &mb), mnk, *sh, out, None, false, None, op)?;
+                tma_run(dev, tile, &f, (&ma, &mb), mnk, *sh, out, None, false, Epi::Plain, op)?;
             }
         }
         // Transposed (Ko <= 64, see wgrad_transposed): dw^T[(r, s, c)][ko] = im2col(x)^T[..][npq] . dy[npq][ko]
@@ -147,7 +153,7 @@ fn tma_conv<T: CudaDType + DeviceRepr + WithDType>(
                 out,
                 None,
                 true,
-                None,
+                Epi::Plain,
                 op,
             )?;
         }
@@ -155,7 +161,19 @@ fn tma_conv<T: CudaDType + DeviceRepr + WithDType>(
         ConvPass::Wgrad => {
             let ma = tma_map(pa, dt, g.ko, g.n * p * q, 64, op)?;
             let mb = tma_im2col_map(pb, dt, x_dims, lo, up, g.stride, 64, op)?;
-            tma_run(dev, tile, &func("wgrad")?, (&ma, &mb), (g.ko, rsc, g.n * p * q), base, out, None, true, None, op)?;
+            tma_run(
+                dev,
+                tile,
+                &func("wgrad")?,
+                (&ma, &mb),
+                (g.ko, rsc, g.n * p * q),
+                base,
+                out,
+                None,
+                true,
+                Epi::Plain,
+                op,
+            )?;
         }
     }
     drop((ga, gb));
@@ -184,17 +202,19 @@ pub struct ConvLaunch<'a> {
     pub tuning: &'a Tuning,
     /// Byte budget of the few-channel im2col buffer.
     pub im2col_budget: usize,
-    /// Forward only: where the BatchNorm moments of the output go when the pass runs on a TMA tile
-    /// (`ig::tma_epilogue_stats`), and the flag set when they were written.
+    /// BatchNorm reductions in the epilogue, when the pass runs on a TMA tile: the forward's moments
+    /// (`Epi::Moments`) or a grad-input's backward sums (`Epi::GradSums`, plain or stride-1 passes), with the
+    /// flag set when they were written.
     pub stats: Option<StatsOut<'a>>,
 }
 
-/// The epilogue statistics of a forward pass: the device address of an FP32 buffer of
-/// [`super::tma::stats_partials_len`]`(n p q, ko)` floats, and `wrote`, set when the launch that ran wrote it (a
-/// TMA tile: the others, and the few-channel im2col path, leave the statistics to a separate pass).
+/// The epilogue reduction asked of a pass ([`Epi`]: where its partials go, [`super::tma::stats_partials_len`] or
+/// [`super::tma::grad_sums_partials_len`] floats), and `wrote`, set when the launch that ran wrote them (a TMA
+/// tile on a pass that has the epilogue: the others, and the few-channel im2col path, leave the reduction to a
+/// separate pass).
 #[derive(Debug, Clone, Copy)]
 pub struct StatsOut<'a> {
-    pub part: u64,
+    pub epi: Epi,
     pub wrote: &'a std::sync::atomic::AtomicBool,
 }
 
@@ -288,8 +308,8 @@ impl<T: CudaDType + DeviceRepr + WithDType + ValidAsZeroBits + 'static> Pass<'_,
         };
         let y = alloc_out::<T>(dev, m * n)?;
         let stream = dev.cuda_stream();
-        let stats = self.cl.stats;
-        let part = stats.map(|s| s.part);
+        let stats = self.cl.stats.filter(|s| matches!(s.epi, Epi::Moments { .. }));
+        let part = stats.map_or(Epi::Plain, |s| s.epi);
         let mut run = |tile: Tile| -> Result<()> {
             if tile.is_tma() && self.tma_ok {
                 if let Some(s) = stats {
@@ -380,12 +400,18 @@ impl<T: CudaDType + DeviceRepr + WithDType + ValidAsZeroBits + 'static> Pass<'_,
             alloc_out::<T>(dev, len)?
         };
         let stream = dev.cuda_stream();
+        // The backward sums in the epilogue: the plain and stride-1 passes (the strided one scatters its rows).
+        let gsums = self.cl.stats.filter(|s| matches!(s.epi, Epi::GradSums { .. }) && (g.is_plain() || g.stride == 1));
+        let epi = gsums.map_or(Epi::Plain, |s| s.epi);
         let mut run = |tile: Tile| -> Result<()> {
+            if let Some(s) = self.cl.stats {
+                s.wrote.store(tile.is_tma() && self.tma_ok && gsums.is_some(), std::sync::atomic::Ordering::Relaxed);
+            }
             if tile.is_tma() && self.tma_ok {
                 if g.is_plain() {
                     // 1x1, stride 1: dx[nhw][c] = dy[nhw][ko] w[ko][c]
                     let mnk = (g.n * g.h * g.w, g.c, g.ko);
-                    return tma_gemm(dev, tile, GemmLayout::Nn, mnk, &self.v1, &self.v2, &dx.as_view(), None, None, op);
+                    return tma_gemm(dev, tile, GemmLayout::Nn, mnk, &self.v1, &self.v2, &dx.as_view(), None, epi, op);
                 }
                 return tma_conv(
                     dev,
@@ -397,7 +423,7 @@ impl<T: CudaDType + DeviceRepr + WithDType + ValidAsZeroBits + 'static> Pass<'_,
                     &self.v1,
                     &self.v2,
                     &dx.as_view(),
-                    None,
+                    epi,
                     op,
                 );
             }
@@ -436,11 +462,11 @@ impl<T: CudaDType + DeviceRepr + WithDType + ValidAsZeroBits + 'static> Pass<'_,
                     &self.v1,
                     &dwt.as_view(),
                     None,
-                    None,
+                    Epi::Plain,
                     op,
                 );
             }
-            tma_conv(dev, tile, ConvPass::Wgrad, g, &[], true, &self.v1, &self.v2, &dwt.as_view(), None, op)
+            tma_conv(dev, tile, ConvPass::Wgrad, g, &[], true, &self.v1, &self.v2, &dwt.as_view(), Epi::Plain, op)
         };
         let tile = self.pick(true, &self.tma_tiles(), X64, &mut run)?;
         run(tile)?;
@@ -466,7 +492,7 @@ impl<T: CudaDType + DeviceRepr + WithDType + ValidAsZeroBits + 'static> Pass<'_,
                         &self.v2,
                         &dw.as_view(),
                         None,
-                        None,
+                        Epi::Plain,
                         op,
                     );
                 }
@@ -480,7 +506,7 @@ impl<T: CudaDType + DeviceRepr + WithDType + ValidAsZeroBits + 'static> Pass<'_,
                     &self.v1,
                     &self.v2,
                     &dw.as_view(),
-                    None,
+                    Epi::Plain,
                     op,
                 );
             }

@@ -5,7 +5,7 @@
 use super::autotune::{choose, pick, split_k};
 use super::common::{blocks, splitk_reduce, splitk_workspace, GemmShape, BK};
 use super::loader::{function, sm_count, tiles_for};
-use super::tma::tma_gemm;
+use super::tma::{tma_gemm, Epi};
 use super::{aligned_range, alloc_out, i32_of, suffix};
 use crate::geom::GemmLayout;
 use crate::policy::Tuning;
@@ -58,7 +58,7 @@ pub fn gemm<T: CudaDType + DeviceRepr + WithDType + 'static>(
     let stream = dev.cuda_stream();
     let mut run = |tile: Tile| -> Result<()> {
         if tile.is_tma() {
-            return tma_gemm(dev, tile, layout, (m, n, k), va, vb, &c.as_view(), bias, None, op);
+            return tma_gemm(dev, tile, layout, (m, n, k), va, vb, &c.as_view(), bias, Epi::Plain, op);
         }
         // Split-K only on the 64x64 tile, when even its blocks cannot fill the GPU.
         let (k_split, splits) = if tile == T64 && m.div_ceil(64) * n.div_ceil(64) < sms {

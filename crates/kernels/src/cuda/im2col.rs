@@ -3,7 +3,7 @@
 
 use super::common::reduce_cfg;
 use super::loader::{function, has_wgmma, sm_count};
-use super::tma::tma_gemm;
+use super::tma::{tma_gemm, Epi};
 use super::{i32_of, suffix};
 use crate::geom::{ConvGeom, ConvPass, GemmLayout};
 use crate::variants::{Tile, X64};
@@ -117,12 +117,12 @@ pub fn im2col_conv<T: CudaDType + DeviceRepr + WithDType>(
         match &second {
             Second::Weights(wp) => {
                 let yv = out.slice(m0 * g.ko..(m0 + rows) * g.ko);
-                tma_gemm(dev, tile, GemmLayout::Nt, (rows, g.ko, kp), &cv, &wp.as_view(), &yv, None, None, op)?;
+                tma_gemm(dev, tile, GemmLayout::Nt, (rows, g.ko, kp), &cv, &wp.as_view(), &yv, None, Epi::Plain, op)?;
             }
             Second::Parts(parts) => {
                 let dyv = a.slice(m0 * g.ko..(m0 + rows) * g.ko);
                 let pv = parts.slice(z * g.ko * kp..(z + 1) * g.ko * kp);
-                tma_gemm(dev, tile, GemmLayout::Tn, (g.ko, kp, rows), &dyv, &cv, &pv, None, None, op)?;
+                tma_gemm(dev, tile, GemmLayout::Tn, (g.ko, kp, rows), &dyv, &cv, &pv, None, Epi::Plain, op)?;
             }
         }
     }

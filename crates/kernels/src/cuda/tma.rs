@@ -146,11 +146,40 @@ pub fn stats_partials_len(m: usize, n: usize) -> usize {
 /// Rows per chunk of the epilogue statistics (the TMA row tile).
 pub const STATS_ROWS: usize = 128;
 
+/// Elements of the BatchNorm backward sums that a GSUMS kernel writes for an m x n output: 2 ceil(m / 128) x n
+/// FP32, the sums pass's partial layout with 128 rows per chunk (reduced by bn_nhwc_bwd_final_v8).
+pub fn grad_sums_partials_len(m: usize, n: usize) -> usize {
+    2 * m.div_ceil(STATS_ROWS) * n
+}
+
+/// Device addresses of a BatchNorm's statistics (3, c), weight and bias (c), FP32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BnAddrs {
+    pub stats: u64,
+    pub weight: u64,
+    pub bias: u64,
+}
+
+/// What a TMA launch's epilogue computes besides C.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Epi {
+    #[default]
+    Plain,
+    /// The BatchNorm moments of C's columns into the partials at `part` ([`stats_partials_len`]; the STATS
+    /// kernels, `ig::tma_epilogue_stats`).
+    Moments { part: u64 },
+    /// The backward sums of the BatchNorm (+ ReLU) whose output gradient C is, into the partials at `part`
+    /// ([`grad_sums_partials_len`]): `z` is that BatchNorm's input (C-shaped, row-major), `bn` its per-channel
+    /// tensors (the GSUMS kernels, `ig::tma_epilogue_grad_sums`).
+    GradSums { part: u64, z: u64, bn: BnAddrs },
+}
+
 /// One launch of a TMA kernel `f` (tile x256, x128 or x64) over the m x n x k problem described by the tensor maps:
 /// the persistent grid, split-K through an FP32 workspace and gemm_splitk_reduce (which then adds the bias).
 /// `base` carries the convolution geometry (zero for matmuls); c is m x n row-major when `plain_c` (else the
-/// kernel places the rows itself, without split-K). `stats`: `f` is a STATS kernel and this is the device address
-/// of its partials ([`stats_partials_len`] floats): no split-K, the address goes in the workspace argument.
+/// kernel places the rows itself, without split-K). `epi` other than Plain: `f` is the matching STATS / GSUMS
+/// kernel; no split-K, the partials' address goes in the workspace argument (and for GradSums z in the bias
+/// argument, the BatchNorm's tensors in the shape).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
     dev: &CudaDevice,
@@ -162,13 +191,16 @@ pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
     c: &CudaView<T>,
     bias: Option<&CudaView<T>>,
     plain_c: bool,
-    stats: Option<u64>,
+    epi: Epi,
     op: &str,
 ) -> Result<()> {
     let sms = sm_count(dev)?;
+    if epi != Epi::Plain && bias.is_some() {
+        candle_core::bail!("{op} (cuda): epilogue statistics with a bias");
+    }
     // Split-K and the TMA store need C to be the plain row-major m x n matrix (not the strided grad-input's
     // scattered rows); the statistics need whole sums in one unit.
-    let (k_split, splits) = if plain_c && stats.is_none() {
+    let (k_split, splits) = if plain_c && epi == Epi::Plain {
         tma_split(tile, m, n, k, sms)
     } else {
         (k.div_ceil(tile.bk).max(1) * tile.bk, 1)
@@ -193,6 +225,10 @@ pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
         tma_c: tma_c as i32,
         ..base
     };
+    let sh = match epi {
+        Epi::GradSums { bn, .. } => GemmShape { bn_stats: bn.stats, bn_weight: bn.weight, bn_bias: bn.bias, ..sh },
+        _ => sh,
+    };
     let units = m.div_ceil(tile.bm) * n.div_ceil(tile.bn) * splits;
     let cfg = LaunchConfig {
         grid_dim: (units.min(sms).max(1) as u32, 1, 1),
@@ -202,18 +238,20 @@ pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
     let ws = splitk_workspace(dev, split.then_some(splits * m * n))?;
     let mut bld = stream.launch_builder(f);
     bld.arg(ma).arg(mb).arg(&mc).arg(c);
-    match &stats {
-        Some(part) => bld.arg(part),
-        None => bld.arg(&*ws),
+    match &epi {
+        Epi::Moments { part } | Epi::GradSums { part, .. } => bld.arg(part),
+        Epi::Plain => bld.arg(&*ws),
     };
-    match bias {
-        Some(v) => bld.arg(v),
-        None => bld.arg(c), // never read: has_bias = 0
+    match (bias, &epi) {
+        (Some(v), _) => bld.arg(v),
+        (None, Epi::GradSums { z, .. }) => bld.arg(z),
+        (None, _) => bld.arg(c), // never read: has_bias = 0
     };
     bld.arg(&sh);
     // SAFETY: (map A, map B, map C, c, ws, bias, shape) as the x256 / x128 / x64 kernels take them; the maps cover exactly
     // the operands of the m x n x k problem and c (read by the kernel only when tma_c), c holds m*n elements, ws
-    // splits*m*n when split, or (stats) the caller's stats_partials_len(m, n) floats for a STATS kernel.
+    // splits*m*n when split, or the caller's stats_partials_len(m, n) / grad_sums_partials_len(m, n) floats for a
+    // STATS / GSUMS kernel (GSUMS: z holds m*n elements, the BatchNorm's tensors 3n / n / n, checked by the caller).
     unsafe { bld.launch(cfg) }.w()?;
     if split {
         splitk_reduce(dev, &ws, c, bias, (m, n, splits), op)?;
@@ -223,8 +261,8 @@ pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
 
 /// C (m x n) = A B in `layout` on a TMA tile, plus `bias` (length n) when given. The operands must be contiguous
 /// and 16-byte aligned with rows of a multiple of 8 elements (the `vec` condition of the other kernels).
-/// `stats` (NT only): also the BatchNorm moments of C's columns into the partials at that address
-/// ([`stats_partials_len`]).
+/// `epi`: also the BatchNorm moments of C's columns (NT only) or the backward sums of the BatchNorm whose output
+/// gradient C is (NN only) into the partials ([`Epi`]).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn tma_gemm<T: CudaDType + DeviceRepr + WithDType>(
     dev: &CudaDevice,
@@ -235,7 +273,7 @@ pub(crate) fn tma_gemm<T: CudaDType + DeviceRepr + WithDType>(
     b: &CudaView<T>,
     c: &CudaView<T>,
     bias: Option<&CudaView<T>>,
-    stats: Option<u64>,
+    epi: Epi,
     op: &str,
 ) -> Result<()> {
     let sfx = super::suffix(T::DTYPE, op)?;
@@ -248,12 +286,14 @@ pub(crate) fn tma_gemm<T: CudaDType + DeviceRepr + WithDType>(
         GemmLayout::Nn => (tma_map(pa, dt, k, m, 128, op)?, tma_map(pb, dt, n, k, 64, op)?, "nn"),
         GemmLayout::Tn => (tma_map(pa, dt, m, k, 64, op)?, tma_map(pb, dt, n, k, 64, op)?, "tn"),
     };
-    if stats.is_some() && (layout != GemmLayout::Nt || bias.is_some()) {
-        candle_core::bail!("{op} (cuda): epilogue statistics need an NT GEMM without bias");
-    }
-    let tag = if stats.is_some() { "nt_stats" } else { tag };
+    let tag = match (epi, layout) {
+        (Epi::Plain, _) => tag,
+        (Epi::Moments { .. }, GemmLayout::Nt) => "nt_stats",
+        (Epi::GradSums { .. }, GemmLayout::Nn) => "nn_gsums",
+        _ => candle_core::bail!("{op} (cuda): no {epi:?} epilogue for the {layout:?} GEMM"),
+    };
     let f = function(dev, tile.gemm_module, &format!("gemm_{tag}_{}_vec_{sfx}", tile.name), tile.smem)?;
-    tma_run(dev, tile, &f, (&ma, &mb), (m, n, k), GemmShape::default(), c, bias, true, stats, op)?;
+    tma_run(dev, tile, &f, (&ma, &mb), (m, n, k), GemmShape::default(), c, bias, true, epi, op)?;
     drop((ga, gb));
     Ok(())
 }

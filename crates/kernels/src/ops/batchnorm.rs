@@ -374,6 +374,40 @@ impl CustomOp3 for JoinGradSums {
     }
 }
 
+/// The backward sums (2, c) of a BatchNorm from the partials a grad-input's epilogue wrote
+/// ([`crate::conv2d_nhwc_grad_input_sums`]; CUDA only).
+pub fn grad_sums_from_partials(part: &Tensor, rows: usize, c: usize) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if part.device().is_cuda() {
+        return part.apply_op1_no_bwd(&SumsFromPartials { rows, c });
+    }
+    let _ = part;
+    candle_core::bail!("grad_sums_from_partials: the epilogue sums exist on CUDA only ({rows} x {c})")
+}
+
+/// [`grad_sums_from_partials`] as a candle op over the partials.
+#[cfg(feature = "cuda")]
+#[derive(Debug, Clone, Copy)]
+struct SumsFromPartials {
+    rows: usize,
+    c: usize,
+}
+
+#[cfg(feature = "cuda")]
+impl CustomOp1 for SumsFromPartials {
+    fn name(&self) -> &'static str {
+        "batch_norm_nhwc_sums_from_partials"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("{}: CUDA only", self.name())
+    }
+
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((crate::cuda::bn::sums_from_partials(s, l, self.rows, self.c)?, Shape::from((2, self.c))))
+    }
+}
+
 /// [`batch_stats`] of a (rows, c) convolution output from the moments its epilogue wrote
 /// ([`crate::conv2d_nhwc_forward_stats`]), with `running` updated in the same launch (CUDA only).
 pub fn batch_stats_from_partials(part: &Tensor, rows: usize, c: usize, eps: f64, running: &Running) -> Result<Tensor> {

@@ -114,6 +114,43 @@ pub fn conv2d_nhwc_grad_input(
     super::conv::conv2d_grad_input(&dyn_, &wn, p, in_hw)?.permute((0, 2, 3, 1))?.contiguous()
 }
 
+/// [`conv2d_nhwc_grad_input`] where dx is the gradient at the output of a training-mode BatchNorm `p` + ReLU over
+/// `z` (same shape as dx), with that BatchNorm's backward sums (2, c) = [sum g, sum g * xhat] (g: dx masked by the
+/// ReLU, as [`crate::ops::batchnorm::BnGrad`] with `relu` computes them): on CUDA from the grad-input's epilogue
+/// when it runs on a TMA tile (plain or stride-1 passes), else by the sums pass over (z, dx).
+pub fn conv2d_nhwc_grad_input_sums(
+    dy: &Tensor,
+    w: &Tensor,
+    (stride, pad, in_hw): (usize, usize, (usize, usize)),
+    policy: &KernelPolicy,
+    z: &Tensor,
+    p: &crate::BnParams,
+) -> Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if kernels_apply(dy) {
+        let (dx, sums) = cuda_ops::conv_nhwc_dgrad_sums(dy, w, stride, pad, in_hw, policy, z, p)?;
+        if let Some(sums) = sums {
+            return Ok((dx, sums));
+        }
+        return Ok((dx.clone(), sums_pass(z, &dx, p)?));
+    }
+    let dx = conv2d_nhwc_grad_input(dy, w, stride, pad, in_hw, policy)?;
+    let sums = sums_pass(z, &dx, p)?;
+    Ok((dx, sums))
+}
+
+/// The BatchNorm + ReLU backward sums over (z, g) as their own pass.
+fn sums_pass(z: &Tensor, g: &Tensor, p: &crate::BnParams) -> Result<Tensor> {
+    let op = crate::ops::batchnorm::BnGrad {
+        relu: true,
+        stats: p.stats.clone(),
+        weight: p.weight.clone(),
+        bias: p.bias.clone(),
+        sums: None,
+    };
+    z.apply_op2_no_bwd(g, &op)
+}
+
 /// Grad-weight of [`conv2d_nhwc_forward`]: dy (n, p, q, k), x (n, h, w, c) -> dw (k, r, r, c). Our kernels on
 /// CUDA in BF16/FP16; elsewhere candle's forward convolutions ([`super::conv::conv2d_grad_weight`]).
 pub fn conv2d_nhwc_grad_weight(
@@ -146,7 +183,7 @@ fn dgrad_reference(dy: &Tensor, w: &Tensor, g: ConvGeom) -> Result<Tensor> {
 }
 
 #[cfg(feature = "cuda")]
-pub use cuda_ops::{conv_nhwc_dgrad, conv_nhwc_fwd, conv_nhwc_fwd_stats, conv_nhwc_wgrad};
+pub use cuda_ops::{conv_nhwc_dgrad, conv_nhwc_dgrad_sums, conv_nhwc_fwd, conv_nhwc_fwd_stats, conv_nhwc_wgrad};
 
 /// The candle ops over the CUDA launchers.
 #[cfg(feature = "cuda")]
@@ -154,10 +191,11 @@ mod cuda_ops {
     use super::{dgrad_reference, kernels_apply};
     use crate::cuda::conv::{conv_storage, wgrad_transposed, ConvLaunch, StatsOut};
     use crate::cuda::im2col::im2col_applies;
+    use crate::cuda::tma::Epi;
     use crate::geom::{ConvGeom, ConvPass};
     use crate::ops::aligned;
     use crate::policy::{KernelPolicy, Tuning};
-    use candle_core::{CpuStorage, CudaStorage, CustomOp2, Layout, Result, Shape, Tensor};
+    use candle_core::{CpuStorage, CudaStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
 
@@ -173,7 +211,7 @@ mod cuda_ops {
         im2col_budget: usize,
         /// Forward only: the address of the epilogue statistics' partials and the flag the launch sets when it
         /// wrote them ([`crate::cuda::conv::StatsOut`]).
-        stats: Option<(u64, Arc<AtomicBool>)>,
+        stats: Option<(Epi, Arc<AtomicBool>)>,
     }
 
     impl ConvOp {
@@ -194,7 +232,7 @@ mod cuda_ops {
                 transposed: self.transposed,
                 tuning: &self.tuning,
                 im2col_budget: self.im2col_budget,
-                stats: self.stats.as_ref().map(|(part, wrote)| StatsOut { part: *part, wrote }),
+                stats: self.stats.as_ref().map(|(epi, wrote)| StatsOut { epi: *epi, wrote }),
             }
         }
     }
@@ -347,7 +385,8 @@ mod cuda_ops {
         let part = crate::cuda::empty_f32(&x, len)?;
         let addr = crate::cuda::addr_of::<f32>(&part, len, "epilogue statistics")?;
         let wrote = Arc::new(AtomicBool::new(false));
-        let op = ConvOp { stats: Some((addr, wrote.clone())), ..ConvOp::new(geom, ConvPass::Fwd, policy) };
+        let epi = Epi::Moments { part: addr };
+        let op = ConvOp { stats: Some((epi, wrote.clone())), ..ConvOp::new(geom, ConvPass::Fwd, policy) };
         let y = aligned(&x)?.apply_op2_no_bwd(&aligned(&w)?, &op)?;
         Ok((y, wrote.load(Ordering::Relaxed).then_some(part)))
     }
@@ -365,6 +404,61 @@ mod cuda_ops {
         let (_, r, _, c) = w.dims4()?;
         let geom = ConvGeom { n, h: in_hw.0, w: in_hw.1, c, ko, r, stride, pad };
         dgrad_geom(&aligned(dy)?, w, geom, policy)
+    }
+
+    /// [`conv_nhwc_dgrad`] whose dx is the gradient at the output of BatchNorm `p` + ReLU over `z`, with that
+    /// BatchNorm's backward sums computed in the epilogue when the pass runs on a TMA tile (plain or stride 1):
+    /// (dx, Some(sums (2, c))); (dx, None) on the other paths.
+    #[allow(clippy::too_many_arguments)]
+    pub fn conv_nhwc_dgrad_sums(
+        dy: &Tensor,
+        w: &Tensor,
+        stride: usize,
+        pad: usize,
+        in_hw: (usize, usize),
+        policy: &KernelPolicy,
+        z: &Tensor,
+        p: &crate::BnParams,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let (n, _, _, ko) = dy.dims4()?;
+        let (_, r, _, c) = w.dims4()?;
+        let geom = ConvGeom { n, h: in_hw.0, w: in_hw.1, c, ko, r, stride, pad };
+        let rows = n * in_hw.0 * in_hw.1;
+        let fits = z.dims() == [n, in_hw.0, in_hw.1, c]
+            && z.dtype() == dy.dtype()
+            && z.is_contiguous()
+            && [&p.stats, &p.weight, &p.bias].iter().all(|t| t.dtype() == DType::F32 && t.is_contiguous())
+            && p.stats.elem_count() == 3 * c
+            && p.weight.elem_count() == c
+            && p.bias.elem_count() == c;
+        if !c.is_multiple_of(8) || !ko.is_multiple_of(8) || !fits {
+            return Ok((dgrad_geom(&aligned(dy)?, w, geom, policy)?, None));
+        }
+        let len = crate::cuda::tma::grad_sums_partials_len(rows, c);
+        let part = crate::cuda::empty_f32(dy, len)?;
+        let f32_addr = |t: &Tensor, n: usize, what: &str| crate::cuda::addr_of::<f32>(t, n, what);
+        let za = match z.dtype() {
+            DType::BF16 => crate::cuda::addr_of::<half::bf16>(z, rows * c, "BatchNorm input")?,
+            DType::F16 => crate::cuda::addr_of::<half::f16>(z, rows * c, "BatchNorm input")?,
+            _ => return Ok((dgrad_geom(&aligned(dy)?, w, geom, policy)?, None)),
+        };
+        let epi = Epi::GradSums {
+            part: f32_addr(&part, len, "backward sums")?,
+            z: za,
+            bn: crate::cuda::tma::BnAddrs {
+                stats: f32_addr(&p.stats, 3 * c, "BatchNorm statistics")?,
+                weight: f32_addr(&p.weight, c, "BatchNorm weight")?,
+                bias: f32_addr(&p.bias, c, "BatchNorm bias")?,
+            },
+        };
+        let wrote = Arc::new(AtomicBool::new(false));
+        let op = ConvOp { stats: Some((epi, wrote.clone())), ..ConvOp::new(geom, ConvPass::Dgrad, policy) };
+        let dx = aligned(dy)?.apply_op2_no_bwd(&aligned(w)?, &op)?;
+        if !wrote.load(Ordering::Relaxed) {
+            return Ok((dx, None));
+        }
+        let sums = crate::ops::batchnorm::grad_sums_from_partials(&part, rows, c)?;
+        Ok((dx, Some(sums)))
     }
 
     /// Grad-weight: dy (n, p, q, ko), x (n, h, w, c) -> dw (ko, r, r, c); small channel counts take the im2col
