@@ -180,6 +180,7 @@ fn run(a: &Args) -> Result<()> {
     }
     if a.only.contains(&Section::Bn) {
         out["batchnorm"] = batchnorms(&timer, &dev, dt, batch)?;
+        out["fused_bn"] = fused_bn(&timer, &dev, dt, batch, &policy)?;
     }
     if a.only.contains(&Section::Optim) {
         out["optim"] = optims(&timer, &dev, dt)?;
@@ -463,6 +464,98 @@ fn batchnorms(timer: &Timer, dev: &Device, dt: DType, n: usize) -> Result<Value>
             timer.time(|| x.apply_op2_no_bwd(&dy, &grad_dx))?,
             3.0 * bytes,
         ));
+    }
+    Ok(Value::Array(rows))
+}
+
+/// `kernels.bn_stats = "fused"`: each fused BatchNorm reduction against the kernels it replaces, on ResNet-152
+/// shapes at batch `n`: the block-output gradient joined with its BatchNorm's backward sums (memory-bound: GB/s of
+/// the bytes it must move), the moments in the forward convolution's epilogue and the sums in the grad-input's
+/// epilogue (ms: the convolution with its epilogue reduction against the convolution plus the separate pass).
+fn fused_bn(timer: &Timer, dev: &Device, dt: DType, n: usize, policy: &KernelPolicy) -> Result<Value> {
+    use kernels::ops::batchnorm::{batch_stats_from_partials, join_grad_sums, Running};
+    println!(
+        "
+fused BatchNorm reductions (kernels.bn_stats = \"fused\") {dt:?}"
+    );
+    let mut rows = Vec::new();
+    let ms_row = |what: &str, fused: f64, separate: f64| -> Value {
+        println!("{what:<58} {fused:>8.3} ms fused, {separate:>8.3} ms separate ({:.2}x)", separate / fused);
+        json!({ "name": what, "fused_ms": fused, "separate_ms": separate })
+    };
+    let params = |c: usize| -> Result<kernels::BnParams> {
+        let stats = Tensor::cat(&[Tensor::zeros((1, c), DType::F32, dev)?, Tensor::ones((2, c), DType::F32, dev)?], 0)?;
+        Ok(kernels::BnParams {
+            stats,
+            weight: Tensor::ones(c, DType::F32, dev)?,
+            bias: Tensor::zeros(c, DType::F32, dev)?,
+        })
+    };
+    // The block output's gradient and its last BatchNorm's sums: layer3's (14 x 14 x 1024) and layer1's.
+    for (h, c) in [(14, 1024), (56, 256)] {
+        let r = |s: f64| -> candle_core::Result<Tensor> {
+            (Tensor::randn(0f32, 1.0, (n, h, h, c), dev)? + s)?.to_dtype(dt)
+        };
+        let (a, b, y, z) = (r(0.0)?, r(0.0)?, r(0.0)?.relu()?, r(0.5)?);
+        let p = params(c)?;
+        let bytes = (n * h * h * c * dt.size_in_bytes()) as f64;
+        let grad =
+            BnGrad { relu: false, stats: p.stats.clone(), weight: p.weight.clone(), bias: p.bias.clone(), sums: None };
+        rows.push(mem_row(
+            &format!("join {n}x{h}x{h}x{c}: relu grad + bwd sums (4 reads, 1 write)"),
+            timer.time(|| Ok(join_grad_sums(&a, Some(&b), &y, &z, &p)?.0))?,
+            5.0 * bytes,
+        ));
+        rows.push(mem_row(
+            "  separate: add_relu_grad + bwd sums (5 reads, 1 write)",
+            timer.time(|| {
+                let g = kernels::add_relu_grad(&a, &b, &y)?;
+                z.apply_op2_no_bwd(&g, &grad)
+            })?,
+            6.0 * bytes,
+        ));
+    }
+    // The moments in the forward epilogue, and the sums in the grad-input epilogue: a 1x1 (GEMM) and a 3x3.
+    for (h, c, ko, k) in [(56, 64, 256, 1), (14, 256, 256, 3)] {
+        let pad = k / 2;
+        let x = Tensor::randn(0f32, 1.0, (n, h, h, c), dev)?.to_dtype(dt)?;
+        let w = (Tensor::randn(0f32, 1.0, (ko, k, k, c), dev)? * 0.05)?.to_dtype(dt)?;
+        let fused = KernelPolicy { bn_stats_in_conv: true, ..policy.clone() };
+        let running = |c: usize| -> Result<(candle_core::Var, candle_core::Var, candle_core::Var)> {
+            Ok((
+                candle_core::Var::from_tensor(&Tensor::zeros(c, DType::F32, dev)?)?,
+                candle_core::Var::from_tensor(&Tensor::ones(c, DType::F32, dev)?)?,
+                candle_core::Var::from_tensor(&Tensor::new(0i64, dev)?)?,
+            ))
+        };
+        let (m, v, t) = running(ko)?;
+        let run = Running { mean: &m, var: &v, num_batches_tracked: &t, momentum: 0.1 };
+        let rows_out = n * h * h;
+        let tag = format!("{n}x{h}x{h}x{c} -> {ko} k{k}");
+        let f = timer.time(|| {
+            let (y, part) = kernels::conv2d_nhwc_forward_stats(&x, &w, 1, pad, &fused)?;
+            match part {
+                Some(part) => batch_stats_from_partials(&part, rows_out, ko, 1e-5, &run),
+                None => kernels::ops::batchnorm::batch_stats(&y, 1e-5, &run),
+            }
+        })?;
+        let sep = timer.time(|| {
+            let y = kernels::conv2d_nhwc_forward(&x, &w, 1, pad, policy)?;
+            kernels::ops::batchnorm::batch_stats(&y, 1e-5, &run)
+        })?;
+        rows.push(ms_row(&format!("conv fwd {tag} + BatchNorm moments"), f, sep));
+        // Grad-input of the same conv into a BatchNorm + ReLU over x's shape.
+        let dy = Tensor::randn(0f32, 1.0, (n, h, h, ko), dev)?.to_dtype(dt)?;
+        let p = params(c)?;
+        let f =
+            timer.time(|| Ok(kernels::conv2d_nhwc_grad_input_sums(&dy, &w, (1, pad, (h, h)), &fused, &x, &p)?.1))?;
+        let grad =
+            BnGrad { relu: true, stats: p.stats.clone(), weight: p.weight.clone(), bias: p.bias.clone(), sums: None };
+        let sep = timer.time(|| {
+            let dx = kernels::conv2d_nhwc_grad_input(&dy, &w, 1, pad, (h, h), policy)?;
+            x.apply_op2_no_bwd(&dx, &grad)
+        })?;
+        rows.push(ms_row(&format!("conv dgrad {tag} + BatchNorm bwd sums"), f, sep));
     }
     Ok(Value::Array(rows))
 }
