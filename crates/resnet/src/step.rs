@@ -18,11 +18,15 @@
 //! Kernels: the ops of the `kernels` crate (our convolutions, BatchNorm, pooling and fused residual kernels on
 //! CUDA in bf16/fp16, their CPU references elsewhere). Per step, every conv weight is cast to the activation
 //! dtype and (k, r, r, c) layout at the start (one launch on CUDA, [`kernels::ops::weights`]); with
-//! `kernels.bn_stats = "fused"` the BatchNorm moments come from the convolutions' epilogues; the grad-weights
+//! `kernels.bn_stats = "fused"` (`KernelPolicy::bn_stats_in_conv`) the BatchNorm moments come from the
+//! convolutions' epilogues and the backward sums from the kernels that make each BatchNorm's output gradient (the
+//! block's ReLU-gradient pass, the next conv's grad-input epilogue); the grad-weights
 //! are converted back to FP32 (k, c, r, r) per gradient bucket (one launch per bucket; a single bucket at the end
 //! of the step unless data-parallel training asks for buckets, [`StepArgs::buckets`]); the BatchNorm statistics
-//! update the running statistics inside their finaliser. Buffers are still allocated per op by candle's caching allocator and the step is not
-//! yet captured as a CUDA graph.
+//! update the running statistics inside their finaliser. Buffers are allocated per op by candle's caching
+//! allocator; on CUDA the trainer captures the whole step (this function, the gather, the update) as one CUDA graph
+//! and replays it (`kernels.graph`, crates/trainer/src/graphs.rs), where those allocations become the graph's
+//! fixed memory.
 
 use crate::layers::{BatchNorm2d, Conv2d, Linear};
 use crate::model::{Block, ResNet, Stem};
@@ -415,10 +419,8 @@ impl<'a> Engine<'a> {
 
     /// Backward of `[relu](bn(z))` for the gradient g of its output: records dweight, dbias, returns dz. With
     /// frozen statistics the mean and variance are constants, so dz = w * invstd * g: the dx pass with zero
-    /// sums computes exactly that.
-    /// BatchNorm backward from the gradient `g` at its output (through the ReLU when `relu`): records the weight
-    /// and bias gradients and returns the gradient at its input. `pre`: the sums (2, c) already computed with `g`
-    /// ([`Self::block_output_grad`]).
+    /// sums computes exactly that. `pre`: the sums (2, c) already computed with `g` by the kernel that made it
+    /// ([`Self::block_output_grad`], [`Self::conv_backward_sums`]); None: the sums pass runs here.
     fn bn_backward(
         &mut self,
         s: &BnSaved,
