@@ -172,8 +172,10 @@ extern "C" __global__ void __launch_bounds__(256) mt_adamw_f32(const unsigned lo
         float pj = p[j];
         if (wd != 0.f) pj = pj * (1.f - lrm * wd);
         const float g = grad[off + j] * coef;
-        const float m = beta1 * exp_avg[off + j] + (1.f - beta1) * g;
-        const float v = beta2 * exp_avg_sq[off + j] + (1.f - beta2) * (g * g);
+        // 1 - beta from the host's double (omb): 1.f - 0.999f is 0.00099998713, 1.3e-5 off, which v / bc2 would
+        // carry into every update (bc2 is made from omb2).
+        const float m = beta1 * exp_avg[off + j] + omb1 * g;
+        const float v = beta2 * exp_avg_sq[off + j] + omb2 * (g * g);
         exp_avg[off + j] = m;
         exp_avg_sq[off + j] = v;
         p[j] = pj - lrm * ((m / bc1) / (sqrtf(v / bc2) + eps));

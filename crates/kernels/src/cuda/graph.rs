@@ -104,8 +104,9 @@ pub struct UploadCache {
     _guard: Box<dyn std::any::Any>,
 }
 
-/// Captures everything `work` queues on `dev`'s stream into a graph, without running it. On error the capture is
-/// ended and nothing is queued; the caller may run the work eagerly.
+/// Captures everything `work` queues on `dev`'s stream into a graph, without running it (relaxed capture mode).
+/// On error the capture is ended, the stream drained and the errors the capture's drops recorded are cleared:
+/// nothing is queued and the caller may run the work eagerly.
 pub fn capture(dev: &CudaDevice, work: impl FnOnce() -> Result<()>) -> Result<StepGraph> {
     let stream = dev.cuda_stream();
     let ctx = stream.context().clone();
@@ -119,7 +120,9 @@ pub fn capture(dev: &CudaDevice, work: impl FnOnce() -> Result<()>) -> Result<St
     // SAFETY: everything the capture queues runs on this one stream.
     unsafe { ctx.disable_event_tracking() };
     CAPTURING.with(|c| *c.borrow_mut() = Some(Vec::new()));
-    let begun = stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).w();
+    // Relaxed: the pinned buffers of the captured copies are allocated inside the capture (cuMemHostAlloc, which
+    // the stricter modes refuse as a potentially synchronising call); nothing of it is queued on the stream.
+    let begun = stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).w();
     let worked = begun.and_then(|()| work());
     // Always ended, so that the stream leaves capture mode whatever happened.
     let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0)).w();
@@ -130,6 +133,12 @@ pub fn capture(dev: &CudaDevice, work: impl FnOnce() -> Result<()>) -> Result<St
     }
     // Errors that drops inside the capture could only record (a free the capture refused).
     let recorded = ctx.check_err().w();
+    if worked.is_err() || recorded.is_err() || ended.is_err() {
+        // Leave nothing behind for the eager step that follows: let the stream drain and clear what the failed
+        // capture's drops recorded.
+        let _ = stream.synchronize();
+        let _ = ctx.check_err();
+    }
     worked?;
     recorded?;
     let graph = ended?.ok_or_else(|| candle_core::Error::Msg("CUDA graph capture recorded nothing".into()))?;
