@@ -26,8 +26,19 @@ fn model(arch: Arch, stem: Stem, dev: &Device) -> Result<ResNet> {
     Ok(ResNet::new(c, dev)?)
 }
 
+/// Softmax cross-entropy with label smoothing as candle ops, so that autograd differentiates it (the fused loss
+/// kernel of the explicit step, `resnet::step::softmax_cross_entropy`, computes its gradient itself and has no
+/// backward: through it autograd made no gradient at all, and the comparisons failed with "no gradient for
+/// bn1.bias" on the H200 on 2026-12-05).
 fn xent(logits: &Tensor, labels: &Tensor, eps: f64) -> Result<Tensor> {
-    Ok(resnet::step::softmax_cross_entropy(&logits.to_dtype(DType::F32)?, labels, eps, 1.0)?.0)
+    let logits = logits.to_dtype(DType::F32)?;
+    let (n, k) = logits.dims2()?;
+    let m = logits.max_keepdim(1)?.detach();
+    let s = logits.broadcast_sub(&m)?;
+    let logp = s.broadcast_sub(&s.exp()?.sum_keepdim(1)?.log()?)?;
+    let nll = logp.gather(&labels.unsqueeze(1)?, 1)?.sum_all()?;
+    let uniform = logp.sum_all()?;
+    Ok(((nll * (-(1.0 - eps) / n as f64))? + (uniform * (-eps / (n * k) as f64))?)?)
 }
 
 /// Autograd's loss and gradients (by parameter name) of `loss * scale`.

@@ -307,6 +307,10 @@ mod cuda {
                     dst.labels.slice_set(&src.labels, 0, 0)?;
                 }
                 plan.graph.launch()?;
+                if runner.graphs.replayed == 0 && std::env::var_os("TRAINER_GRAPH_DEBUG").is_some() {
+                    dev.cuda_stream().synchronize().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+                    eprintln!("graph debug: report after the first replay {:?}", plan.report.to_vec1::<f32>()?);
+                }
                 runner.graphs.replayed += 1;
                 // Read back (a copy queued behind the launch) before the next launch rewrites it.
                 Ok(Some(plan.report.clone()))
@@ -352,6 +356,15 @@ mod cuda {
         let fingerprint = fingerprint(runner, lr_dev).map_err(err)?;
         let k = key(runner, micro);
         graph.launch()?;
+        if std::env::var_os("TRAINER_GRAPH_DEBUG").is_some() {
+            // Diagnosis of the owed GPU test: what the first launch wrote, read after a full synchronisation.
+            dev.cuda_stream().synchronize().map_err(|e| candle_core::Error::Msg(format!("{e:?}")))?;
+            eprintln!(
+                "graph debug: {} nodes; report after the first launch {:?}",
+                graph.nodes,
+                report.to_vec1::<f32>()?
+            );
+        }
         runner.graphs.captures += 1;
         runner.graphs.policy.captured(&k);
         runner.graphs.eager_since_replay = false;
