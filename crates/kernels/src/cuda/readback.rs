@@ -3,7 +3,7 @@
 //! at the end of step k, and read once that copy is done, while step k + 1 still runs. (candle's `to_vec1`
 //! synchronises the whole stream, which would wait for step k + 1 as well.)
 
-use candle_core::cuda_backend::cudarc::driver::PinnedHostSlice;
+use candle_core::cuda_backend::cudarc::driver::{CudaEvent, PinnedHostSlice};
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::{DType, Result, Tensor};
 
@@ -11,6 +11,10 @@ use candle_core::{DType, Result, Tensor};
 pub struct HostReadback {
     pinned: PinnedHostSlice<f32>,
     len: usize,
+    /// Recorded on the stream right after the copy: `read` waits for it. (The pinned slice's own event is recorded
+    /// only while cudarc manages several streams; with one stream `read` would not wait and could see the values
+    /// of an earlier copy: on the H200, 2026-12-05, a replayed step's report read as the previous one's or zeros.)
+    done: CudaEvent,
 }
 
 impl HostReadback {
@@ -19,7 +23,8 @@ impl HostReadback {
         let ctx = dev.cuda_stream().context().clone();
         // SAFETY: the buffer is written by the copies of `queue` before `read` returns any of it.
         let pinned = unsafe { ctx.alloc_pinned::<f32>(capacity.max(1)) }.w()?;
-        Ok(Self { pinned, len: 0 })
+        let done = ctx.new_event(None).w()?;
+        Ok(Self { pinned, len: 0, done })
     }
 
     /// Queues the copy of `t` (contiguous FP32 on a CUDA device, at most the capacity) into the buffer, on the
@@ -38,8 +43,10 @@ impl HostReadback {
             l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("readback: not contiguous".into()))?;
         let candle_core::Storage::Cuda(cs) = &*st else { candle_core::bail!("readback: not on a CUDA device") };
         let src = cs.as_cuda_slice::<f32>()?.slice(o0..o1);
-        // The copy records the buffer's event on the stream: `read` waits for that event only.
-        cs.device.cuda_stream().memcpy_dtoh(&src, &mut self.pinned).w()?;
+        let stream = cs.device.cuda_stream();
+        stream.memcpy_dtoh(&src, &mut self.pinned).w()?;
+        // `read` waits for this event only, not for the work queued after it.
+        self.done.record(&stream).w()?;
         self.len = o1 - o0;
         Ok(())
     }
@@ -47,6 +54,7 @@ impl HostReadback {
     /// The values of the last [`Self::queue`]d tensor, once their copy has run (the work queued after it may
     /// still be running).
     pub fn read(&self) -> Result<Vec<f32>> {
+        self.done.synchronize().w()?;
         Ok(self.pinned.as_slice().w()?[..self.len].to_vec())
     }
 }
