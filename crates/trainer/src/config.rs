@@ -428,7 +428,8 @@ pub struct KernelsSection {
     /// captured as one graph, and every later step of that shape replays it: one launch per step. Other shapes (an
     /// epoch's last, smaller batch) run eagerly. On the H200 (2026-12-05) the replay ran ResNet-152 at 3,226
     /// img/s against 3,114 eager, but `graph_replay_matches_eager_steps` failed: the captured step's report came
-    /// back as zeros; until that is fixed the replay is not trusted by default
+    /// back as zeros (the likely cause, the report read not waiting for its copy with one stream, is fixed but not
+    /// yet rerun); until the test passes the replay is not trusted by default
     pub graph: GraphChoice,
     /// Where the fused step's BatchNorm reductions run: "pass" (each its own pass: the moments over each conv
     /// output, the backward sums over each BatchNorm's input and output gradient) or "fused" (inside the kernels
