@@ -134,7 +134,7 @@ main() {
     if [ -f "$dist/dp-tests.gz" ]; then
         echo "== dp-tests synced_step_on_cuda (synchronised BatchNorm, 4 ranks as threads on this GPU, bf16)"
         gunzip -c "$dist/dp-tests.gz" > "$bin/dp-tests" && chmod +x "$bin/dp-tests"
-        run_tests dp-tests dp-tests.log 120 "^test |test result|median|panicked" synced_step_on_cuda
+        run_tests dp-tests dp-tests.log 120 "^test |test result|median|worst five|panicked" synced_step_on_cuda
     fi
     if [ -n "${NCCL_CHECK:-}" ]; then
         echo "== dist-check --nccl at world size 1 (trainer launch --nproc-per-node 1; a build with NCCL=1)"

@@ -127,7 +127,7 @@ pub fn bench_one(cfg: &Config, dtype: Precision, bs: usize, warmup: usize, steps
             graph_note = Some(match g.policy.disabled() {
                 Some(why) => format!("eager (kernels.graph = \"{}\"; the capture failed: {why})", g.choice.name()),
                 None if replayed > 0 => {
-                    format!("{replayed} of {steps} timed steps replayed from one CUDA graph of {} nodes", g.nodes())
+                    format!("{replayed} of {steps} timed steps replayed from one CUDA graph of {}", g.nodes())
                 }
                 None => format!("eager (kernels.graph = \"{}\")", g.choice.name()),
             });

@@ -129,13 +129,13 @@ impl Graphs {
         }
     }
 
-    /// Nodes of the captured graph (0 without one).
-    pub fn nodes(&self) -> usize {
+    /// The captured graph's nodes by kind ("no graph" without one).
+    pub fn nodes(&self) -> String {
         #[cfg(feature = "cuda")]
         if let Some(p) = &self.plan {
-            return p.graph.nodes;
+            return p.graph.nodes.to_string();
         }
-        0
+        "no graph".into()
     }
 }
 
@@ -360,7 +360,7 @@ mod cuda {
             // Diagnosis of the owed GPU test: what the first launch wrote, read after a full synchronisation.
             dev.cuda_stream().synchronize().map_err(|e| candle_core::Error::Msg(format!("{e:?}")))?;
             eprintln!(
-                "graph debug: {} nodes; report after the first launch {:?}",
+                "graph debug: {}; report after the first launch {:?}",
                 graph.nodes,
                 report.to_vec1::<f32>()?
             );

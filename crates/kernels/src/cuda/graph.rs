@@ -48,8 +48,40 @@ pub struct StepGraph {
     // Dropped before `_sources`: the graph's copies read them.
     graph: CudaGraph,
     _sources: Vec<Pinned>,
-    /// Kernel, copy and memory nodes of the graph.
-    pub nodes: usize,
+    /// The graph's nodes by kind.
+    pub nodes: NodeCounts,
+}
+
+/// The nodes of a captured graph by kind: kernels are the launches a replay makes on the device; memory nodes are
+/// the stream-ordered allocations and frees the capture recorded (no work at replay, the addresses are fixed).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NodeCounts {
+    pub kernels: usize,
+    pub memsets: usize,
+    pub copies: usize,
+    pub alloc_free: usize,
+    pub other: usize,
+}
+
+impl NodeCounts {
+    pub fn total(&self) -> usize {
+        self.kernels + self.memsets + self.copies + self.alloc_free + self.other
+    }
+}
+
+impl std::fmt::Display for NodeCounts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} nodes ({} kernels, {} memsets, {} copies, {} allocations and frees, {} other)",
+            self.total(),
+            self.kernels,
+            self.memsets,
+            self.copies,
+            self.alloc_free,
+            self.other
+        )
+    }
 }
 
 impl StepGraph {
@@ -147,11 +179,28 @@ pub fn capture(dev: &CudaDevice, work: impl FnOnce() -> Result<()>) -> Result<St
     Ok(StepGraph { graph, _sources: sources, nodes })
 }
 
-fn graph_nodes(g: &CudaGraph) -> Result<usize> {
+fn graph_nodes(g: &CudaGraph) -> Result<NodeCounts> {
+    use sys::CUgraphNodeType as T;
     let mut n: usize = 0;
     // SAFETY: the graph is alive; a null node array asks for the count only.
     unsafe { sys::cuGraphGetNodes(g.cu_graph(), std::ptr::null_mut(), &mut n) }.result().w()?;
-    Ok(n)
+    let mut nodes: Vec<sys::CUgraphNode> = vec![std::ptr::null_mut(); n];
+    // SAFETY: `nodes` holds room for the `n` nodes the graph has; the call writes at most that many.
+    unsafe { sys::cuGraphGetNodes(g.cu_graph(), nodes.as_mut_ptr(), &mut n) }.result().w()?;
+    let mut counts = NodeCounts::default();
+    for node in &nodes[..n.min(nodes.len())] {
+        let mut t = T::CU_GRAPH_NODE_TYPE_EMPTY;
+        // SAFETY: a node of the live graph, listed above.
+        unsafe { sys::cuGraphNodeGetType(*node, &mut t) }.result().w()?;
+        match t {
+            T::CU_GRAPH_NODE_TYPE_KERNEL => counts.kernels += 1,
+            T::CU_GRAPH_NODE_TYPE_MEMSET => counts.memsets += 1,
+            T::CU_GRAPH_NODE_TYPE_MEMCPY => counts.copies += 1,
+            T::CU_GRAPH_NODE_TYPE_MEM_ALLOC | T::CU_GRAPH_NODE_TYPE_MEM_FREE => counts.alloc_free += 1,
+            _ => counts.other += 1,
+        }
+    }
+    Ok(counts)
 }
 
 /// Returns the memory that graphs of `dev`'s device hold but are not using to the driver (after the stream is
