@@ -22,7 +22,9 @@
 #      with NCCL_CHECK=1 (a trainer built with NCCL=1): `trainer launch --nproc-per-node 1 -- dist-check --nccl`,
 #      then quickstart.toml on cuda in bf16 trained twice plainly and once as rank 0 of 1 through NCCL: the step
 #      losses must agree within the run-to-run noise;
-#   7. with DATA_E2E=1: ResNet-152 bf16 training from 3,072 generated JPEGs (scripts/data-bench-gpu.sh,
+#   7. with KBENCH=SECTION and dist/kernels-bench.gz (first, before the trainer bench): `kernels-bench --only
+#      SECTION` (e.g. bn: the fused BatchNorm reductions against the kernels they replace);
+#   8. with DATA_E2E=1: ResNet-152 bf16 training from 3,072 generated JPEGs (scripts/data-bench-gpu.sh,
 #      ONLY_TRAIN=1, THREADS loader threads, default 16): the step rate against the loader rate.
 # Logs under $OUT (./gpu-out when unset).   usage: bash scripts/gpu-step.sh [DIST_DIR]
 set -uo pipefail
@@ -63,6 +65,14 @@ main() {
         gunzip -c "$dist/gpu-tests.gz" > "$bin/gpu-tests" && chmod +x "$bin/gpu-tests"
         # shellcheck disable=SC2086  # several space-separated filters: libtest runs the tests matching any
         run_tests gpu-tests gpu-tests.log 120 "^test |test result|rel err|panicked" $GPU_TESTS_FILTER
+    fi
+
+    if [ -n "${KBENCH:-}" ] && [ -f "$dist/kernels-bench.gz" ]; then
+        echo "== kernels-bench --only $KBENCH (ResNet-152 shapes, batch $batch, bf16)"
+        gunzip -c "$dist/kernels-bench.gz" > "$bin/kernels-bench" && chmod +x "$bin/kernels-bench"
+        timeout "${KBENCH_TIMEOUT:-180}" "$bin/kernels-bench" --only "$KBENCH" --batch "$batch" \
+            > "$out/kernels-bench.log" 2>&1 || { echo "kernels-bench: FAILED"; fails=$((fails + 1)); }
+        grep -vE "^\s*$" "$out/kernels-bench.log" | tail -40
     fi
 
     if [ -n "${TORCH:-}" ] && [ -n "$dtypes" ]; then

@@ -359,11 +359,7 @@ mod cuda {
         if std::env::var_os("TRAINER_GRAPH_DEBUG").is_some() {
             // Diagnosis of the owed GPU test: what the first launch wrote, read after a full synchronisation.
             dev.cuda_stream().synchronize().map_err(|e| candle_core::Error::Msg(format!("{e:?}")))?;
-            eprintln!(
-                "graph debug: {}; report after the first launch {:?}",
-                graph.nodes,
-                report.to_vec1::<f32>()?
-            );
+            eprintln!("graph debug: {}; report after the first launch {:?}", graph.nodes, report.to_vec1::<f32>()?);
         }
         runner.graphs.captures += 1;
         runner.graphs.policy.captured(&k);

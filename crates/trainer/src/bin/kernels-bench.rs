@@ -557,6 +557,45 @@ fused BatchNorm reductions (kernels.bn_stats = \"fused\") {dt:?}"
         })?;
         rows.push(ms_row(&format!("conv dgrad {tag} + BatchNorm bwd sums"), f, sep));
     }
+    // What the epilogues cost the convolutions themselves: every distinct ResNet-152 conv, plain against its
+    // STATS forward (the partials, no finaliser) and its grad-input with the BatchNorm sums (GSUMS and the
+    // finaliser; a strided grad-input: plus the sums pass), without the passes they save; the totals weigh each
+    // shape by how often the network runs it.
+    println!("per conv, epilogue variant against the plain kernel (ms; x = occurrences):");
+    let fused = KernelPolicy { bn_stats_in_conv: true, ..policy.clone() };
+    let mut tot = [0f64; 4];
+    for (shape, count) in resnet152_convs() {
+        let (ci, co, k, st, pd, hw) = (shape.c_in, shape.c_out, shape.k, shape.stride, shape.pad, shape.hw);
+        if ci % 8 != 0 {
+            continue; // the stem: no TMA path
+        }
+        let oh = shape.out_hw();
+        let x = Tensor::randn(0f32, 1.0, (n, hw, hw, ci), dev)?.to_dtype(dt)?;
+        let w = (Tensor::randn(0f32, 1.0, (co, k, k, ci), dev)? * 0.05)?.to_dtype(dt)?;
+        let dy = Tensor::randn(0f32, 1.0, (n, oh, oh, co), dev)?.to_dtype(dt)?;
+        let fp = timer.time(|| kernels::conv2d_nhwc_forward(&x, &w, st, pd, policy))?;
+        let fs = timer.time(|| Ok(kernels::conv2d_nhwc_forward_stats(&x, &w, st, pd, &fused)?.0))?;
+        let dp = timer.time(|| kernels::conv2d_nhwc_grad_input(&dy, &w, st, pd, (hw, hw), policy))?;
+        let p = params(ci)?;
+        let ds =
+            timer.time(|| Ok(kernels::conv2d_nhwc_grad_input_sums(&dy, &w, (st, pd, (hw, hw)), &fused, &x, &p)?.0))?;
+        let c = count as f64;
+        for (t, v) in tot.iter_mut().zip([fp, fs, dp, ds]) {
+            *t += c * v;
+        }
+        println!(
+            "{:<28} x{count:<3} fwd {fp:>7.3} stats {fs:>7.3} ({:+5.1}%) | dgrad {dp:>7.3} gsums {ds:>7.3} ({:+5.1}%)",
+            shape.to_string(),
+            100.0 * (fs / fp - 1.0),
+            100.0 * (ds / dp - 1.0)
+        );
+        rows.push(json!({ "name": format!("epilogue cost {shape}"), "count": count, "fwd_ms": fp, "fwd_stats_ms": fs,
+            "dgrad_ms": dp, "dgrad_gsums_ms": ds }));
+    }
+    println!(
+        "network total: fwd {:.2} ms, with stats {:.2} ms; dgrad {:.2} ms, with sums {:.2} ms",
+        tot[0], tot[1], tot[2], tot[3]
+    );
     Ok(Value::Array(rows))
 }
 
