@@ -313,71 +313,132 @@ __device__ __forceinline__ float stored(float v) {
     return to_f(from_f<T>(v));
 }
 
+// Reduce-scatter over the 8 lanes of a warp that share lane % 4 (they hold the same columns, rows lane / 4 and
+// lane / 4 + 8 of the warp's 16): in, each lane's v[0..8) of one group of 8 values; out, in v[0] of lane l, the
+// sum over the 8 lanes of value (l >> 2) & 7. Three exchanges (xor 16, 8, 4), each halving the values a lane
+// keeps: 7 shuffles per 8 values instead of 24 for reducing each value on its own. Fixed order: deterministic.
+__device__ __forceinline__ void rs_sum8(float (&v)[8], int lane) {
+#pragma unroll
+    for (int s = 0; s < 3; ++s) {
+        const int mask = 16 >> s, half = 4 >> s;
+        const bool hi = (lane & mask) != 0;
+#pragma unroll
+        for (int i = 0; i < half; ++i) {
+            const float keep = hi ? v[half + i] : v[i], send = hi ? v[i] : v[half + i];
+            v[i] = keep + __shfl_xor_sync(0xffffffffu, send, mask);
+        }
+    }
+}
+
+// Chan et al.'s merge weights for the three exchanges of rs_moments8, from this lane's row count n (0, 1 or 2):
+// with a the lane's running set and b its partner's, fb = n_b / (n_a + n_b) and w = n_a n_b / (n_a + n_b).
+struct MergeW {
+    float fb[3], w[3];
+};
+
+__device__ __forceinline__ MergeW merge_weights(float n) {
+    MergeW m;
+#pragma unroll
+    for (int s = 0; s < 3; ++s) {
+        const float nb = __shfl_xor_sync(0xffffffffu, n, 16 >> s);
+        const float nt = n + nb;
+        m.fb[s] = nt > 0.f ? nb / nt : 0.f;
+        m.w[s] = nt > 0.f ? n * nb / nt : 0.f;
+        n = nt;
+    }
+    return m;
+}
+
+// rs_sum8 for moments: (mean, sum of squared deviations from it) pairs merged pairwise (Chan et al.: exact
+// whatever the mean, no cancellation), each lane's set weighted by its row count.
+__device__ __forceinline__ void rs_moments8(float (&mean)[8], float (&m2)[8], const MergeW& mw, int lane) {
+#pragma unroll
+    for (int s = 0; s < 3; ++s) {
+        const int mask = 16 >> s, half = 4 >> s;
+        const bool hi = (lane & mask) != 0;
+#pragma unroll
+        for (int i = 0; i < half; ++i) {
+            const float km = hi ? mean[half + i] : mean[i], kq = hi ? m2[half + i] : m2[i];
+            const float sm = hi ? mean[i] : mean[half + i], sq = hi ? m2[i] : m2[half + i];
+            const float d = __shfl_xor_sync(0xffffffffu, sm, mask) - km;
+            const float rq = __shfl_xor_sync(0xffffffffu, sq, mask);
+            mean[i] = fmaf(d, mw.fb[s], km);
+            m2[i] = fmaf(d * d, mw.w[s], kq + rq);
+        }
+    }
+}
+
+// Column (within the unit's BN) of value q = (lane >> 2) & 7 of group g after rs_sum8 / rs_moments8: group g holds
+// fragments 4 g .. 4 g + 3 (value 2 jj + e: fragment 4 g + jj, column 2 (lane % 4) + e of its 8).
+__device__ __forceinline__ int rs_col(int g, int lane) {
+    const int q = (lane >> 2) & 7;
+    return 8 * (4 * g + (q >> 1)) + 2 * (lane & 3) + (q & 1);
+}
+
 // BatchNorm statistics in the epilogue (the STATS kernels: the forward convolutions and 1x1 GEMMs whose output a
 // training-mode BatchNorm normalises next, so that no separate pass reads the output again for its moments).
 // Per unit (row tile tm, column tile tn; no split-K), over the tile's rows [128 tm, 128 tm + 128) clipped at M,
 // from the values as stored: part[tm * N + col] = S = sum of x and part[(chunks + tm) * N + col] = M2 = the sum
-// of squared deviations from the tile's own mean (two passes over the registers: exact in FP32 whatever the
-// mean), chunks = ceil(M / 128); row tile 0 also writes the shift K = 0 at part[2 chunks N + col]. That is the
-// layout of bn_nhwc_moments_v8's partials with 128 rows per chunk (kernels/batchnorm/02_nhwc_vec.cu), which
-// bn_nhwc_moments_final combines (Chan et al.) and turns into the statistics and the running update.
-// Reduction: each column over the 16 rows of a warp by shuffles (fixed order), then over the 8 consumer warps in
-// shared memory (the epilogue staging buffers, once the previous unit's TMA stores have read them), in a fixed
-// order: deterministic.
+// of squared deviations from the tile's own mean, chunks = ceil(M / 128); row tile 0 also writes the shift K = 0
+// at part[2 chunks N + col]. That is the layout of bn_nhwc_moments_v8's partials with 128 rows per chunk
+// (kernels/batchnorm/02_nhwc_vec.cu), which bn_nhwc_moments_final combines (Chan et al.) and turns into the
+// statistics and the running update.
+// Reduction, as (count, mean, M2) triples merged with Chan et al.'s formula (exact in FP32 whatever the mean):
+// a thread's two rows per column, then the 8 lanes sharing a column set by reduce-scatter (rs_moments8: 7
+// shuffles per 8 columns), then the 8 consumer warps in shared memory (the epilogue staging buffers, once the
+// previous unit's TMA stores have read them), in a fixed order: deterministic. The register work runs before
+// the wait for those stores.
 template <typename T, int BN>
 __device__ __forceinline__ void tma_epilogue_stats(const float (&acc)[BN / 2], float* __restrict__ part,
                                                    const Shape& sh, int tm, int tn, int cw, float* red) {
     const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, w8 = cw * 4 + warp;
     const int ct = threadIdx.x - 128;  // 0 .. 255 over the consumers
     const int M = sh.M, N = sh.N, r0 = tm * TMA_BM;
-    const int rows = min(TMA_BM, M - r0);
-    const int row = r0 + cw * 64 + warp * 16 + (lane >> 2);
-    const bool v0 = row < M, v1 = row + 8 < M;
+    const int row = r0 + 16 * w8 + (lane >> 2);
+    const bool v0 = row < M, v1 = row + 8 < M;  // v1 implies v0
+    const MergeW mw = merge_weights((float)(v0 + v1));
+    constexpr int G = BN / 32;  // groups of 8 values: 4 fragments x 2 columns
+    float gm[G], gq[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        float mean[8], m2[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int j = 4 * g + (i >> 1), e = i & 1;
+            const float x0 = stored<T>(acc[4 * j + e]), x1 = stored<T>(acc[4 * j + 2 + e]);
+            const float d = x0 - x1;
+            mean[i] = v1 ? 0.5f * (x0 + x1) : (v0 ? x0 : 0.f);
+            m2[i] = v1 ? 0.5f * d * d : 0.f;
+        }
+        rs_moments8(mean, m2, mw, lane);
+        gm[g] = mean[0];
+        gq[g] = m2[0];
+    }
     if ((threadIdx.x & 127) == 0) bulk_wait_all<true>();
     consumers_bar();
 #pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            float x = (v0 ? stored<T>(acc[4 * j + e]) : 0.f) + (v1 ? stored<T>(acc[4 * j + 2 + e]) : 0.f);
-            x += __shfl_xor_sync(0xffffffffu, x, 4);
-            x += __shfl_xor_sync(0xffffffffu, x, 8);
-            x += __shfl_xor_sync(0xffffffffu, x, 16);
-            if (lane < 4) red[w8 * BN + 8 * j + 2 * lane + e] = x;
-        }
-    }
-    consumers_bar();
-    for (int col = ct; col < BN; col += 256) {
-        float s = 0.f;
-#pragma unroll
-        for (int w = 0; w < 8; ++w) s += red[w * BN + col];
-        red[8 * BN + col] = s;
-    }
-    consumers_bar();
-    const float inv = 1.f / (float)rows;
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const float mean = red[8 * BN + 8 * j + 2 * (lane & 3) + e] * inv;
-            const float d0 = v0 ? stored<T>(acc[4 * j + e]) - mean : 0.f;
-            const float d1 = v1 ? stored<T>(acc[4 * j + 2 + e]) - mean : 0.f;
-            float x = fmaf(d0, d0, d1 * d1);
-            x += __shfl_xor_sync(0xffffffffu, x, 4);
-            x += __shfl_xor_sync(0xffffffffu, x, 8);
-            x += __shfl_xor_sync(0xffffffffu, x, 16);
-            if (lane < 4) red[w8 * BN + 8 * j + 2 * lane + e] = x;
-        }
+    for (int g = 0; g < G; ++g) {
+        const int col = rs_col(g, lane);
+        red[w8 * BN + col] = gm[g];
+        red[(8 + w8) * BN + col] = gq[g];
     }
     consumers_bar();
     const int chunks = (M + TMA_BM - 1) / TMA_BM;
     for (int col = ct; col < BN; col += 256) {
         const int gc = tn * BN + col;
         if (gc < N) {
-            float m2 = 0.f;
+            float cnt = 0.f, mean = 0.f, m2 = 0.f;
 #pragma unroll
-            for (int w = 0; w < 8; ++w) m2 += red[w * BN + col];
-            part[(size_t)tm * N + gc] = red[8 * BN + col];
+            for (int w = 0; w < 8; ++w) {
+                const float nw = (float)max(0, min(16, M - (r0 + 16 * w)));
+                if (nw > 0.f) {
+                    const float nt = cnt + nw, d = red[w * BN + col] - mean;
+                    mean = fmaf(d, nw / nt, mean);
+                    m2 += fmaf(d * d, cnt * nw / nt, red[(8 + w) * BN + col]);
+                    cnt = nt;
+                }
+            }
+            part[(size_t)tm * N + gc] = mean * cnt;
             part[(size_t)(chunks + tm) * N + gc] = m2;
             if (tm == 0) part[(size_t)2 * chunks * N + gc] = 0.f;
         }
@@ -386,14 +447,26 @@ __device__ __forceinline__ void tma_epilogue_stats(const float (&acc)[BN / 2], f
     consumers_bar();
 }
 
+// Two consecutive values of T (4-byte aligned) as floats.
+template <typename T>
+__device__ __forceinline__ void load_pair(const T* p, float& a, float& b) {
+    struct alignas(2 * sizeof(T)) P2 {
+        T v[2];
+    };
+    const P2 v = *reinterpret_cast<const P2*>(p);
+    a = to_f(v.v[0]);
+    b = to_f(v.v[1]);
+}
+
 // The BatchNorm backward sums in the epilogue (the GRAD_SUMS kernels: the grad-input passes whose output is the
 // gradient at a BatchNorm + ReLU's output, so that the sums pass need not read it again). Per unit (no split-K),
 // over its 128 rows clipped at M, per column: g = the stored value where that BatchNorm's pre-activation
 // bn(z) = (z - mean) invstd weight + bias is >= 0 (else 0: the ReLU mask, as kernels/batchnorm's grad_of takes it),
-// xhat = (z - mean) invstd, z read at the same place (z is C-shaped, row-major); part[tm * N + col] = sum g and
-// part[(chunks + tm) * N + col] = sum g xhat, chunks = ceil(M / 128): the partial layout of the sums pass, which
-// bn_nhwc_bwd_final_v8 reduces. The same reduction as tma_epilogue_stats (shuffles, then the 8 consumer warps in
-// the staging buffers, fixed order).
+// xhat = (z - mean) invstd, z read at the same place (z is C-shaped, row-major; pairs of columns in one 4-byte
+// load, the per-channel tensors in 8-byte loads: N even and the bases aligned, checked by the launcher);
+// part[tm * N + col] = sum g and part[(chunks + tm) * N + col] = sum g xhat, chunks = ceil(M / 128): the partial
+// layout of the sums pass, which bn_nhwc_bwd_final_v8 reduces. Reduction: the 8 lanes sharing a column set by
+// reduce-scatter (rs_sum8), then the 8 consumer warps in the staging buffers, in a fixed order.
 template <typename T, int BN>
 __device__ __forceinline__ void tma_epilogue_grad_sums(const float (&acc)[BN / 2], float* __restrict__ part,
                                                        const T* __restrict__ z, const Shape& sh, int tm, int tn,
@@ -401,40 +474,56 @@ __device__ __forceinline__ void tma_epilogue_grad_sums(const float (&acc)[BN / 2
     const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, w8 = cw * 4 + warp;
     const int ct = threadIdx.x - 128;
     const int M = sh.M, N = sh.N;
-    const int row = tm * TMA_BM + cw * 64 + warp * 16 + (lane >> 2);
+    const int row = tm * TMA_BM + 16 * w8 + (lane >> 2);
     const bool valid[2] = {row < M, row + 8 < M};
-    if ((threadIdx.x & 127) == 0) bulk_wait_all<true>();
-    consumers_bar();
+    constexpr int G = BN / 32;
+    float gs[G], gx[G];
 #pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
+    for (int g = 0; g < G; ++g) {
+        float sg[8], sgx[8];
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int col = tn * BN + 8 * j + 2 * (lane & 3) + e;
-            float sg = 0.f, sgx = 0.f;
+        for (int jj = 0; jj < 4; ++jj) {
+            const int j = 4 * g + jj;
+            const int col = tn * BN + 8 * j + 2 * (lane & 3);  // even; N % 8 == 0, so col + 1 < N with col
+            float s0 = 0.f, s1 = 0.f, x0s = 0.f, x1s = 0.f;
             if (col < N) {
-                const float mean = sh.bn_stats[col], invstd = sh.bn_stats[2 * N + col];
-                const float scale = invstd * sh.bn_weight[col], shift = sh.bn_bias[col];
+                const float2 mean = *reinterpret_cast<const float2*>(sh.bn_stats + col);
+                const float2 invstd = *reinterpret_cast<const float2*>(sh.bn_stats + 2 * N + col);
+                const float2 w = *reinterpret_cast<const float2*>(sh.bn_weight + col);
+                const float2 b = *reinterpret_cast<const float2*>(sh.bn_bias + col);
+                const float sc0 = invstd.x * w.x, sc1 = invstd.y * w.y;
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     if (valid[h]) {
-                        const float x = to_f(z[(size_t)(row + 8 * h) * N + col]);
-                        const float dy = stored<T>(acc[4 * j + 2 * h + e]);
-                        const float g = !(fmaf(x - mean, scale, shift) >= 0.f) ? 0.f : dy;
-                        sg += g;
-                        sgx = fmaf(g, (x - mean) * invstd, sgx);
+                        float z0, z1;
+                        load_pair(z + (size_t)(row + 8 * h) * N + col, z0, z1);
+                        const float g0 = !(fmaf(z0 - mean.x, sc0, b.x) >= 0.f) ? 0.f : stored<T>(acc[4 * j + 2 * h]);
+                        const float g1 =
+                            !(fmaf(z1 - mean.y, sc1, b.y) >= 0.f) ? 0.f : stored<T>(acc[4 * j + 2 * h + 1]);
+                        s0 += g0;
+                        s1 += g1;
+                        x0s = fmaf(g0, (z0 - mean.x) * invstd.x, x0s);
+                        x1s = fmaf(g1, (z1 - mean.y) * invstd.y, x1s);
                     }
                 }
             }
-#pragma unroll
-            for (int o = 4; o < 32; o <<= 1) {
-                sg += __shfl_xor_sync(0xffffffffu, sg, o);
-                sgx += __shfl_xor_sync(0xffffffffu, sgx, o);
-            }
-            if (lane < 4) {
-                red[(2 * w8) * BN + 8 * j + 2 * lane + e] = sg;
-                red[(2 * w8 + 1) * BN + 8 * j + 2 * lane + e] = sgx;
-            }
+            sg[2 * jj] = s0;
+            sg[2 * jj + 1] = s1;
+            sgx[2 * jj] = x0s;
+            sgx[2 * jj + 1] = x1s;
         }
+        rs_sum8(sg, lane);
+        rs_sum8(sgx, lane);
+        gs[g] = sg[0];
+        gx[g] = sgx[0];
+    }
+    if ((threadIdx.x & 127) == 0) bulk_wait_all<true>();
+    consumers_bar();
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        const int col = rs_col(g, lane);
+        red[(2 * w8) * BN + col] = gs[g];
+        red[(2 * w8 + 1) * BN + col] = gx[g];
     }
     consumers_bar();
     const int chunks = (M + TMA_BM - 1) / TMA_BM;

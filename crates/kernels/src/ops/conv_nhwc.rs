@@ -442,15 +442,16 @@ mod cuda_ops {
             DType::F16 => crate::cuda::addr_of::<half::f16>(z, rows * c, "BatchNorm input")?,
             _ => return Ok((dgrad_geom(&aligned(dy)?, w, geom, policy)?, None)),
         };
-        let epi = Epi::GradSums {
-            part: f32_addr(&part, len, "backward sums")?,
-            z: za,
-            bn: crate::cuda::tma::BnAddrs {
-                stats: f32_addr(&p.stats, 3 * c, "BatchNorm statistics")?,
-                weight: f32_addr(&p.weight, c, "BatchNorm weight")?,
-                bias: f32_addr(&p.bias, c, "BatchNorm bias")?,
-            },
+        let bn = crate::cuda::tma::BnAddrs {
+            stats: f32_addr(&p.stats, 3 * c, "BatchNorm statistics")?,
+            weight: f32_addr(&p.weight, c, "BatchNorm weight")?,
+            bias: f32_addr(&p.bias, c, "BatchNorm bias")?,
         };
+        // The epilogue loads z two values at a time and the per-channel tensors two floats at a time.
+        if za % 4 != 0 || [bn.stats, bn.weight, bn.bias].iter().any(|a| a % 8 != 0) {
+            return Ok((dgrad_geom(&aligned(dy)?, w, geom, policy)?, None));
+        }
+        let epi = Epi::GradSums { part: f32_addr(&part, len, "backward sums")?, z: za, bn };
         let wrote = Arc::new(AtomicBool::new(false));
         let op = ConvOp { stats: Some((epi, wrote.clone())), ..ConvOp::new(geom, ConvPass::Dgrad, policy) };
         let dx = aligned(dy)?.apply_op2_no_bwd(&aligned(w)?, &op)?;
