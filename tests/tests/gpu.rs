@@ -10,7 +10,9 @@ use candle_core::{DType, Device, Tensor, Var};
 use integration_tests::{assert_close, host_f32, rel_err};
 use kernels::cuda::poison_outputs;
 use kernels::ops::avgpool::GlobalAvgPoolNhwcBackward;
-use kernels::ops::maxpool::{MaxPool2d, MaxPool2dBackward, MaxPool2dNhwcBackward};
+use kernels::ops::maxpool::{
+    MaxPool2d, MaxPool2dBackward, MaxPool2dNhwcBackward, MaxPool2dNhwcBackwardOffsets, MaxPool2dNhwcOffsets,
+};
 use kernels::KernelPolicy;
 use resnet::{Arch, Precision, ResNet, ResNetConfig, Stem};
 use std::time::Instant;
@@ -168,7 +170,18 @@ fn maxpool_nhwc_cuda_matches_cpu() -> Result<()> {
             let dx_cpu = x_cpu.apply_op2_no_bwd(&g_cpu, &bwd)?;
             let dx_gpu = x_gpu.apply_op2_no_bwd(&g_gpu, &bwd)?;
             assert_close(&format!("bwd {what}"), &dx_gpu, &dx_cpu, 0.0, 0.0)?;
-            println!("maxpool {what}: fwd and bwd bit-exact");
+            // The training step's pair: the windows' argmax offsets, then the backward from them.
+            let offsets = MaxPool2dNhwcOffsets(op);
+            let (o_cpu, o_gpu) = (x_cpu.apply_op1_no_bwd(&offsets)?, x_gpu.apply_op1_no_bwd(&offsets)?);
+            assert_eq!(
+                o_gpu.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<u8>()?,
+                o_cpu.flatten_all()?.to_vec1::<u8>()?,
+                "offsets {what}"
+            );
+            let bwd_o = MaxPool2dNhwcBackwardOffsets { pool: op, in_hw: (h, w) };
+            let dxo_gpu = o_gpu.apply_op2_no_bwd(&g_gpu, &bwd_o)?;
+            assert_close(&format!("bwd from offsets {what}"), &dxo_gpu, &dx_cpu, 0.0, 0.0)?;
+            println!("maxpool {what}: fwd, bwd and bwd from offsets bit-exact");
         }
     }
     Ok(())

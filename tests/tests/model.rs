@@ -1,6 +1,7 @@
 //! Model crate tests: parameter counts, shapes, BatchNorm and max-pool numerics, gradients, weights IO.
 
 use candle_core::{DType, Device, Tensor, D};
+use kernels::ops::maxpool::{MaxPool2dNhwcBackwardOffsets, MaxPool2dNhwcOffsets};
 use resnet::weights;
 use resnet::{Arch, Precision, ResNet, ResNetConfig, Stem};
 
@@ -562,12 +563,28 @@ fn maxpool_nhwc_matches_permuted_nchw() {
             let g = Tensor::randn(0f32, 1., ya.dims(), &dev).unwrap().to_dtype(dt).unwrap();
             let gl = g.permute((0, 2, 3, 1)).unwrap().contiguous().unwrap();
             let ga = (ya * &g).unwrap().sum_all().unwrap().backward().unwrap();
-            let gb = (yb * &gl).unwrap().sum_all().unwrap().backward().unwrap();
+            let gb = (&yb * &gl).unwrap().sum_all().unwrap().backward().unwrap();
             let dxa = ga.get(va.as_tensor()).unwrap().permute((0, 2, 3, 1)).unwrap();
             let dxb = gb.get(vb.as_tensor()).unwrap();
             assert_eq!(flat_f32(dxb), flat_f32(&dxa), "backward {what}");
+            // The training step's backward from the windows' stored argmax offsets: the same gradient bit for bit.
+            let pool = kernels::MaxPool2d { kernel: k, stride: s, padding: p };
+            let off = xl.apply_op1_no_bwd(&MaxPool2dNhwcOffsets(pool)).unwrap();
+            assert_eq!((off.dtype(), off.dims()), (DType::U8, yb.dims()), "{what}");
+            let bwd = MaxPool2dNhwcBackwardOffsets { pool, in_hw: (dims.2, dims.3) };
+            let dxo = off.apply_op2_no_bwd(&gl, &bwd).unwrap();
+            assert_eq!(flat_f32(&dxo), flat_f32(&dxa), "backward from offsets {what}");
         }
     }
+    // Offsets that do not fit the pool are errors naming the op, not panics.
+    let pool = kernels::MaxPool2d { kernel: 3, stride: 2, padding: 1 };
+    let bwd = MaxPool2dNhwcBackwardOffsets { pool, in_hw: (8, 8) };
+    let g = Tensor::ones((1, 4, 4, 2), DType::F32, &dev).unwrap();
+    let bad = Tensor::full(9u8, (1, 4, 4, 2), &dev).unwrap();
+    let e = bad.apply_op2_no_bwd(&g, &bwd).unwrap_err().to_string();
+    assert!(e.contains("max_pool2d_nhwc_backward_offsets"), "{e}");
+    let e = Tensor::zeros((1, 3, 4, 2), DType::U8, &dev).unwrap().apply_op2_no_bwd(&g, &bwd).unwrap_err().to_string();
+    assert!(e.contains("expected [1, 4, 4, 2]"), "{e}");
     // Ties: on a constant input every window's gradient lands on its first (top-left, in-bounds) cell.
     let x = candle_core::Var::from_tensor(&Tensor::ones((1, 4, 4, 2), DType::F32, &dev).unwrap()).unwrap();
     let y = kernels::max_pool2d_nhwc(x.as_tensor(), 2, 2, 0).unwrap();

@@ -34,7 +34,7 @@ use crate::Precision;
 use candle_core::{DType, Result, Tensor, TensorId};
 use kernels::ops::avgpool::{GlobalAvgPoolNhwc, GlobalAvgPoolNhwcBackward};
 use kernels::ops::batchnorm::{BnApply, BnGrad};
-use kernels::ops::maxpool::{MaxPool2dNhwc, MaxPool2dNhwcBackward};
+use kernels::ops::maxpool::{MaxPool2dNhwc, MaxPool2dNhwcBackwardOffsets, MaxPool2dNhwcOffsets};
 use kernels::{BnParams, KernelPolicy, MaxPool2d};
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -787,16 +787,18 @@ impl ResNet {
         // ----- forward
         let stem_w = e.weight(&m.conv1)?;
         let stem = e.conv_stats(&input, &stem_w, &m.bn1)?;
-        let mut a0 = Some(e.bn_apply(&stem, &m.bn1, true)?);
+        let a0 = e.bn_apply(&stem, &m.bn1, true)?;
         let pool = MaxPool2d { kernel: 3, stride: 2, padding: 1 };
-        let mut h = match (m.config.stem, &a0) {
-            (Stem::ImageNet, Some(a)) => a.apply_op1_no_bwd(&MaxPool2dNhwc(pool))?,
-            (_, a) => a.clone().expect("the stem's activation"),
+        // The ImageNet stem's max-pool keeps its windows' argmax offsets (one byte per output element) for the
+        // backward, and its input (4x the output, in the activation dtype) is freed here.
+        let (mut h, pool_offsets) = match m.config.stem {
+            Stem::ImageNet => {
+                (a0.apply_op1_no_bwd(&MaxPool2dNhwc(pool))?, Some(a0.apply_op1_no_bwd(&MaxPool2dNhwcOffsets(pool))?))
+            }
+            Stem::Cifar => (a0.clone(), None),
         };
-        if e.recompute != Recompute::None && m.config.stem == Stem::ImageNet {
-            // The max-pool's input: made again from the stem's saved output for the pool's backward.
-            a0 = None;
-        }
+        let stem_hw = (a0.dim(1)?, a0.dim(2)?);
+        drop(a0);
         let blocks: Vec<&Block> = m.stages.iter().flatten().collect();
         let mut saved = Vec::with_capacity(blocks.len());
         for b in &blocks {
@@ -842,17 +844,10 @@ impl ResNet {
         let g_stem = g_stem.expect("a ResNet has blocks");
 
         // ----- backward: stem
-        let g_a0 = match m.config.stem {
-            Stem::ImageNet => {
-                let a0 = match a0.take() {
-                    Some(a) => a,
-                    None => e.bn_apply(&stem, &m.bn1, true)?,
-                };
-                a0.apply_op2_no_bwd(&g_stem, &MaxPool2dNhwcBackward(pool))?
-            }
-            Stem::Cifar => g_stem,
+        let g_a0 = match pool_offsets {
+            Some(off) => off.apply_op2_no_bwd(&g_stem, &MaxPool2dNhwcBackwardOffsets { pool, in_hw: stem_hw })?,
+            None => g_stem,
         };
-        drop(a0);
         let dz0 = e.bn_backward(&stem, &g_a0, &m.bn1, true, None)?;
         drop(stem);
         e.conv_backward(&stem_w, &input, &dz0, false)?;

@@ -417,8 +417,8 @@ pub struct KernelsSection {
     /// the model's forward: the reference)
     pub step: StepChoice,
     /// Activation memory against recomputation in the fused step: "none" keeps every tensor the backward
-    /// reads; "relu" drops the post-ReLU activations inside each block (and the stem's, before the max-pool),
-    /// which the backward makes again from the saved pre-BatchNorm outputs (one element-wise pass each);
+    /// reads (the ImageNet stem's max-pool keeps its argmax offsets, a byte per output, not its input, at every
+    /// level); "relu" drops the post-ReLU activations inside each block, which the backward makes again from the saved pre-BatchNorm outputs (one element-wise pass each);
     /// "relu+conv" also drops each block's last conv output and its downsample conv output and runs those convs
     /// again in the backward. Same gradients bit for bit at every level.
     pub recompute: RecomputeChoice,

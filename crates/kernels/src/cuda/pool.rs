@@ -6,8 +6,8 @@
 use super::{alloc_out, grid_for, ptx, suffix};
 use crate::geom::MaxPool2d;
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
 use candle_core::{CudaStorage, DType, Layout, Result, Shape, WithDType};
 use half::{bf16, f16};
 
@@ -241,8 +241,6 @@ fn maxpool_nhwc_bwd_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     let v8 = nhwc_v8(p, dims, &[x_offset, a]);
     let args = nhwc_geom_args(p, dims)?;
     let in_len = dims.0 * dims.1 * dims.2 * dims.3;
-    let (n, oh, ow, c) = p.out_shape_nhwc(dims);
-    let out_len = n * oh * ow * c;
     let dx = alloc_out::<T>(dev, in_len)?;
     let sfx = suffix(T::DTYPE, OP)?;
     if p.kernel * p.kernel > 255 {
@@ -262,33 +260,9 @@ fn maxpool_nhwc_bwd_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
         unsafe { builder.launch(grid_for(in_len)) }.w()?;
         return Ok(CudaStorage::wrap_cuda_slice(dx, dev.clone()));
     }
-    // Pass 1: each window's argmax as its offset in the window (kernels/maxpool/03_nhwc_argmax.cu).
-    // SAFETY: every element is written by maxpool2d_nhwc_argmax_* (one thread per output element).
-    let arg = unsafe { dev.alloc::<u8>(out_len)? };
-    let (module, image, v) = if v8 {
-        (MAXPOOL_NHWC_VEC_MODULE, ptx::MAXPOOL_04_NHWC_VEC, "_v8")
-    } else {
-        (MAXPOOL_NHWC_ARGMAX_MODULE, ptx::MAXPOOL_03_NHWC_ARGMAX, "")
-    };
-    let func = dev.get_or_load_custom_func(&format!("maxpool2d_nhwc_argmax{v}_{sfx}"), module, image)?;
-    let mut builder = func.builder();
-    builder.arg(&x).arg(&arg);
-    for v in &args {
-        builder.arg(v);
-    }
-    // SAFETY: argument types and count match maxpool2d_nhwc_argmax[_v8]_* (x, arg, n, h, w, c, oh, ow, k, s, p); x
-    // holds n*h*w*c elements, arg n*oh*ow*c bytes (v8: 16-byte aligned x, c % 8 == 0, a fresh arg buffer).
-    unsafe { builder.launch(if v8 { nhwc_v8_cfg(oh * ow * c / 8, n) } else { grid_for(out_len) }) }.w()?;
-    // Pass 2: the gather of 02, reading the offsets.
-    let func = dev.get_or_load_custom_func(&format!("maxpool2d_nhwc_bwd_argmax{v}_{sfx}"), module, image)?;
-    let mut builder = func.builder();
-    builder.arg(&arg).arg(&g).arg(&dx);
-    for v in &args {
-        builder.arg(v);
-    }
-    // SAFETY: argument types and count match maxpool2d_nhwc_bwd_argmax[_v8]_* (arg, dy, dx, n, h, w, c, oh, ow, k,
-    // s, p); arg and dy hold n*oh*ow*c elements, dx n*h*w*c (v8: all 16-byte aligned, c % 8 == 0).
-    unsafe { builder.launch(if v8 { nhwc_v8_cfg(dims.1 * dims.2 * c / 8, n) } else { grid_for(in_len) }) }.w()?;
+    // Pass 1: each window's argmax as its offset in the window; pass 2: the gather of 02, reading the offsets.
+    let arg = offsets_t::<T>(dev, p, &x, v8, dims)?;
+    bwd_offsets_t::<T>(dev, p, &arg.as_view(), &g, &dx, v8, dims)?;
     Ok(CudaStorage::wrap_cuda_slice(dx, dev.clone()))
 }
 
@@ -408,4 +382,125 @@ pub fn avgpool_nhwc_bwd(
         ),
     };
     Ok((out, Shape::from(dims)))
+}
+
+/// 03/04's pass 1 (kernels/maxpool/03_nhwc_argmax.cu, 04_nhwc_vec.cu): every window's argmax as its offset in the
+/// window, one byte per output element. `v8`: x on a 16-byte boundary and c % 8 == 0 ([`nhwc_v8`]).
+fn offsets_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
+    dev: &CudaDevice,
+    p: &MaxPool2d,
+    x: &CudaView<T>,
+    v8: bool,
+    dims: (usize, usize, usize, usize),
+) -> Result<CudaSlice<u8>> {
+    let (n, oh, ow, c) = p.out_shape_nhwc(dims);
+    let out_len = n * oh * ow * c;
+    let args = nhwc_geom_args(p, dims)?;
+    // SAFETY: every element is written by maxpool2d_nhwc_argmax_* (one thread per output element or 8-group).
+    let arg = unsafe { dev.alloc::<u8>(out_len)? };
+    let (module, image, v) = if v8 {
+        (MAXPOOL_NHWC_VEC_MODULE, ptx::MAXPOOL_04_NHWC_VEC, "_v8")
+    } else {
+        (MAXPOOL_NHWC_ARGMAX_MODULE, ptx::MAXPOOL_03_NHWC_ARGMAX, "")
+    };
+    let sfx = suffix(T::DTYPE, "max_pool2d_nhwc_offsets")?;
+    let func = dev.get_or_load_custom_func(&format!("maxpool2d_nhwc_argmax{v}_{sfx}"), module, image)?;
+    let mut builder = func.builder();
+    builder.arg(x).arg(&arg);
+    for v in &args {
+        builder.arg(v);
+    }
+    // SAFETY: argument types and count match maxpool2d_nhwc_argmax[_v8]_* (x, arg, n, h, w, c, oh, ow, k, s, p); x
+    // holds n*h*w*c elements, arg n*oh*ow*c bytes (v8: 16-byte aligned x, c % 8 == 0, a fresh arg buffer).
+    unsafe { builder.launch(if v8 { nhwc_v8_cfg(oh * ow * c / 8, n) } else { grid_for(out_len) }) }.w()?;
+    Ok(arg)
+}
+
+/// 03/04's pass 2: dx (n, h, w, c) from the window offsets `arg` and dy (both (n, oh, ow, c)). `v8`: every operand
+/// on a 16-byte boundary and c % 8 == 0.
+fn bwd_offsets_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
+    dev: &CudaDevice,
+    p: &MaxPool2d,
+    arg: &CudaView<u8>,
+    g: &CudaView<T>,
+    dx: &CudaSlice<T>,
+    v8: bool,
+    dims: (usize, usize, usize, usize),
+) -> Result<()> {
+    let (n, h, w, c) = dims;
+    let args = nhwc_geom_args(p, dims)?;
+    let (module, image, v) = if v8 {
+        (MAXPOOL_NHWC_VEC_MODULE, ptx::MAXPOOL_04_NHWC_VEC, "_v8")
+    } else {
+        (MAXPOOL_NHWC_ARGMAX_MODULE, ptx::MAXPOOL_03_NHWC_ARGMAX, "")
+    };
+    let sfx = suffix(T::DTYPE, "max_pool2d_nhwc_backward")?;
+    let func = dev.get_or_load_custom_func(&format!("maxpool2d_nhwc_bwd_argmax{v}_{sfx}"), module, image)?;
+    let mut builder = func.builder();
+    builder.arg(arg).arg(g).arg(dx);
+    for v in &args {
+        builder.arg(v);
+    }
+    // SAFETY: argument types and count match maxpool2d_nhwc_bwd_argmax[_v8]_* (arg, dy, dx, n, h, w, c, oh, ow, k,
+    // s, p); arg and dy hold n*oh*ow*c elements, dx n*h*w*c (v8: all 16-byte aligned, c % 8 == 0).
+    unsafe { builder.launch(if v8 { nhwc_v8_cfg(h * w * c / 8, n) } else { grid_for(n * h * w * c) }) }.w()?;
+    Ok(())
+}
+
+/// [`crate::ops::maxpool::MaxPool2dNhwcOffsets`] on CUDA: x (n, h, w, c) contiguous -> offsets (n, oh, ow, c) u8.
+pub fn maxpool_nhwc_offsets(
+    p: &MaxPool2d,
+    s: &CudaStorage,
+    l: &Layout,
+    dims: (usize, usize, usize, usize),
+) -> Result<(CudaStorage, Shape)> {
+    const OP: &str = "max_pool2d_nhwc_offsets";
+    let (a, b) = input_range(l, OP, "input")?;
+    let v8 = nhwc_v8(p, dims, &[a]);
+    let dev = &s.device;
+    let arg = match s.dtype() {
+        DType::F32 => offsets_t::<f32>(dev, p, &s.as_cuda_slice::<f32>()?.slice(a..b), v8, dims)?,
+        DType::BF16 => offsets_t::<bf16>(dev, p, &s.as_cuda_slice::<bf16>()?.slice(a..b), v8, dims)?,
+        DType::F16 => offsets_t::<f16>(dev, p, &s.as_cuda_slice::<f16>()?.slice(a..b), v8, dims)?,
+        other => candle_core::bail!("{OP} (cuda): unsupported dtype {other:?} (f32, bf16, f16 only)"),
+    };
+    Ok((CudaStorage::wrap_cuda_slice(arg, s.device.clone()), Shape::from(p.out_shape_nhwc(dims))))
+}
+
+fn bwd_offsets_run<T: CudaDType + DeviceRepr + WithDType + 'static>(
+    dev: &CudaDevice,
+    p: &MaxPool2d,
+    arg: &CudaView<u8>,
+    g: &CudaView<T>,
+    v8: bool,
+    dims: (usize, usize, usize, usize),
+) -> Result<CudaStorage> {
+    let dx = alloc_out::<T>(dev, dims.0 * dims.1 * dims.2 * dims.3)?;
+    bwd_offsets_t::<T>(dev, p, arg, g, &dx, v8, dims)?;
+    Ok(CudaStorage::wrap_cuda_slice(dx, dev.clone()))
+}
+
+/// [`crate::ops::maxpool::MaxPool2dNhwcBackwardOffsets`] on CUDA: (offsets u8, dy), both (n, oh, ow, c) and
+/// contiguous (shapes checked by the caller) -> dx (n, h, w, c).
+pub fn maxpool_nhwc_bwd_offsets(
+    p: &MaxPool2d,
+    os: &CudaStorage,
+    ol: &Layout,
+    gs: &CudaStorage,
+    gl: &Layout,
+    dims: (usize, usize, usize, usize),
+) -> Result<CudaStorage> {
+    const OP: &str = "max_pool2d_nhwc_backward_offsets";
+    let (oa, ob) = input_range(ol, OP, "offsets")?;
+    let arg = os.as_cuda_slice::<u8>()?.slice(oa..ob);
+    let (a, b) = input_range(gl, OP, "grad")?;
+    let dev = &gs.device;
+    // 04 reads the offsets 8 at a time: their start on an 8-byte boundary too.
+    let v8 = nhwc_v8(p, dims, &[a]) && oa % 8 == 0;
+    match gs.dtype() {
+        DType::F32 => bwd_offsets_run(dev, p, &arg, &gs.as_cuda_slice::<f32>()?.slice(a..b), v8, dims),
+        DType::BF16 => bwd_offsets_run(dev, p, &arg, &gs.as_cuda_slice::<bf16>()?.slice(a..b), v8, dims),
+        DType::F16 => bwd_offsets_run(dev, p, &arg, &gs.as_cuda_slice::<f16>()?.slice(a..b), v8, dims),
+        other => candle_core::bail!("{OP} (cuda): unsupported dtype {other:?} (f32, bf16, f16 only)"),
+    }
 }

@@ -322,3 +322,161 @@ impl CustomOp2 for MaxPool2dNhwcBackward {
         crate::cuda::pool::maxpool_nhwc_bwd(&self.0, s1, l1, s2, l2, dims)
     }
 }
+
+// ---------------------------------------------------------------------------------------------------------------
+// Channels-last max-pool backward from stored window offsets: the training step keeps these (one byte per output
+// element) instead of the pool's input (ResNet's stem: 4x the output's elements at 2 bytes each, 411 MB at batch
+// 256), so the input is freed right after the forward.
+// ---------------------------------------------------------------------------------------------------------------
+
+/// The argmax of every window of a channels-last max-pool as its offset in the window, `ky * kernel + kx`:
+/// `x (n, h, w, c) -> offsets (n, oh, ow, c) U8`, the same argmax as [`MaxPool2dNhwc`] (the first maximum wins
+/// ties, a NaN wins). Needs kernel^2 <= 255. No backward: [`MaxPool2dNhwcBackwardOffsets`] is the pool's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MaxPool2dNhwcOffsets(pub MaxPool2d);
+
+impl MaxPool2dNhwcOffsets {
+    fn check(&self, dims: &[usize]) -> Result<(usize, usize, usize, usize)> {
+        let dims = self.0.check_nhwc(dims)?;
+        if self.0.kernel * self.0.kernel > 255 {
+            candle_core::bail!(
+                "max_pool2d_nhwc_offsets: a {0}x{0} window has more cells than a byte counts",
+                self.0.kernel
+            );
+        }
+        Ok(dims)
+    }
+}
+
+fn offsets_nhwc_t<T: WithDType>(p: &MaxPool2d, x: &[T], dims: (usize, usize, usize, usize)) -> Vec<u8> {
+    let (n, oh, ow, c) = p.out_shape_nhwc(dims);
+    let (h, w) = (dims.1, dims.2);
+    let mut out = vec![0u8; n * oh * ow * c];
+    argmax_windows_nhwc(p, x, dims, |o, i, _v| {
+        let (po, pi) = (o / c, i / c);
+        let (oy, ox) = ((po / ow) % oh, po % ow);
+        let (iy, ix) = ((pi / w) % h, pi % w);
+        let ky = iy + p.padding - oy * p.stride;
+        let kx = ix + p.padding - ox * p.stride;
+        out[o] = (ky * p.kernel + kx) as u8;
+    });
+    out
+}
+
+impl CustomOp1 for MaxPool2dNhwcOffsets {
+    fn name(&self) -> &'static str {
+        "max_pool2d_nhwc_offsets"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let p = &self.0;
+        let dims = self.check(l.dims())?;
+        let out = match s {
+            CpuStorage::F32(v) => offsets_nhwc_t(p, contiguous_slice(v, l, "input")?, dims),
+            CpuStorage::BF16(v) => offsets_nhwc_t::<bf16>(p, contiguous_slice(v, l, "input")?, dims),
+            CpuStorage::F16(v) => offsets_nhwc_t::<f16>(p, contiguous_slice(v, l, "input")?, dims),
+            CpuStorage::F64(v) => offsets_nhwc_t(p, contiguous_slice(v, l, "input")?, dims),
+            other => candle_core::bail!("max_pool2d_nhwc_offsets: unsupported dtype {:?}", other.dtype()),
+        };
+        Ok((CpuStorage::U8(out), Shape::from(p.out_shape_nhwc(dims))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        let dims = self.check(l.dims())?;
+        crate::cuda::pool::maxpool_nhwc_offsets(&self.0, s, l, dims)
+    }
+}
+
+/// Gradient of [`MaxPool2dNhwc`] from the window offsets of [`MaxPool2dNhwcOffsets`]: `(offsets (n, oh, ow, c)
+/// U8, grad_out (n, oh, ow, c)) -> grad_in (n, h, w, c)` with (h, w) the pool's input size. Bit for bit
+/// [`MaxPool2dNhwcBackward`]'s result: each input cell sums, in FP32 and in (oy, ox) order, the gradients of the
+/// windows whose argmax it is, rounded once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MaxPool2dNhwcBackwardOffsets {
+    pub pool: MaxPool2d,
+    /// The pool's input height and width.
+    pub in_hw: (usize, usize),
+}
+
+impl MaxPool2dNhwcBackwardOffsets {
+    /// (n, h, w, c) of the input gradient, after checking both operands' shapes.
+    fn dims(&self, off: &[usize], grad: &[usize]) -> Result<(usize, usize, usize, usize)> {
+        const OP: &str = "max_pool2d_nhwc_backward_offsets";
+        let [n, _, _, c] = off else { candle_core::bail!("{OP}: offsets of shape {off:?}, expected (n, oh, ow, c)") };
+        let dims = (*n, self.in_hw.0, self.in_hw.1, *c);
+        let want = self.pool.out_shape_nhwc(MaxPool2dNhwcOffsets(self.pool).check(&[dims.0, dims.1, dims.2, dims.3])?);
+        let want = [want.0, want.1, want.2, want.3];
+        if off != want || grad != want {
+            candle_core::bail!("{OP}: offsets {off:?} and grad {grad:?} for an input of {dims:?}, expected {want:?}");
+        }
+        Ok(dims)
+    }
+}
+
+fn bwd_offsets_nhwc_t<T: WithDType>(
+    p: &MaxPool2d,
+    off: &[u8],
+    g: &[T],
+    (n, h, w, c): (usize, usize, usize, usize),
+) -> Result<Vec<T>> {
+    let (oh, ow) = (p.out_size(h), p.out_size(w));
+    let mut acc = vec![0f32; n * h * w * c];
+    // Outputs in order, as the reference's argmax walk: every input cell receives its windows in (oy, ox) order.
+    for img in 0..n {
+        for oy in 0..oh {
+            for ox in 0..ow {
+                let o = ((img * oh + oy) * ow + ox) * c;
+                for ch in 0..c {
+                    let k = off[o + ch] as usize;
+                    let iy = (oy * p.stride + k / p.kernel).checked_sub(p.padding).filter(|&v| v < h);
+                    let ix = (ox * p.stride + k % p.kernel).checked_sub(p.padding).filter(|&v| v < w);
+                    let (Some(iy), Some(ix), true) = (iy, ix, k < p.kernel * p.kernel) else {
+                        candle_core::bail!(
+                            "max_pool2d_nhwc_backward_offsets: offset {k} of window ({oy}, {ox}) is outside the input"
+                        )
+                    };
+                    acc[((img * h + iy) * w + ix) * c + ch] += g[o + ch].to_f64() as f32;
+                }
+            }
+        }
+    }
+    Ok(acc.into_iter().map(round_f32).collect())
+}
+
+impl CustomOp2 for MaxPool2dNhwcBackwardOffsets {
+    fn name(&self) -> &'static str {
+        "max_pool2d_nhwc_backward_offsets"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (p, dims) = (&self.pool, self.dims(l1.dims(), l2.dims())?);
+        let CpuStorage::U8(off) = s1 else {
+            candle_core::bail!("max_pool2d_nhwc_backward_offsets: offsets of dtype {:?}, expected u8", s1.dtype())
+        };
+        let off = contiguous_slice(off, l1, "offsets")?;
+        let out = match s2 {
+            CpuStorage::F32(g) => CpuStorage::F32(bwd_offsets_nhwc_t(p, off, contiguous_slice(g, l2, "grad")?, dims)?),
+            CpuStorage::BF16(g) => {
+                CpuStorage::BF16(bwd_offsets_nhwc_t(p, off, contiguous_slice(g, l2, "grad")?, dims)?)
+            }
+            CpuStorage::F16(g) => CpuStorage::F16(bwd_offsets_nhwc_t(p, off, contiguous_slice(g, l2, "grad")?, dims)?),
+            CpuStorage::F64(g) => CpuStorage::F64(bwd_offsets_nhwc_t(p, off, contiguous_slice(g, l2, "grad")?, dims)?),
+            other => candle_core::bail!("max_pool2d_nhwc_backward_offsets: unsupported dtype {:?}", other.dtype()),
+        };
+        Ok((out, Shape::from(dims)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let dims = self.dims(l1.dims(), l2.dims())?;
+        let dx = crate::cuda::pool::maxpool_nhwc_bwd_offsets(&self.pool, s1, l1, s2, l2, dims)?;
+        Ok((dx, Shape::from(dims)))
+    }
+}
