@@ -91,9 +91,8 @@ impl Split {
     fn v8_rows_cfg(&self) -> LaunchConfig {
         LaunchConfig { grid_dim: (self.chunks as u32, 1, 1), block_dim: (V8_THREADS as u32, 1, 1), shared_mem_bytes: 0 }
     }
-    /// 02's finalisers: block (8 channels, 128 chunk lanes), one block per 8 channels.
     fn v8_final_cfg(&self) -> LaunchConfig {
-        LaunchConfig { grid_dim: (self.c as u32 / 8, 1, 1), block_dim: (8, 128, 1), shared_mem_bytes: 0 }
+        final_v8_cfg(self.c as usize)
     }
     /// 02's element-wise passes: 256 threads a block (a thread keeps its channel group), at most
     /// [`V8_TARGET_BLOCKS`] blocks striding over the groups of 8 elements, so each thread loads its per-channel
@@ -281,6 +280,12 @@ pub fn stats(
     }
 }
 
+/// 02's finalisers (bn_nhwc_moments_final, bn_nhwc_bwd_final_v8): block (8 channels, 128 chunk lanes), one block
+/// per 8 channels (the kernels skip channels >= c).
+fn final_v8_cfg(c: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: (c.div_ceil(8) as u32, 1, 1), block_dim: (8, 128, 1), shared_mem_bytes: 0 }
+}
+
 /// Statistics (3, c) = [mean, biased var, invstd] of a (rows, c) convolution output from the moments its
 /// epilogue wrote (`ig::tma_epilogue_stats`: partials of [`super::tma::stats_partials_len`]`(rows, c)` floats,
 /// [`super::tma::STATS_ROWS`] rows per chunk), combined by bn_nhwc_moments_final (with the running update when
@@ -306,7 +311,7 @@ pub fn stats_from_partials(
     let mut b = f.builder();
     b.arg(&part).arg(&stats).arg(&chunks32).arg(&c32).arg(&rows64).arg(&rpc).arg(&eps);
     b.arg(&rm).arg(&rv).arg(&nb).arg(&momentum);
-    let cfg = LaunchConfig { grid_dim: (c.div_ceil(8) as u32, 1, 1), block_dim: (8, 128, 1), shared_mem_bytes: 0 };
+    let cfg = final_v8_cfg(c);
     // SAFETY: matches bn_nhwc_moments_final (part, stats, chunks, c, rows, rpc, eps, running_mean, running_var,
     // num_batches_tracked, momentum); part holds (2 chunks + 1) c floats (checked), stats 3 c; the running
     // addresses are null or c / c / 1 elements; one block per 8 channels (the kernel skips channels >= c).
@@ -328,7 +333,7 @@ pub fn sums_from_partials(s: &CudaStorage, l: &Layout, rows: usize, c: usize) ->
     let f = dev.get_or_load_custom_func("bn_nhwc_bwd_final_v8", MODULE_V8, ptx::BATCHNORM_02_NHWC_VEC)?;
     let mut b = f.builder();
     b.arg(&part).arg(&sums).arg(&chunks).arg(&c32);
-    let cfg = LaunchConfig { grid_dim: (c.div_ceil(8) as u32, 1, 1), block_dim: (8, 128, 1), shared_mem_bytes: 0 };
+    let cfg = final_v8_cfg(c);
     // SAFETY: matches bn_nhwc_bwd_final_v8 (part, sums, chunks, c); part holds 2 chunks c floats (checked), sums
     // 2 c; one block per 8 channels (the kernel skips channels >= c).
     unsafe { b.launch(cfg) }.w()?;
