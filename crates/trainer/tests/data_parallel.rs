@@ -260,8 +260,12 @@ fn synced_step_matches_one_process(
     // Fixed pseudo-random images (a run is reproducible).
     let pixels: Vec<f32> =
         (0..n * 3 * size * size).map(|i| ((i as f32 * 12.9898).sin() * 43758.547).fract() * 2.0).collect();
-    let x = Tensor::from_vec(pixels, (n, 3, size, size), device).unwrap().to_dtype(prec.act_dtype()).unwrap();
-    let labels = Tensor::new((0..n as u32).map(|i| (i * 7) % 4).collect::<Vec<_>>(), device).unwrap();
+    let label_values: Vec<u32> = (0..n as u32).map(|i| (i * 7) % 4).collect();
+    // Each rank (a thread) makes its tensors on a device of its own, as the trainer's ranks (processes) do: on
+    // CUDA a CudaDevice of its own (candle's per-thread stream, its own cuBLAS handle, which must not be shared
+    // by threads running at once).
+    let x = Tensor::from_vec(pixels.clone(), (n, 3, size, size), device).unwrap().to_dtype(prec.act_dtype()).unwrap();
+    let labels = Tensor::new(label_values.as_slice(), device).unwrap();
     let named = |m: &resnet::ResNet, grads: &HashMap<candle_core::TensorId, Tensor>| {
         m.store()
             .trainable()
@@ -291,8 +295,13 @@ fn synced_step_matches_one_process(
     let handles: Vec<_> = thread_group(4)
         .into_iter()
         .map(|g| {
-            let (cfg, x, labels, device) = (cfg.clone(), x.clone(), labels.clone(), device.clone());
+            let cfg = cfg.clone();
+            let (pixels, label_values) = (pixels.clone(), label_values.clone());
             std::thread::spawn(move || {
+                let device = train::select_device(&cfg.device).unwrap();
+                let x =
+                    Tensor::from_vec(pixels, (n, 3, size, size), &device).unwrap().to_dtype(prec.act_dtype()).unwrap();
+                let labels = Tensor::new(label_values.as_slice(), &device).unwrap();
                 let m = train::build_model(&cfg, &device).unwrap();
                 let (a, b) = (starts[g.rank], starts[g.rank + 1]);
                 if a == b {
@@ -348,8 +357,9 @@ fn synced_step_gradients_sum_to_the_single_process_gradients() {
 }
 
 /// The same on the GPU in bf16 (the CUDA build of this test binary, run by scripts/gpu-step.sh): the ranks are
-/// threads on one device, each on its own stream; bf16 activations round differently per batch composition,
-/// hence the wider tolerances.
+/// threads on one GPU, each with a candle device of its own (its own stream and cuBLAS handle: with one device
+/// shared, four threads ran cuBLAS on one handle at once, a race that may explain the gradients 0.21 off seen on
+/// 2026-12-05); bf16 activations round differently per batch composition, hence the wider tolerances.
 #[cfg(feature = "cuda")]
 #[test]
 fn synced_step_on_cuda_in_bf16() {
