@@ -6,7 +6,8 @@
 #      empty skips it; with TORCH=1 instead scripts/bench-vs-torch.sh: the trainer with no --set and PyTorch eager
 #      AMP channels-last in the same call; its "graph:" line says whether the steps replayed a CUDA graph), then
 #      the fused step without its graph (kernels.graph = "off", the first dtype; EAGER_COMPARE= skips it) and with
-#      the BatchNorm moments from the conv epilogues (kernels.bn_stats = "fused"; EPI_COMPARE= skips it), then
+#      the BatchNorm moments from the conv epilogues (kernels.bn_stats = "fused"; EPI_COMPARE= skips it; with
+#      EPI_HALVES=1 also "forward" and "backward" alone), then
 #      autograd in AUTOGRAD_DTYPES (default bf16; empty skips it) -- figures first, as device time is short;
 #   3. gpu-step-tests: tests/tests/gpu_step.rs (residual kernels vs CPU, fused vs autograd loss and every gradient
 #      in bf16/fp16 on ResNet-18/50/152, three fp16 StepRunner steps with a skipped one, ten steps replayed from a
@@ -84,7 +85,8 @@ main() {
     fi
 
     local step dts graph stats
-    for step in fused ${EAGER_COMPARE-fused-eager} ${EPI_COMPARE-fused-epistats} autograd; do
+    # EPI_HALVES=1: also each half of the fused reductions alone (kernels.bn_stats = "forward" / "backward").
+    for step in fused ${EAGER_COMPARE-fused-eager} ${EPI_COMPARE-fused-epistats} ${EPI_HALVES:+fused-epifwd fused-epibwd} autograd; do
         dts="$dtypes"
         graph=auto
         stats=pass
@@ -93,6 +95,8 @@ main() {
         # BatchNorm moments from the conv epilogues (kernels.bn_stats = "fused"); both in the first dtype only.
         [ "$step" = fused-eager ] && { graph=off; dts="${dtypes%%,*}"; }
         [ "$step" = fused-epistats ] && { stats=fused; dts="${dtypes%%,*}"; }
+        [ "$step" = fused-epifwd ] && { stats=forward; dts="${dtypes%%,*}"; }
+        [ "$step" = fused-epibwd ] && { stats=backward; dts="${dtypes%%,*}"; }
         [ -n "$dts" ] || continue
         echo "== bench resnet152 b$batch $dts, kernels.step = ${step%%-*}, kernels.graph = $graph, kernels.bn_stats = $stats"
         timeout "${BENCH_TIMEOUT:-150}" "$bin/trainer" bench --config "$here/configs/resnet152.toml" \

@@ -528,8 +528,7 @@ fn epilogue_stats_match_the_pass() -> Result<()> {
     let mut worst = 0f64;
     for dt in [DType::BF16, DType::F16] {
         for tile in [X256, X128, X64] {
-            let policy =
-                KernelPolicy { bn_stats_in_conv: true, ..KernelPolicy::custom().with_tuning(Tuning::Forced(tile)) };
+            let policy = KernelPolicy::custom().with_tuning(Tuning::Forced(tile)).with_fused_bn_reductions(true);
             for &(n, hw, c, ko, k, stride, pad) in &shapes {
                 let tag = format!("{dt:?} {} n{n} {hw}x{hw}x{c} -> {ko} k{k} s{stride}", tile.name);
                 // Inputs of mean 1: each output channel has a mean of its own, away from zero.
@@ -575,7 +574,7 @@ fn epilogue_stats_match_the_pass() -> Result<()> {
     let labels = Tensor::new((0..8u32).collect::<Vec<_>>().as_slice(), &gpu)?;
     let step = |conv: bool| -> Result<(f32, Vec<(String, Tensor)>)> {
         let mut m = model(Arch::ResNet50, Stem::ImageNet, &gpu)?;
-        m.config.kernels.bn_stats_in_conv = conv;
+        m.config.kernels = m.config.kernels.clone().with_fused_bn_reductions(conv);
         let o = m.train_step_explicit_with(&x, &labels, resnet::step::StepArgs::new(0.1, 1.0, Precision::Bf16))?;
         let grads = m
             .store()

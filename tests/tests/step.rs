@@ -253,7 +253,7 @@ fn epilogue_statistics_fall_back_to_the_pass_on_the_cpu() {
     let dev = Device::Cpu;
     let x = Tensor::randn(0f32, 1., (3, 3, 32, 32), &dev).unwrap();
     let w = Tensor::randn(0f32, 1., (8, 3, 3, 3), &dev).unwrap();
-    let policy = kernels::KernelPolicy { bn_stats_in_conv: true, ..kernels::KernelPolicy::custom() };
+    let policy = kernels::KernelPolicy::custom().with_fused_bn_reductions(true);
     let xn = x.permute((0, 2, 3, 1)).unwrap().contiguous().unwrap();
     let (y, part) = kernels::conv2d_nhwc_forward_stats(&xn, &w, 1, 1, &policy).unwrap();
     assert!(part.is_none());
@@ -261,9 +261,10 @@ fn epilogue_statistics_fall_back_to_the_pass_on_the_cpu() {
     assert_eq!(integration_tests::flat(&y), integration_tests::flat(&plain));
 
     let labels = Tensor::new(&[3u32, 8, 0], &dev).unwrap();
-    let run = |conv: bool| {
+    let run = |(fwd, bwd): (bool, bool)| {
         let mut m = model(Arch::ResNet18, Stem::Cifar);
-        m.config.kernels.bn_stats_in_conv = conv;
+        m.config.kernels.bn_stats_in_conv = fwd;
+        m.config.kernels.bn_sums_in_backward = bwd;
         let out = m.train_step_explicit(&x, &labels, 0.1, 8.0, Precision::F32).unwrap();
         let mut grads: Vec<(String, Vec<f32>)> = m
             .store()
@@ -278,9 +279,13 @@ fn epilogue_statistics_fall_back_to_the_pass_on_the_cpu() {
         }
         (out.loss.to_scalar::<f32>().unwrap(), grads)
     };
-    let (a, b) = (run(true), run(false));
-    assert_eq!(a.0, b.0);
-    for ((n, ga), (_, gb)) in a.1.iter().zip(&b.1) {
-        assert_eq!(ga, gb, "{n}");
+    // Every setting of `kernels.bn_stats`: "fused", "forward", "backward" against "pass".
+    let b = run((false, false));
+    for on in [(true, true), (true, false), (false, true)] {
+        let a = run(on);
+        assert_eq!(a.0, b.0, "{on:?}");
+        for ((n, ga), (_, gb)) in a.1.iter().zip(&b.1) {
+            assert_eq!(ga, gb, "{on:?} {n}");
+        }
     }
 }

@@ -129,6 +129,10 @@ pub struct KernelPolicy {
     /// The explicit training step takes a BatchNorm's moments from the epilogue of the convolution before it
     /// when that runs on a TMA tile (CUDA, sm_90a), instead of a pass over the convolution's output.
     pub bn_stats_in_conv: bool,
+    /// The explicit training step takes a BatchNorm's backward sums from the kernel that makes its output
+    /// gradient (the block output's ReLU-gradient pass; the grad-input epilogue of the 1x1 or stride-1 conv
+    /// after it, on a TMA tile) instead of a pass over that gradient.
+    pub bn_sums_in_backward: bool,
 }
 
 impl Default for KernelPolicy {
@@ -141,6 +145,7 @@ impl Default for KernelPolicy {
             im2col_budget: IM2COL_BUDGET,
             fused_batchnorm_on_cpu: false,
             bn_stats_in_conv: false,
+            bn_sums_in_backward: false,
         }
     }
 }
@@ -153,6 +158,10 @@ impl KernelPolicy {
     /// The same policy with another tuning.
     pub fn with_tuning(self, tuning: Tuning) -> Self {
         Self { tuning, ..self }
+    }
+    /// The same policy with every fused BatchNorm reduction on (`kernels.bn_stats = "fused"`) or off.
+    pub fn with_fused_bn_reductions(self, on: bool) -> Self {
+        Self { bn_stats_in_conv: on, bn_sums_in_backward: on, ..self }
     }
     /// Whether models under this policy run channels-last (the custom convolutions are NHWC).
     pub fn channels_last(&self) -> bool {
@@ -169,7 +178,8 @@ impl KernelPolicy {
             },
         };
         let stats = if self.bn_stats_in_conv { ", BatchNorm moments in the conv epilogues" } else { "" };
-        format!("conv {}, matmul {}, {tiles}{stats}", self.conv.name(), self.matmul.name())
+        let sums = if self.bn_sums_in_backward { ", BatchNorm backward sums fused" } else { "" };
+        format!("conv {}, matmul {}, {tiles}{stats}{sums}", self.conv.name(), self.matmul.name())
     }
 }
 

@@ -348,7 +348,7 @@ impl<'a> Engine<'a> {
     }
 
     /// The gradient at the pre-ReLU output of block `b` (saved state `s`) from the gradients `a` (+ `b2`, the
-    /// shortcut's) after it, masked by the block's ReLU output; with `policy.bn_stats_in_conv`, while the block's
+    /// shortcut's) after it, masked by the block's ReLU output; with `policy.bn_sums_in_backward`, while the block's
     /// last pre-activation is kept (not `Recompute::ReluConv`), also its last BatchNorm's backward sums from the
     /// same pass ([`kernels::ops::batchnorm::join_grad_sums`]; bit for bit the sums the BatchNorm backward would
     /// compute), which [`Self::block_backward`] then takes instead of a pass of its own.
@@ -359,7 +359,7 @@ impl<'a> Engine<'a> {
         a: &Tensor,
         b2: Option<&Tensor>,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        if self.policy.bn_stats_in_conv {
+        if self.policy.bn_sums_in_backward {
             if let (Some(saved), Some(bn)) = (s.bns.last(), b.bns.last()) {
                 if let Some(z) = &saved.z {
                     let p = Self::bn_params(bn, &saved.stats);
@@ -555,7 +555,7 @@ impl<'a> Engine<'a> {
             drop(saved);
             let dx = match bns.last() {
                 // The conv's input is relu(bn(z)) of the conv before: its sums come with the grad-input.
-                Some(prev) if self.policy.bn_stats_in_conv => {
+                Some(prev) if self.policy.bn_sums_in_backward => {
                     let (dx, sums) = self.conv_backward_sums(&cw, &input, &dz, prev, &b.bns[i - 1])?;
                     pre = Some(sums);
                     dx

@@ -447,11 +447,14 @@ fn info(c: ConfigArgs) -> Result<()> {
     if cfg.kernels.recompute != config::RecomputeChoice::None {
         println!("recompute: {} (kernels.recompute; the fused step only)", cfg.kernels.recompute.name());
     }
-    if cfg.kernels.bn_stats == config::BnStatsChoice::Fused {
-        println!(
-            "bn_stats: fused (kernels.bn_stats; the fused step on CUDA: moments in the conv epilogues, block-output \
-             sums with the ReLU gradient)"
-        );
+    let bn = cfg.kernels.bn_stats;
+    if bn != config::BnStatsChoice::Pass {
+        let what = match bn {
+            config::BnStatsChoice::Forward => "moments in the conv epilogues",
+            config::BnStatsChoice::Backward => "backward sums with the gradients that make them",
+            _ => "moments in the conv epilogues, backward sums with the gradients that make them",
+        };
+        println!("bn_stats: {} (kernels.bn_stats; the fused step on CUDA: {what})", bn.name());
     }
     let graph = cfg.kernels.graph;
     match (

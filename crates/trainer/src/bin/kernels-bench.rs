@@ -520,7 +520,7 @@ fused BatchNorm reductions (kernels.bn_stats = \"fused\") {dt:?}"
         let pad = k / 2;
         let x = Tensor::randn(0f32, 1.0, (n, h, h, c), dev)?.to_dtype(dt)?;
         let w = (Tensor::randn(0f32, 1.0, (ko, k, k, c), dev)? * 0.05)?.to_dtype(dt)?;
-        let fused = KernelPolicy { bn_stats_in_conv: true, ..policy.clone() };
+        let fused = policy.clone().with_fused_bn_reductions(true);
         let running = |c: usize| -> Result<(candle_core::Var, candle_core::Var, candle_core::Var)> {
             Ok((
                 candle_core::Var::from_tensor(&Tensor::zeros(c, DType::F32, dev)?)?,
@@ -562,7 +562,7 @@ fused BatchNorm reductions (kernels.bn_stats = \"fused\") {dt:?}"
     // finaliser; a strided grad-input: plus the sums pass), without the passes they save; the totals weigh each
     // shape by how often the network runs it.
     println!("per conv, epilogue variant against the plain kernel (ms; x = occurrences):");
-    let fused = KernelPolicy { bn_stats_in_conv: true, ..policy.clone() };
+    let fused = policy.clone().with_fused_bn_reductions(true);
     let mut tot = [0f64; 4];
     for (shape, count) in resnet152_convs() {
         let (ci, co, k, st, pd, hw) = (shape.c_in, shape.c_out, shape.k, shape.stride, shape.pad, shape.hw);
