@@ -375,6 +375,22 @@ __device__ __forceinline__ int rs_col(int g, int lane) {
     return 8 * (4 * g + (q >> 1)) + 2 * (lane & 3) + (q & 1);
 }
 
+// The exchange of both epilogue reductions: once the previous unit's TMA stores have read the staging buffer,
+// each lane's G reduced pairs (a, b) go to red[w8 * BN + col] and red[(8 + w8) * BN + col] (col = rs_col), and
+// the 256 consumers meet, so that red holds every warp's values per column.
+template <int G, int BN>
+__device__ __forceinline__ void stage_pairs(const float (&a)[G], const float (&b)[G], float* red, int w8, int lane) {
+    if ((threadIdx.x & 127) == 0) bulk_wait_all<true>();
+    consumers_bar();
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        const int col = rs_col(g, lane);
+        red[w8 * BN + col] = a[g];
+        red[(8 + w8) * BN + col] = b[g];
+    }
+    consumers_bar();
+}
+
 // BatchNorm statistics in the epilogue (the STATS kernels: the forward convolutions and 1x1 GEMMs whose output a
 // training-mode BatchNorm normalises next, so that no separate pass reads the output again for its moments).
 // Per unit (row tile tm, column tile tn; no split-K), over the tile's rows [128 tm, 128 tm + 128) clipped at M,
@@ -414,15 +430,7 @@ __device__ __forceinline__ void tma_epilogue_stats(const float (&acc)[BN / 2], f
         gm[g] = mean[0];
         gq[g] = m2[0];
     }
-    if ((threadIdx.x & 127) == 0) bulk_wait_all<true>();
-    consumers_bar();
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        const int col = rs_col(g, lane);
-        red[w8 * BN + col] = gm[g];
-        red[(8 + w8) * BN + col] = gq[g];
-    }
-    consumers_bar();
+    stage_pairs<G, BN>(gm, gq, red, w8, lane);
     const int chunks = (M + TMA_BM - 1) / TMA_BM;
     for (int col = ct; col < BN; col += 256) {
         const int gc = tn * BN + col;
@@ -517,15 +525,7 @@ __device__ __forceinline__ void tma_epilogue_grad_sums(const float (&acc)[BN / 2
         gs[g] = sg[0];
         gx[g] = sgx[0];
     }
-    if ((threadIdx.x & 127) == 0) bulk_wait_all<true>();
-    consumers_bar();
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        const int col = rs_col(g, lane);
-        red[(2 * w8) * BN + col] = gs[g];
-        red[(2 * w8 + 1) * BN + col] = gx[g];
-    }
-    consumers_bar();
+    stage_pairs<G, BN>(gs, gx, red, w8, lane);
     const int chunks = (M + TMA_BM - 1) / TMA_BM;
     for (int col = ct; col < BN; col += 256) {
         const int gc = tn * BN + col;
@@ -533,8 +533,8 @@ __device__ __forceinline__ void tma_epilogue_grad_sums(const float (&acc)[BN / 2
             float a = 0.f, b = 0.f;
 #pragma unroll
             for (int w = 0; w < 8; ++w) {
-                a += red[(2 * w) * BN + col];
-                b += red[(2 * w + 1) * BN + col];
+                a += red[w * BN + col];
+                b += red[(8 + w) * BN + col];
             }
             part[(size_t)tm * N + gc] = a;
             part[(size_t)(chunks + tm) * N + gc] = b;

@@ -384,6 +384,15 @@ pub fn avgpool_nhwc_bwd(
     Ok((out, Shape::from(dims)))
 }
 
+/// The module of 03/04's two passes (module name, image, kernel-name infix): 04 with `v8`, else 03.
+fn argmax_module(v8: bool) -> (&'static str, &'static str, &'static str) {
+    if v8 {
+        (MAXPOOL_NHWC_VEC_MODULE, ptx::MAXPOOL_04_NHWC_VEC, "_v8")
+    } else {
+        (MAXPOOL_NHWC_ARGMAX_MODULE, ptx::MAXPOOL_03_NHWC_ARGMAX, "")
+    }
+}
+
 /// 03/04's pass 1 (kernels/maxpool/03_nhwc_argmax.cu, 04_nhwc_vec.cu): every window's argmax as its offset in the
 /// window, one byte per output element. `v8`: x on a 16-byte boundary and c % 8 == 0 ([`nhwc_v8`]).
 fn offsets_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
@@ -398,11 +407,7 @@ fn offsets_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     let args = nhwc_geom_args(p, dims)?;
     // SAFETY: every element is written by maxpool2d_nhwc_argmax_* (one thread per output element or 8-group).
     let arg = unsafe { dev.alloc::<u8>(out_len)? };
-    let (module, image, v) = if v8 {
-        (MAXPOOL_NHWC_VEC_MODULE, ptx::MAXPOOL_04_NHWC_VEC, "_v8")
-    } else {
-        (MAXPOOL_NHWC_ARGMAX_MODULE, ptx::MAXPOOL_03_NHWC_ARGMAX, "")
-    };
+    let (module, image, v) = argmax_module(v8);
     let sfx = suffix(T::DTYPE, "max_pool2d_nhwc_offsets")?;
     let func = dev.get_or_load_custom_func(&format!("maxpool2d_nhwc_argmax{v}_{sfx}"), module, image)?;
     let mut builder = func.builder();
@@ -429,11 +434,7 @@ fn bwd_offsets_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
 ) -> Result<()> {
     let (n, h, w, c) = dims;
     let args = nhwc_geom_args(p, dims)?;
-    let (module, image, v) = if v8 {
-        (MAXPOOL_NHWC_VEC_MODULE, ptx::MAXPOOL_04_NHWC_VEC, "_v8")
-    } else {
-        (MAXPOOL_NHWC_ARGMAX_MODULE, ptx::MAXPOOL_03_NHWC_ARGMAX, "")
-    };
+    let (module, image, v) = argmax_module(v8);
     let sfx = suffix(T::DTYPE, "max_pool2d_nhwc_backward")?;
     let func = dev.get_or_load_custom_func(&format!("maxpool2d_nhwc_bwd_argmax{v}_{sfx}"), module, image)?;
     let mut builder = func.builder();
