@@ -400,8 +400,8 @@ __device__ __forceinline__ void stage_pairs(const float (&a)[G], const float (&b
 // (kernels/batchnorm/02_nhwc_vec.cu), which bn_nhwc_moments_final combines (Chan et al.) and turns into the
 // statistics and the running update.
 // Reduction, as (count, mean, M2) triples merged with Chan et al.'s formula (exact in FP32 whatever the mean):
-// a thread's two rows per column, then the 8 lanes sharing a column set by reduce-scatter (rs_moments8: 7
-// shuffles per 8 columns), then the 8 consumer warps in shared memory (the epilogue staging buffers, once the
+// a thread's two rows per column, then the 8 lanes sharing a column set by reduce-scatter (rs_moments8: 14
+// shuffles per 8 columns, 7 for the means and 7 for the M2s, plus merge_weights' 3 per unit), then the 8 consumer warps in shared memory (the epilogue staging buffers, once the
 // previous unit's TMA stores have read them), in a fixed order: deterministic. The register work runs before
 // the wait for those stores.
 template <typename T, int BN>

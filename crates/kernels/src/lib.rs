@@ -11,6 +11,9 @@
 //! The CPU implementations are the references the CUDA kernels are tested against, and they are what the
 //! default (CPU-only) build runs.
 
+#[macro_use]
+mod dispatch;
+
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod geom;

@@ -15,7 +15,7 @@ use super::{alloc_out, ptx, suffix};
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::cuda_backend::cudarc::driver::{CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
-use candle_core::{CudaStorage, DType, Layout, Result, Storage, Tensor, WithDType};
+use candle_core::{CudaStorage, Layout, Result, Storage, Tensor, WithDType};
 use half::{bf16, f16};
 
 /// Module name under which candle caches the BatchNorm PTX.
@@ -272,12 +272,7 @@ pub fn stats(
     const OP: &str = "batch_norm_nhwc_stats";
     let v8 = v8_applies(c, &[l], &[]);
     let sp = if v8 { Split::v8(rows, c, OP)? } else { Split::new(rows, c, OP)? };
-    match s.dtype() {
-        DType::F32 => stats_t::<f32>((s, l), sp, eps, v8, running),
-        DType::BF16 => stats_t::<bf16>((s, l), sp, eps, v8, running),
-        DType::F16 => stats_t::<f16>((s, l), sp, eps, v8, running),
-        other => candle_core::bail!("{OP} (cuda): unsupported dtype {other:?} (f32, bf16, f16 only)"),
-    }
+    cuda_float!(s.dtype(), OP, [F32: f32, BF16: bf16, F16: f16], |T| stats_t::<T>((s, l), sp, eps, v8, running))
 }
 
 /// 02's finalisers (bn_nhwc_moments_final, bn_nhwc_bwd_final_v8): block (8 channels, 128 chunk lanes), one block
@@ -399,12 +394,7 @@ pub fn apply(
     const OP: &str = "batch_norm_nhwc";
     let sp = Split::new(rows, c, OP)?;
     let (x, w, b) = ((xs, xl), (ws, wl), (bs, bl));
-    match xs.dtype() {
-        DType::F32 => apply_t::<f32>(x, w, b, stats, sp, relu),
-        DType::BF16 => apply_t::<bf16>(x, w, b, stats, sp, relu),
-        DType::F16 => apply_t::<f16>(x, w, b, stats, sp, relu),
-        other => candle_core::bail!("{OP} (cuda): unsupported dtype {other:?} (f32, bf16, f16 only)"),
-    }
+    cuda_float!(xs.dtype(), OP, [F32: f32, BF16: bf16, F16: f16], |T| apply_t::<T>(x, w, b, stats, sp, relu))
 }
 
 // ----- backward ------------------------------------------------------------------------------------------------
@@ -582,12 +572,9 @@ pub fn join_sums(
     if dts.iter().flatten().any(|d| *d != a.0.dtype()) {
         candle_core::bail!("{OP} (cuda): operands of different dtypes");
     }
-    match a.0.dtype() {
-        DType::F32 => join_t::<f32>((a, b, y), x, op, (rows, c), sums_out),
-        DType::BF16 => join_t::<bf16>((a, b, y), x, op, (rows, c), sums_out),
-        DType::F16 => join_t::<f16>((a, b, y), x, op, (rows, c), sums_out),
-        other => candle_core::bail!("{OP} (cuda): unsupported dtype {other:?} (f32, bf16, f16 only)"),
-    }
+    cuda_float!(a.0.dtype(), OP, [F32: f32, BF16: bf16, F16: f16], |T| {
+        join_t::<T>((a, b, y), x, op, (rows, c), sums_out)
+    })
 }
 
 /// The backward passes of the BatchNorm on CUDA: (x, dy) (rows, c) -> (2, c) f32 sums [sum g, sum g * xhat]
@@ -598,10 +585,5 @@ pub fn grad(x: Arg, dy: Arg, op: &GradArgs, rows: usize, c: usize) -> Result<Cud
         candle_core::bail!("{OP} (cuda): x is {:?} but dy is {:?}", x.0.dtype(), dy.0.dtype());
     }
     let sp = Split::new(rows, c, OP)?;
-    match x.0.dtype() {
-        DType::F32 => grad_t::<f32>(x, dy, op, sp),
-        DType::BF16 => grad_t::<bf16>(x, dy, op, sp),
-        DType::F16 => grad_t::<f16>(x, dy, op, sp),
-        other => candle_core::bail!("{OP} (cuda): unsupported dtype {other:?} (f32, bf16, f16 only)"),
-    }
+    cuda_float!(x.0.dtype(), OP, [F32: f32, BF16: bf16, F16: f16], |T| grad_t::<T>(x, dy, op, sp))
 }

@@ -16,7 +16,7 @@ use crate::variants::{Tile, T64, W128, W256, X128, X256, X64};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaView, DevicePtr, DeviceRepr, PushKernelArg, ValidAsZeroBits};
 use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
-use candle_core::{CudaStorage, DType, Layout, Result, Shape, WithDType};
+use candle_core::{CudaStorage, Layout, Result, Shape, WithDType};
 use half::{bf16, f16};
 
 /// The convolution geometry as the kernels take it (`ig::Shape`), with every flat index they form checked to fit
@@ -241,11 +241,7 @@ pub fn conv_storage(
     if s1.dtype() != s2.dtype() {
         candle_core::bail!("{op} (cuda): operands are {:?} and {:?}", s1.dtype(), s2.dtype());
     }
-    match s1.dtype() {
-        DType::BF16 => conv_t::<bf16>(cl, s1, l1, s2, l2),
-        DType::F16 => conv_t::<f16>(cl, s1, l1, s2, l2),
-        other => candle_core::bail!("{op} (cuda): unsupported dtype {other:?} (bf16, f16 only)"),
-    }
+    cuda_float!(s1.dtype(), op, [BF16: bf16, F16: f16], |T| conv_t::<T>(cl, s1, l1, s2, l2))
 }
 
 /// What every pass needs: device, tile candidates, the two operand views, the kernel-name suffix.

@@ -13,7 +13,7 @@ use crate::variants::{Tile, T64};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
-use candle_core::{CudaStorage, DType, Layout, Result, WithDType};
+use candle_core::{CudaStorage, Layout, Result, WithDType};
 use half::{bf16, f16};
 
 /// A (storage, layout) operand.
@@ -136,9 +136,5 @@ pub fn gemm_storage(
     if a.0.dtype() != b.0.dtype() || bias.is_some_and(|(s, _)| s.dtype() != a.0.dtype()) {
         candle_core::bail!("matmul (cuda): operands of different dtypes");
     }
-    match a.0.dtype() {
-        DType::BF16 => gemm_t::<bf16>(tuning, layout, mnk, a, b, bias),
-        DType::F16 => gemm_t::<f16>(tuning, layout, mnk, a, b, bias),
-        other => candle_core::bail!("matmul (cuda): unsupported dtype {other:?} (bf16, f16 only)"),
-    }
+    cuda_float!(a.0.dtype(), "matmul", [BF16: bf16, F16: f16], |T| gemm_t::<T>(tuning, layout, mnk, a, b, bias))
 }

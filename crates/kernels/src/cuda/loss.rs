@@ -60,10 +60,7 @@ pub fn softmax_xent(
     if labels.dtype() != DType::U32 {
         candle_core::bail!("softmax_xent (cuda): labels must be u32, got {:?}", labels.dtype());
     }
-    match s.dtype() {
-        DType::F32 => launch::<f32>(s, l, labels, lab, nk, eps, scale),
-        DType::BF16 => launch::<bf16>(s, l, labels, lab, nk, eps, scale),
-        DType::F16 => launch::<f16>(s, l, labels, lab, nk, eps, scale),
-        other => candle_core::bail!("softmax_xent (cuda): unsupported dtype {other:?} (f32, bf16, f16 only)"),
-    }
+    cuda_float!(s.dtype(), "softmax_xent", [F32: f32, BF16: bf16, F16: f16], |T| {
+        launch::<T>(s, l, labels, lab, nk, eps, scale)
+    })
 }

@@ -8,7 +8,7 @@ use crate::geom::MaxPool2d;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
-use candle_core::{CudaStorage, DType, Layout, Result, Shape, WithDType};
+use candle_core::{CudaStorage, Layout, Result, Shape, WithDType};
 use half::{bf16, f16};
 
 /// Module name under which candle caches the max-pool PTX (path under kernels/ without `.cu`).
@@ -105,12 +105,7 @@ pub fn maxpool_fwd(
     l: &Layout,
     dims: (usize, usize, usize, usize),
 ) -> Result<(CudaStorage, Shape)> {
-    let out = match s.dtype() {
-        DType::F32 => fwd_t::<f32>(p, s, l, dims)?,
-        DType::BF16 => fwd_t::<bf16>(p, s, l, dims)?,
-        DType::F16 => fwd_t::<f16>(p, s, l, dims)?,
-        other => candle_core::bail!("max_pool2d (cuda): unsupported dtype {other:?} (f32, bf16, f16 only)"),
-    };
+    let out = cuda_float!(s.dtype(), "max_pool2d", [F32: f32, BF16: bf16, F16: f16], |T| fwd_t::<T>(p, s, l, dims))?;
     Ok((out, Shape::from((dims.0, dims.1, p.out_size(dims.2), p.out_size(dims.3)))))
 }
 
@@ -130,12 +125,9 @@ pub fn maxpool_bwd(
     if x.dtype() != grad.dtype() {
         candle_core::bail!("max_pool2d_backward (cuda): x is {:?} but grad is {:?}", x.dtype(), grad.dtype());
     }
-    let out = match x.dtype() {
-        DType::F32 => bwd_t::<f32>(p, x, xl, grad, gl, dims)?,
-        DType::BF16 => bwd_t::<bf16>(p, x, xl, grad, gl, dims)?,
-        DType::F16 => bwd_t::<f16>(p, x, xl, grad, gl, dims)?,
-        other => candle_core::bail!("max_pool2d_backward (cuda): unsupported dtype {other:?} (f32, bf16, f16 only)"),
-    };
+    let out = cuda_float!(x.dtype(), "max_pool2d_backward", [F32: f32, BF16: bf16, F16: f16], |T| {
+        bwd_t::<T>(p, x, xl, grad, gl, dims)
+    })?;
     Ok((out, xl.shape().clone()))
 }
 
@@ -273,12 +265,9 @@ pub fn maxpool_nhwc_fwd(
     l: &Layout,
     dims: (usize, usize, usize, usize),
 ) -> Result<(CudaStorage, Shape)> {
-    let out = match s.dtype() {
-        DType::F32 => maxpool_nhwc_fwd_t::<f32>(p, s, l, dims)?,
-        DType::BF16 => maxpool_nhwc_fwd_t::<bf16>(p, s, l, dims)?,
-        DType::F16 => maxpool_nhwc_fwd_t::<f16>(p, s, l, dims)?,
-        other => candle_core::bail!("max_pool2d_nhwc (cuda): unsupported dtype {other:?} (f32, bf16, f16 only)"),
-    };
+    let out = cuda_float!(s.dtype(), "max_pool2d_nhwc", [F32: f32, BF16: bf16, F16: f16], |T| {
+        maxpool_nhwc_fwd_t::<T>(p, s, l, dims)
+    })?;
     Ok((out, Shape::from(p.out_shape_nhwc(dims))))
 }
 
@@ -302,14 +291,9 @@ pub fn maxpool_nhwc_bwd(
     if x.dtype() != grad.dtype() {
         candle_core::bail!("max_pool2d_nhwc_backward (cuda): x is {:?} but grad is {:?}", x.dtype(), grad.dtype());
     }
-    let out = match x.dtype() {
-        DType::F32 => maxpool_nhwc_bwd_t::<f32>(p, x, xl, grad, gl, dims)?,
-        DType::BF16 => maxpool_nhwc_bwd_t::<bf16>(p, x, xl, grad, gl, dims)?,
-        DType::F16 => maxpool_nhwc_bwd_t::<f16>(p, x, xl, grad, gl, dims)?,
-        other => {
-            candle_core::bail!("max_pool2d_nhwc_backward (cuda): unsupported dtype {other:?} (f32, bf16, f16 only)")
-        }
-    };
+    let out = cuda_float!(x.dtype(), "max_pool2d_nhwc_backward", [F32: f32, BF16: bf16, F16: f16], |T| {
+        maxpool_nhwc_bwd_t::<T>(p, x, xl, grad, gl, dims)
+    })?;
     Ok((out, xl.shape().clone()))
 }
 
@@ -351,14 +335,9 @@ pub fn avgpool_nhwc_fwd(
     dims: (usize, usize, usize, usize),
 ) -> Result<(CudaStorage, Shape)> {
     let (n, _, _, c) = dims;
-    let out = match s.dtype() {
-        DType::F32 => avgpool_launch::<f32>("fwd", s, l, dims, n * c)?,
-        DType::BF16 => avgpool_launch::<bf16>("fwd", s, l, dims, n * c)?,
-        DType::F16 => avgpool_launch::<f16>("fwd", s, l, dims, n * c)?,
-        other => {
-            candle_core::bail!("global_avg_pool_nhwc (cuda): unsupported dtype {other:?} (f32, bf16, f16 only)")
-        }
-    };
+    let out = cuda_float!(s.dtype(), "global_avg_pool_nhwc", [F32: f32, BF16: bf16, F16: f16], |T| {
+        avgpool_launch::<T>("fwd", s, l, dims, n * c)
+    })?;
     Ok((out, Shape::from((n, c))))
 }
 
@@ -373,14 +352,9 @@ pub fn avgpool_nhwc_bwd(
         candle_core::bail!("global_avg_pool_nhwc_backward (cuda): grad shape {:?}, expected {:?}", l.dims(), [n, c]);
     }
     let len = n * h * w * c;
-    let out = match s.dtype() {
-        DType::F32 => avgpool_launch::<f32>("bwd", s, l, dims, len)?,
-        DType::BF16 => avgpool_launch::<bf16>("bwd", s, l, dims, len)?,
-        DType::F16 => avgpool_launch::<f16>("bwd", s, l, dims, len)?,
-        other => candle_core::bail!(
-            "global_avg_pool_nhwc_backward (cuda): unsupported dtype {other:?} (f32, bf16, f16 only)"
-        ),
-    };
+    let out = cuda_float!(s.dtype(), "global_avg_pool_nhwc_backward", [F32: f32, BF16: bf16, F16: f16], |T| {
+        avgpool_launch::<T>("bwd", s, l, dims, len)
+    })?;
     Ok((out, Shape::from(dims)))
 }
 
@@ -459,12 +433,9 @@ pub fn maxpool_nhwc_offsets(
     let (a, b) = input_range(l, OP, "input")?;
     let v8 = nhwc_v8(p, dims, &[a]);
     let dev = &s.device;
-    let arg = match s.dtype() {
-        DType::F32 => offsets_t::<f32>(dev, p, &s.as_cuda_slice::<f32>()?.slice(a..b), v8, dims)?,
-        DType::BF16 => offsets_t::<bf16>(dev, p, &s.as_cuda_slice::<bf16>()?.slice(a..b), v8, dims)?,
-        DType::F16 => offsets_t::<f16>(dev, p, &s.as_cuda_slice::<f16>()?.slice(a..b), v8, dims)?,
-        other => candle_core::bail!("{OP} (cuda): unsupported dtype {other:?} (f32, bf16, f16 only)"),
-    };
+    let arg = cuda_float!(s.dtype(), OP, [F32: f32, BF16: bf16, F16: f16], |T| {
+        offsets_t::<T>(dev, p, &s.as_cuda_slice::<T>()?.slice(a..b), v8, dims)
+    })?;
     Ok((CudaStorage::wrap_cuda_slice(arg, s.device.clone()), Shape::from(p.out_shape_nhwc(dims))))
 }
 
@@ -498,10 +469,7 @@ pub fn maxpool_nhwc_bwd_offsets(
     let dev = &gs.device;
     // 04 reads the offsets 8 at a time: their start on an 8-byte boundary too.
     let v8 = nhwc_v8(p, dims, &[a]) && oa % 8 == 0;
-    match gs.dtype() {
-        DType::F32 => bwd_offsets_run(dev, p, &arg, &gs.as_cuda_slice::<f32>()?.slice(a..b), v8, dims),
-        DType::BF16 => bwd_offsets_run(dev, p, &arg, &gs.as_cuda_slice::<bf16>()?.slice(a..b), v8, dims),
-        DType::F16 => bwd_offsets_run(dev, p, &arg, &gs.as_cuda_slice::<f16>()?.slice(a..b), v8, dims),
-        other => candle_core::bail!("{OP} (cuda): unsupported dtype {other:?} (f32, bf16, f16 only)"),
-    }
+    cuda_float!(gs.dtype(), OP, [F32: f32, BF16: bf16, F16: f16], |T| {
+        bwd_offsets_run(dev, p, &arg, &gs.as_cuda_slice::<T>()?.slice(a..b), v8, dims)
+    })
 }

@@ -10,7 +10,7 @@ use super::{alloc_out, grid_for, ptx, suffix};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaView, DeviceRepr, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
-use candle_core::{CudaStorage, DType, Layout, Result, WithDType};
+use candle_core::{CudaStorage, Layout, Result, WithDType};
 use half::{bf16, f16};
 
 const MODULE: &str = "residual/01_fused";
@@ -88,12 +88,7 @@ pub fn bn_add_relu(z: Arg, r: Arg, bn: BnTensors, res_bn: Option<BnTensors>, c: 
     if z.0.dtype() != r.0.dtype() {
         candle_core::bail!("{OP} (cuda): z is {:?} but r is {:?}", z.0.dtype(), r.0.dtype());
     }
-    match z.0.dtype() {
-        DType::F32 => bn_add_relu_t::<f32>(z, r, bn, res_bn, c),
-        DType::BF16 => bn_add_relu_t::<bf16>(z, r, bn, res_bn, c),
-        DType::F16 => bn_add_relu_t::<f16>(z, r, bn, res_bn, c),
-        other => candle_core::bail!("{OP} (cuda): unsupported dtype {other:?} (f32, bf16, f16 only)"),
-    }
+    cuda_float!(z.0.dtype(), OP, [F32: f32, BF16: bf16, F16: f16], |T| bn_add_relu_t::<T>(z, r, bn, res_bn, c))
 }
 
 fn relu_grad_t<T: CudaDType + DeviceRepr + WithDType + 'static>(a: Arg, b: Option<Arg>, y: Arg) -> Result<CudaStorage> {
@@ -128,10 +123,5 @@ pub fn relu_grad(a: Arg, b: Option<Arg>, y: Arg) -> Result<CudaStorage> {
     if y.0.dtype() != dt || b.is_some_and(|b| b.0.dtype() != dt) {
         candle_core::bail!("{OP} (cuda): operands of mixed dtypes");
     }
-    match dt {
-        DType::F32 => relu_grad_t::<f32>(a, b, y),
-        DType::BF16 => relu_grad_t::<bf16>(a, b, y),
-        DType::F16 => relu_grad_t::<f16>(a, b, y),
-        other => candle_core::bail!("{OP} (cuda): unsupported dtype {other:?} (f32, bf16, f16 only)"),
-    }
+    cuda_float!(dt, OP, [F32: f32, BF16: bf16, F16: f16], |T| relu_grad_t::<T>(a, b, y))
 }

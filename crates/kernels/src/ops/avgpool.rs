@@ -5,9 +5,9 @@
 //! broadcast over (h, w), computed in FP32 and rounded once. The CUDA kernels (`kernels/pool/01_avgpool.cu`)
 //! sum in the same order, so they match this reference bit for bit.
 
+use crate::dispatch::contiguous;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, WithDType};
-use half::{bf16, f16};
 
 /// Global average pool of a channels-last tensor: x (n, h, w, c) -> (n, c) in x's dtype, FP32 accumulation.
 pub fn global_avg_pool_nhwc(x: &Tensor) -> Result<Tensor> {
@@ -22,13 +22,6 @@ fn check(dims: &[usize]) -> Result<(usize, usize, usize, usize)> {
     }
 }
 
-fn contiguous_slice<'a, T>(data: &'a [T], l: &Layout, op: &str) -> Result<&'a [T]> {
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&data[a..b]),
-        None => candle_core::bail!("{op}: input must be contiguous"),
-    }
-}
-
 /// `v` (an `A` value) rounded once to `T`: to nearest even for bf16/f16 (as the CUDA kernels), exact otherwise.
 fn round<T: WithDType, A: WithDType>(v: A) -> T {
     if A::DTYPE == DType::F32 {
@@ -38,8 +31,26 @@ fn round<T: WithDType, A: WithDType>(v: A) -> T {
     }
 }
 
-/// Means over (h, w) accumulated in `A` (f32, or f64 for f64 inputs), in ascending spatial order per channel.
-fn fwd_t<T: WithDType, A: WithDType>(x: &[T], (n, h, w, c): (usize, usize, usize, usize)) -> Vec<T> {
+/// Means over (h, w) accumulated in f32 (f64 for f64 inputs), in ascending spatial order per channel.
+fn fwd_t<T: WithDType>(x: &[T], dims: (usize, usize, usize, usize)) -> Vec<T> {
+    if T::DTYPE == DType::F64 {
+        fwd_acc::<T, f64>(x, dims)
+    } else {
+        fwd_acc::<T, f32>(x, dims)
+    }
+}
+
+/// dy / (h * w) broadcast over (h, w), computed in f32 (f64 for f64 inputs) and rounded once.
+fn bwd_t<T: WithDType>(dy: &[T], dims: (usize, usize, usize, usize)) -> Vec<T> {
+    if T::DTYPE == DType::F64 {
+        bwd_acc::<T, f64>(dy, dims)
+    } else {
+        bwd_acc::<T, f32>(dy, dims)
+    }
+}
+
+/// [`fwd_t`] accumulating in `A`.
+fn fwd_acc<T: WithDType, A: WithDType>(x: &[T], (n, h, w, c): (usize, usize, usize, usize)) -> Vec<T> {
     let hw = h * w;
     let count = A::from_f64(hw as f64);
     let mut out = Vec::with_capacity(n * c);
@@ -57,7 +68,7 @@ fn fwd_t<T: WithDType, A: WithDType>(x: &[T], (n, h, w, c): (usize, usize, usize
 }
 
 /// dx[n, y, x, ch] = dy[n, ch] / (h * w), computed in `A` and rounded once to `T`.
-fn bwd_t<T: WithDType, A: WithDType>(dy: &[T], (n, h, w, c): (usize, usize, usize, usize)) -> Vec<T> {
+fn bwd_acc<T: WithDType, A: WithDType>(dy: &[T], (n, h, w, c): (usize, usize, usize, usize)) -> Vec<T> {
     let hw = h * w;
     let count = A::from_f64(hw as f64);
     let mut out = Vec::with_capacity(n * hw * c);
@@ -82,13 +93,7 @@ impl CustomOp1 for GlobalAvgPoolNhwc {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let dims = check(l.dims())?;
         let op = self.name();
-        let out = match s {
-            CpuStorage::F32(v) => CpuStorage::F32(fwd_t::<f32, f32>(contiguous_slice(v, l, op)?, dims)),
-            CpuStorage::BF16(v) => CpuStorage::BF16(fwd_t::<bf16, f32>(contiguous_slice(v, l, op)?, dims)),
-            CpuStorage::F16(v) => CpuStorage::F16(fwd_t::<f16, f32>(contiguous_slice(v, l, op)?, dims)),
-            CpuStorage::F64(v) => CpuStorage::F64(fwd_t::<f64, f64>(contiguous_slice(v, l, op)?, dims)),
-            other => candle_core::bail!("{op}: unsupported dtype {:?}", other.dtype()),
-        };
+        let out = cpu_float!(op, s, [F32, BF16, F16, F64], |v, wrap| wrap(fwd_t(contiguous(v, l, op, "input")?, dims)));
         Ok((out, Shape::from((dims.0, dims.3))))
     }
 
@@ -134,13 +139,7 @@ impl CustomOp1 for GlobalAvgPoolNhwcBackward {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let dims = self.dims(l)?;
         let op = self.name();
-        let out = match s {
-            CpuStorage::F32(v) => CpuStorage::F32(bwd_t::<f32, f32>(contiguous_slice(v, l, op)?, dims)),
-            CpuStorage::BF16(v) => CpuStorage::BF16(bwd_t::<bf16, f32>(contiguous_slice(v, l, op)?, dims)),
-            CpuStorage::F16(v) => CpuStorage::F16(bwd_t::<f16, f32>(contiguous_slice(v, l, op)?, dims)),
-            CpuStorage::F64(v) => CpuStorage::F64(bwd_t::<f64, f64>(contiguous_slice(v, l, op)?, dims)),
-            other => candle_core::bail!("{op}: unsupported dtype {:?}", other.dtype()),
-        };
+        let out = cpu_float!(op, s, [F32, BF16, F16, F64], |v, wrap| wrap(bwd_t(contiguous(v, l, op, "input")?, dims)));
         Ok((out, Shape::from(dims)))
     }
 

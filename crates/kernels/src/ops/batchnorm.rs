@@ -19,9 +19,9 @@
 //! and `02_nhwc_vec.cu` (launchers in `cuda/bn.rs`).
 
 use super::round_f32;
+use crate::dispatch::contiguous;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, Var, WithDType};
-use half::{bf16, f16};
 
 /// Training-mode BatchNorm of a channels-last tensor with batch statistics, optionally followed by ReLU.
 ///
@@ -59,13 +59,6 @@ fn rows_c(dims: &[usize]) -> Result<(usize, usize)> {
         _ => candle_core::bail!(
             "batch_norm_nhwc: expects a (.., c) tensor with at least one row and channel, got {dims:?}"
         ),
-    }
-}
-
-fn contiguous_slice<'a, T>(data: &'a [T], l: &Layout, op: &str, what: &str) -> Result<&'a [T]> {
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&data[a..b]),
-        None => candle_core::bail!("{op}: {what} must be contiguous"),
     }
 }
 
@@ -198,12 +191,7 @@ impl CustomOp1 for BnStats {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let (_, c) = rows_c(l.dims())?;
         let op = self.name();
-        let out = match s {
-            CpuStorage::F32(v) => stats_t(contiguous_slice(v, l, op, "x")?, c, self.eps),
-            CpuStorage::BF16(v) => stats_t::<bf16>(contiguous_slice(v, l, op, "x")?, c, self.eps),
-            CpuStorage::F16(v) => stats_t::<f16>(contiguous_slice(v, l, op, "x")?, c, self.eps),
-            other => candle_core::bail!("{op}: unsupported dtype {:?}", other.dtype()),
-        };
+        let out = cpu_float!(op, s, [F32, BF16, F16], |v| stats_t(contiguous(v, l, op, "x")?, c, self.eps));
         Ok((CpuStorage::F32(out), Shape::from((3, c))))
     }
 
@@ -507,20 +495,13 @@ impl CustomOp3 for BnApply {
         let (CpuStorage::F32(w), CpuStorage::F32(b)) = (s2, s3) else {
             candle_core::bail!("{op}: weight and bias must be f32");
         };
-        let (w, b) = (contiguous_slice(w, l2, op, "weight")?, contiguous_slice(b, l3, op, "bias")?);
+        let (w, b) = (contiguous(w, l2, op, "weight")?, contiguous(b, l3, op, "bias")?);
         if w.len() != c || b.len() != c || stats.len() != 3 * c {
             candle_core::bail!("{op}: per-channel tensors do not have {c} channels");
         }
-        let out = match s1 {
-            CpuStorage::F32(v) => CpuStorage::F32(apply_t(contiguous_slice(v, l1, op, "x")?, &stats, w, b, self.relu)),
-            CpuStorage::BF16(v) => {
-                CpuStorage::BF16(apply_t::<bf16>(contiguous_slice(v, l1, op, "x")?, &stats, w, b, self.relu))
-            }
-            CpuStorage::F16(v) => {
-                CpuStorage::F16(apply_t::<f16>(contiguous_slice(v, l1, op, "x")?, &stats, w, b, self.relu))
-            }
-            other => candle_core::bail!("{op}: unsupported dtype {:?}", other.dtype()),
-        };
+        let out = cpu_float!(op, s1, [F32, BF16, F16], |v, wrap| {
+            wrap(apply_t(contiguous(v, l1, op, "x")?, &stats, w, b, self.relu))
+        });
         Ok((out, l1.shape().clone()))
     }
 
@@ -614,21 +595,10 @@ impl CustomOp2 for BnGrad {
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let op = self.name();
         let (_, c) = check_same(l1, l2, op)?;
-        let (sums, dx) = match (s1, s2) {
-            (CpuStorage::F32(x), CpuStorage::F32(g)) => {
-                let (s, dx) = self.run_cpu(contiguous_slice(x, l1, op, "x")?, contiguous_slice(g, l2, op, "dy")?, c)?;
-                (s, dx.map(CpuStorage::F32))
-            }
-            (CpuStorage::BF16(x), CpuStorage::BF16(g)) => {
-                let (s, dx) = self.run_cpu(contiguous_slice(x, l1, op, "x")?, contiguous_slice(g, l2, op, "dy")?, c)?;
-                (s, dx.map(CpuStorage::BF16))
-            }
-            (CpuStorage::F16(x), CpuStorage::F16(g)) => {
-                let (s, dx) = self.run_cpu(contiguous_slice(x, l1, op, "x")?, contiguous_slice(g, l2, op, "dy")?, c)?;
-                (s, dx.map(CpuStorage::F16))
-            }
-            (a, b) => candle_core::bail!("{op}: unsupported dtypes {:?}/{:?}", a.dtype(), b.dtype()),
-        };
+        let (sums, dx) = cpu_float2!(op, (s1, s2), [F32, BF16, F16], |x, g, wrap| {
+            let (s, dx) = self.run_cpu(contiguous(x, l1, op, "x")?, contiguous(g, l2, op, "dy")?, c)?;
+            (s, dx.map(wrap))
+        });
         Ok(match dx {
             Some(dx) => (dx, l1.shape().clone()),
             None => (CpuStorage::F32(sums), Shape::from((2, c))),

@@ -5,10 +5,10 @@
 //! input instead of storing indices, so no extra activation memory is kept.
 
 use super::round_f32;
+use crate::dispatch::contiguous;
 pub use crate::geom::MaxPool2d;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, WithDType};
-use half::{bf16, f16};
 
 /// Applies max-pooling with backward support. `x`: (n, c, h, w).
 pub fn max_pool2d(x: &Tensor, kernel: usize, stride: usize, padding: usize) -> Result<Tensor> {
@@ -74,13 +74,6 @@ fn bwd_t<T: WithDType>(p: &MaxPool2d, x: &[T], g: &[T], dims: (usize, usize, usi
     acc.into_iter().map(round_f32).collect()
 }
 
-fn contiguous_slice<'a, T>(data: &'a [T], l: &Layout, what: &str) -> Result<&'a [T]> {
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&data[a..b]),
-        None => candle_core::bail!("max_pool2d: {what} must be contiguous"),
-    }
-}
-
 impl CustomOp1 for MaxPool2d {
     fn name(&self) -> &'static str {
         "max_pool2d"
@@ -89,13 +82,9 @@ impl CustomOp1 for MaxPool2d {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let dims = self.check(l.dims())?;
         let out_shape = Shape::from((dims.0, dims.1, self.out_size(dims.2), self.out_size(dims.3)));
-        let out = match s {
-            CpuStorage::F32(v) => CpuStorage::F32(fwd_t(self, contiguous_slice(v, l, "input")?, dims)),
-            CpuStorage::BF16(v) => CpuStorage::BF16(fwd_t::<bf16>(self, contiguous_slice(v, l, "input")?, dims)),
-            CpuStorage::F16(v) => CpuStorage::F16(fwd_t::<f16>(self, contiguous_slice(v, l, "input")?, dims)),
-            CpuStorage::F64(v) => CpuStorage::F64(fwd_t(self, contiguous_slice(v, l, "input")?, dims)),
-            other => candle_core::bail!("max_pool2d: unsupported dtype {:?}", other.dtype()),
-        };
+        let op = self.name();
+        let out =
+            cpu_float!(op, s, [F32, BF16, F16, F64], |v, wrap| wrap(fwd_t(self, contiguous(v, l, op, "input")?, dims)));
         Ok((out, out_shape))
     }
 
@@ -127,21 +116,10 @@ impl CustomOp2 for MaxPool2dBackward {
         if l2.dims() != expect {
             candle_core::bail!("max_pool2d_backward: grad shape {:?}, expected {expect:?}", l2.dims());
         }
-        let out = match (s1, s2) {
-            (CpuStorage::F32(x), CpuStorage::F32(g)) => {
-                CpuStorage::F32(bwd_t(p, contiguous_slice(x, l1, "x")?, contiguous_slice(g, l2, "grad")?, dims))
-            }
-            (CpuStorage::BF16(x), CpuStorage::BF16(g)) => {
-                CpuStorage::BF16(bwd_t(p, contiguous_slice(x, l1, "x")?, contiguous_slice(g, l2, "grad")?, dims))
-            }
-            (CpuStorage::F16(x), CpuStorage::F16(g)) => {
-                CpuStorage::F16(bwd_t(p, contiguous_slice(x, l1, "x")?, contiguous_slice(g, l2, "grad")?, dims))
-            }
-            (CpuStorage::F64(x), CpuStorage::F64(g)) => {
-                CpuStorage::F64(bwd_t(p, contiguous_slice(x, l1, "x")?, contiguous_slice(g, l2, "grad")?, dims))
-            }
-            (a, b) => candle_core::bail!("max_pool2d_backward: unsupported dtypes {:?}/{:?}", a.dtype(), b.dtype()),
-        };
+        let op = self.name();
+        let out = cpu_float2!(op, (s1, s2), [F32, BF16, F16, F64], |x, g, wrap| {
+            wrap(bwd_t(p, contiguous(x, l1, op, "x")?, contiguous(g, l2, op, "grad")?, dims))
+        });
         Ok((out, l1.shape().clone()))
     }
 
@@ -252,13 +230,12 @@ impl CustomOp1 for MaxPool2dNhwc {
         let p = &self.0;
         let dims = p.check_nhwc(l.dims())?;
         let out_shape = Shape::from(p.out_shape_nhwc(dims));
-        let out = match s {
-            CpuStorage::F32(v) => CpuStorage::F32(fwd_nhwc_t(p, contiguous_slice(v, l, "input")?, dims)),
-            CpuStorage::BF16(v) => CpuStorage::BF16(fwd_nhwc_t::<bf16>(p, contiguous_slice(v, l, "input")?, dims)),
-            CpuStorage::F16(v) => CpuStorage::F16(fwd_nhwc_t::<f16>(p, contiguous_slice(v, l, "input")?, dims)),
-            CpuStorage::F64(v) => CpuStorage::F64(fwd_nhwc_t(p, contiguous_slice(v, l, "input")?, dims)),
-            other => candle_core::bail!("max_pool2d_nhwc: unsupported dtype {:?}", other.dtype()),
-        };
+        let op = self.name();
+        let out = cpu_float!(op, s, [F32, BF16, F16, F64], |v, wrap| wrap(fwd_nhwc_t(
+            p,
+            contiguous(v, l, op, "input")?,
+            dims
+        )));
         Ok((out, out_shape))
     }
 
@@ -290,23 +267,10 @@ impl CustomOp2 for MaxPool2dNhwcBackward {
         if l2.dims() != [n, oh, ow, c] {
             candle_core::bail!("max_pool2d_nhwc_backward: grad shape {:?}, expected {:?}", l2.dims(), [n, oh, ow, c]);
         }
-        let out = match (s1, s2) {
-            (CpuStorage::F32(x), CpuStorage::F32(g)) => {
-                CpuStorage::F32(bwd_nhwc_t(p, contiguous_slice(x, l1, "x")?, contiguous_slice(g, l2, "grad")?, dims))
-            }
-            (CpuStorage::BF16(x), CpuStorage::BF16(g)) => {
-                CpuStorage::BF16(bwd_nhwc_t(p, contiguous_slice(x, l1, "x")?, contiguous_slice(g, l2, "grad")?, dims))
-            }
-            (CpuStorage::F16(x), CpuStorage::F16(g)) => {
-                CpuStorage::F16(bwd_nhwc_t(p, contiguous_slice(x, l1, "x")?, contiguous_slice(g, l2, "grad")?, dims))
-            }
-            (CpuStorage::F64(x), CpuStorage::F64(g)) => {
-                CpuStorage::F64(bwd_nhwc_t(p, contiguous_slice(x, l1, "x")?, contiguous_slice(g, l2, "grad")?, dims))
-            }
-            (a, b) => {
-                candle_core::bail!("max_pool2d_nhwc_backward: unsupported dtypes {:?}/{:?}", a.dtype(), b.dtype())
-            }
-        };
+        let op = self.name();
+        let out = cpu_float2!(op, (s1, s2), [F32, BF16, F16, F64], |x, g, wrap| {
+            wrap(bwd_nhwc_t(p, contiguous(x, l1, op, "x")?, contiguous(g, l2, op, "grad")?, dims))
+        });
         Ok((out, l1.shape().clone()))
     }
 
@@ -371,13 +335,8 @@ impl CustomOp1 for MaxPool2dNhwcOffsets {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let p = &self.0;
         let dims = self.check(l.dims())?;
-        let out = match s {
-            CpuStorage::F32(v) => offsets_nhwc_t(p, contiguous_slice(v, l, "input")?, dims),
-            CpuStorage::BF16(v) => offsets_nhwc_t::<bf16>(p, contiguous_slice(v, l, "input")?, dims),
-            CpuStorage::F16(v) => offsets_nhwc_t::<f16>(p, contiguous_slice(v, l, "input")?, dims),
-            CpuStorage::F64(v) => offsets_nhwc_t(p, contiguous_slice(v, l, "input")?, dims),
-            other => candle_core::bail!("max_pool2d_nhwc_offsets: unsupported dtype {:?}", other.dtype()),
-        };
+        let op = self.name();
+        let out = cpu_float!(op, s, [F32, BF16, F16, F64], |v| offsets_nhwc_t(p, contiguous(v, l, op, "input")?, dims));
         Ok((CpuStorage::U8(out), Shape::from(p.out_shape_nhwc(dims))))
     }
 
@@ -451,19 +410,14 @@ impl CustomOp2 for MaxPool2dNhwcBackwardOffsets {
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let (p, dims) = (&self.pool, self.dims(l1.dims(), l2.dims())?);
+        let op = self.name();
         let CpuStorage::U8(off) = s1 else {
-            candle_core::bail!("max_pool2d_nhwc_backward_offsets: offsets of dtype {:?}, expected u8", s1.dtype())
+            candle_core::bail!("{op}: offsets of dtype {:?}, expected u8", s1.dtype())
         };
-        let off = contiguous_slice(off, l1, "offsets")?;
-        let out = match s2 {
-            CpuStorage::F32(g) => CpuStorage::F32(bwd_offsets_nhwc_t(p, off, contiguous_slice(g, l2, "grad")?, dims)?),
-            CpuStorage::BF16(g) => {
-                CpuStorage::BF16(bwd_offsets_nhwc_t(p, off, contiguous_slice(g, l2, "grad")?, dims)?)
-            }
-            CpuStorage::F16(g) => CpuStorage::F16(bwd_offsets_nhwc_t(p, off, contiguous_slice(g, l2, "grad")?, dims)?),
-            CpuStorage::F64(g) => CpuStorage::F64(bwd_offsets_nhwc_t(p, off, contiguous_slice(g, l2, "grad")?, dims)?),
-            other => candle_core::bail!("max_pool2d_nhwc_backward_offsets: unsupported dtype {:?}", other.dtype()),
-        };
+        let off = contiguous(off, l1, op, "offsets")?;
+        let out = cpu_float!(op, s2, [F32, BF16, F16, F64], |g, wrap| {
+            wrap(bwd_offsets_nhwc_t(p, off, contiguous(g, l2, op, "grad")?, dims)?)
+        });
         Ok((out, Shape::from(dims)))
     }
 

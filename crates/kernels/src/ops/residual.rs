@@ -7,9 +7,9 @@
 //! (launchers in `cuda/residual.rs`).
 
 use super::round_f32;
+use crate::dispatch::contiguous;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType};
-use half::{bf16, f16};
 
 /// A training-mode BatchNorm's per-channel tensors: the batch statistics (3, c) = [mean, var, invstd] from
 /// [`super::batchnorm::BnStats`], weight and bias (c), all f32.
@@ -80,13 +80,6 @@ fn same_shape(ls: &[&Layout], op: &str) -> Result<()> {
     Ok(())
 }
 
-fn slice<'a, T>(data: &'a [T], l: &Layout, op: &str) -> Result<&'a [T]> {
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&data[a..b]),
-        None => candle_core::bail!("{op}: operands must be contiguous"),
-    }
-}
-
 #[inline]
 fn f32_of<T: WithDType>(v: T) -> f32 {
     v.to_f64() as f32
@@ -132,18 +125,9 @@ impl CustomOp2 for BnAddRelu {
         if let Some(p) = &self.res_bn {
             p.check(c, op)?;
         }
-        let out = match (s1, s2) {
-            (CpuStorage::F32(z), CpuStorage::F32(r)) => {
-                CpuStorage::F32(self.run(slice(z, l1, op)?, slice(r, l2, op)?, c)?)
-            }
-            (CpuStorage::BF16(z), CpuStorage::BF16(r)) => {
-                CpuStorage::BF16(self.run::<bf16>(slice(z, l1, op)?, slice(r, l2, op)?, c)?)
-            }
-            (CpuStorage::F16(z), CpuStorage::F16(r)) => {
-                CpuStorage::F16(self.run::<f16>(slice(z, l1, op)?, slice(r, l2, op)?, c)?)
-            }
-            (a, b) => candle_core::bail!("{op}: unsupported dtypes {:?}/{:?}", a.dtype(), b.dtype()),
-        };
+        let out = cpu_float2!(op, (s1, s2), [F32, BF16, F16], |z, r, wrap| {
+            wrap(self.run(contiguous(z, l1, op, "z")?, contiguous(r, l2, op, "r")?, c)?)
+        });
         Ok((out, l1.shape().clone()))
     }
 
@@ -197,7 +181,7 @@ fn relu_grad_cpu(args: &[(&CpuStorage, &Layout)], op: &str) -> Result<CpuStorage
             let mut v = Vec::with_capacity(args.len());
             for (s, l) in args {
                 match s {
-                    CpuStorage::$variant(d) => v.push(slice(d, l, op)?),
+                    CpuStorage::$variant(d) => v.push(contiguous(d, l, op, "operands")?),
                     other => candle_core::bail!("{op}: mixed dtypes ({:?})", other.dtype()),
                 }
             }

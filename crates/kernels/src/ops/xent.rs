@@ -7,9 +7,9 @@
 //! mean over the rows, the gradient (softmax(x_i) - q) * scale / n. Everything in FP32 (the CPU reference in FP64,
 //! rounded once), from logits in f32, bf16 or f16.
 
+use crate::dispatch::contiguous;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, WithDType};
-use half::{bf16, f16};
 
 /// Mean softmax cross-entropy with label smoothing `eps` of `logits` (n, k) against `labels` (n, integer), and
 /// its gradient times `scale` ((n, k) f32): (scalar f32 loss, gradient).
@@ -43,13 +43,6 @@ fn dims(l: &Layout, lab: &Layout) -> Result<(usize, usize)> {
     }
 }
 
-fn slice<'a, T>(v: &'a [T], l: &Layout, what: &str) -> Result<&'a [T]> {
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&v[a..b]),
-        None => candle_core::bail!("softmax_xent: {what} must be contiguous"),
-    }
-}
-
 /// The reference: per row in FP64, rounded once to FP32.
 fn cpu<T: WithDType>(x: &[T], labels: &[u32], (n, k): (usize, usize), eps: f64, scale: f64) -> Vec<f32> {
     let mut out = vec![0f32; n * k + n];
@@ -76,17 +69,13 @@ impl CustomOp2 for SoftmaxXent {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout, ls: &CpuStorage, lab: &Layout) -> Result<(CpuStorage, Shape)> {
+        const OP: &str = "softmax_xent";
         let (n, k) = dims(l, lab)?;
-        let CpuStorage::U32(labels) = ls else { candle_core::bail!("softmax_xent: labels must be u32") };
-        let labels = slice(labels, lab, "labels")?;
+        let CpuStorage::U32(labels) = ls else { candle_core::bail!("{OP}: labels must be u32") };
+        let labels = contiguous(labels, lab, OP, "labels")?;
         let (e, sc) = (self.eps, self.scale);
-        let out = match s {
-            CpuStorage::F32(v) => cpu(slice(v, l, "logits")?, labels, (n, k), e, sc),
-            CpuStorage::BF16(v) => cpu::<bf16>(slice(v, l, "logits")?, labels, (n, k), e, sc),
-            CpuStorage::F16(v) => cpu::<f16>(slice(v, l, "logits")?, labels, (n, k), e, sc),
-            CpuStorage::F64(v) => cpu(slice(v, l, "logits")?, labels, (n, k), e, sc),
-            other => candle_core::bail!("softmax_xent: unsupported dtype {:?}", other.dtype()),
-        };
+        let out =
+            cpu_float!(OP, s, [F32, BF16, F16, F64], |v| cpu(contiguous(v, l, OP, "logits")?, labels, (n, k), e, sc));
         Ok((CpuStorage::F32(out), Shape::from(n * k + n)))
     }
 
