@@ -6,8 +6,8 @@
 #      empty skips it; with TORCH=1 instead scripts/bench-vs-torch.sh: the trainer with no --set and PyTorch eager
 #      AMP channels-last in the same call; its "graph:" line says whether the steps replayed a CUDA graph), then
 #      the fused step without its graph (kernels.graph = "off", the first dtype; EAGER_COMPARE= skips it) and with
-#      the BatchNorm moments from the conv epilogues (kernels.bn_stats = "fused"; EPI_COMPARE= skips it; with
-#      EPI_HALVES=1 also "forward" and "backward" alone), then
+#      the fused BatchNorm reductions (kernels.bn_stats = "fused", then "auto": per conv shape where timed faster;
+#      EPI_COMPARE= skips both; with EPI_HALVES=1 also "forward" and "backward" alone), then
 #      autograd in AUTOGRAD_DTYPES (default bf16; empty skips it) -- figures first, as device time is short;
 #   3. gpu-step-tests: tests/tests/gpu_step.rs (residual kernels vs CPU, fused vs autograd loss and every gradient
 #      in bf16/fp16 on ResNet-18/50/152, three fp16 StepRunner steps with a skipped one, ten steps replayed from a
@@ -86,15 +86,17 @@ main() {
 
     local step dts graph stats
     # EPI_HALVES=1: also each half of the fused reductions alone (kernels.bn_stats = "forward" / "backward").
-    for step in fused ${EAGER_COMPARE-fused-eager} ${EPI_COMPARE-fused-epistats} ${EPI_HALVES:+fused-epifwd fused-epibwd} autograd; do
+    for step in fused ${EAGER_COMPARE-fused-eager} ${EPI_COMPARE-fused-epistats fused-epiauto} ${EPI_HALVES:+fused-epifwd fused-epibwd} autograd; do
         dts="$dtypes"
         graph=auto
         stats=pass
         [ "$step" = autograd ] && dts="${AUTOGRAD_DTYPES-bf16}"
         # fused-eager: the fused step without its CUDA graph (kernels.graph = "off"); fused-epistats: with the
-        # BatchNorm moments from the conv epilogues (kernels.bn_stats = "fused"); both in the first dtype only.
+        # fused BatchNorm reductions (kernels.bn_stats = "fused"); fused-epiauto: the same per conv shape where
+        # timed faster ("auto"); all in the first dtype only.
         [ "$step" = fused-eager ] && { graph=off; dts="${dtypes%%,*}"; }
         [ "$step" = fused-epistats ] && { stats=fused; dts="${dtypes%%,*}"; }
+        [ "$step" = fused-epiauto ] && { stats=auto; dts="${dtypes%%,*}"; }
         [ "$step" = fused-epifwd ] && { stats=forward; dts="${dtypes%%,*}"; }
         [ "$step" = fused-epibwd ] && { stats=backward; dts="${dtypes%%,*}"; }
         [ -n "$dts" ] || continue

@@ -133,6 +133,10 @@ pub struct KernelPolicy {
     /// gradient (the block output's ReLU-gradient pass; the grad-input epilogue of the 1x1 or stride-1 conv
     /// after it, on a TMA tile) instead of a pass over that gradient.
     pub bn_sums_in_backward: bool,
+    /// With the two above: each convolution shape keeps its BatchNorm reduction in the epilogue only where that
+    /// is faster than the plain convolution and the pass, timed on first use under [`Tuning::Autotune`] and
+    /// remembered by the autotuner (`kernels.bn_stats = "auto"`).
+    pub bn_epilogue_by_timing: bool,
 }
 
 impl Default for KernelPolicy {
@@ -146,6 +150,7 @@ impl Default for KernelPolicy {
             fused_batchnorm_on_cpu: false,
             bn_stats_in_conv: false,
             bn_sums_in_backward: false,
+            bn_epilogue_by_timing: false,
         }
     }
 }
@@ -177,27 +182,37 @@ impl KernelPolicy {
                 None => "tiles autotuned (in memory)".to_string(),
             },
         };
+        let timed = if self.bn_epilogue_by_timing { " where timed faster" } else { "" };
         let stats = if self.bn_stats_in_conv { ", BatchNorm moments in the conv epilogues" } else { "" };
         let sums = if self.bn_sums_in_backward { ", BatchNorm backward sums fused" } else { "" };
-        format!("conv {}, matmul {}, {tiles}{stats}{sums}", self.conv.name(), self.matmul.name())
+        let timed = if self.bn_stats_in_conv || self.bn_sums_in_backward { timed } else { "" };
+        format!("conv {}, matmul {}, {tiles}{stats}{sums}{timed}", self.conv.name(), self.matmul.name())
     }
 }
+
+/// The autotune cache's values for an epilogue choice ([`Autotuner::insert_epilogue`]).
+const EPILOGUE: &str = "epilogue";
+const PASS: &str = "pass";
 
 /// Errors of the autotune cache file.
 #[derive(Debug, thiserror::Error)]
 pub enum TuneCacheError {
-    #[error("autotune cache {path}: line {line} is not `GPU<TAB>op and shape<TAB>tile` with a known tile")]
+    #[error(
+        "autotune cache {path}: line {line} is not `GPU<TAB>op and shape<TAB>tile` with a known tile (or `epilogue` / `pass`)"
+    )]
     Malformed { path: String, line: usize },
     #[error("autotune cache {path}: {msg}")]
     Io { path: String, msg: String },
 }
 
-/// The autotuner's memory: the chosen tile per (GPU name, op and shape), optionally persisted to a
-/// tab-separated file so that a shape is timed once per GPU model, not once per process.
+/// The autotuner's memory: the chosen tile per (GPU name, op and shape), and per convolution shape whether its
+/// BatchNorm reduction runs in the epilogue (`epilogue`) or as a pass (`pass`) ([`KernelPolicy::bn_epilogue_by_timing`]),
+/// optionally persisted to a tab-separated file so that a shape is timed once per GPU model, not once per process.
 #[derive(Debug, Default)]
 pub struct Autotuner {
     file: Option<PathBuf>,
     choices: Mutex<HashMap<String, Tile>>,
+    epilogues: Mutex<HashMap<String, bool>>,
     warned: AtomicBool,
 }
 
@@ -211,25 +226,31 @@ impl Autotuner {
     /// are kept but unused), and every new choice appended. A missing file is created on the first append; an
     /// unreadable or malformed one is an error naming it.
     pub fn with_file(path: &Path) -> Result<Self, TuneCacheError> {
-        let mut choices = HashMap::new();
+        let (mut choices, mut epilogues) = (HashMap::new(), HashMap::new());
         match std::fs::read_to_string(path) {
             Ok(text) => {
                 for (i, line) in text.lines().enumerate() {
                     let f: Vec<&str> = line.split('\t').collect();
-                    let tile = match f.as_slice() {
-                        [_, _, t] => tile_by_name(t),
-                        _ => None,
-                    };
-                    let Some(tile) = tile else {
+                    let [gpu, key, value] = f.as_slice() else {
                         return Err(TuneCacheError::Malformed { path: path.display().to_string(), line: i + 1 });
                     };
-                    choices.insert(format!("{}\t{}", f[0], f[1]), tile);
+                    let key = format!("{gpu}\t{key}");
+                    match (*value, tile_by_name(value)) {
+                        (_, Some(tile)) => _ = choices.insert(key, tile),
+                        (EPILOGUE | PASS, None) => _ = epilogues.insert(key, *value == EPILOGUE),
+                        _ => return Err(TuneCacheError::Malformed { path: path.display().to_string(), line: i + 1 }),
+                    }
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(TuneCacheError::Io { path: path.display().to_string(), msg: e.to_string() }),
         }
-        Ok(Self { file: Some(path.to_path_buf()), choices: Mutex::new(choices), warned: AtomicBool::new(false) })
+        Ok(Self {
+            file: Some(path.to_path_buf()),
+            choices: Mutex::new(choices),
+            epilogues: Mutex::new(epilogues),
+            warned: AtomicBool::new(false),
+        })
     }
 
     pub fn file(&self) -> Option<&Path> {
@@ -244,6 +265,22 @@ impl Autotuner {
     /// Remembers a choice and appends it to the file (best effort: a failure is reported once and tuning goes on
     /// in memory).
     pub fn insert(&self, key: String, tile: Tile) {
+        self.append(&key, tile.name);
+        self.choices.lock().unwrap_or_else(|e| e.into_inner()).insert(key, tile);
+    }
+
+    /// The remembered epilogue choice of `key` (`GPU name<TAB>epilogue op and shape`): true for the epilogue.
+    pub fn epilogue(&self, key: &str) -> Option<bool> {
+        self.epilogues.lock().unwrap_or_else(|e| e.into_inner()).get(key).copied()
+    }
+
+    /// Remembers an epilogue choice (true: the epilogue, false: the pass), as [`Self::insert`] a tile.
+    pub fn insert_epilogue(&self, key: String, epilogue: bool) {
+        self.append(&key, if epilogue { EPILOGUE } else { PASS });
+        self.epilogues.lock().unwrap_or_else(|e| e.into_inner()).insert(key, epilogue);
+    }
+
+    fn append(&self, key: &str, value: &str) {
         if let Some(path) = &self.file {
             let res = (|| -> std::io::Result<()> {
                 use std::io::Write;
@@ -251,7 +288,7 @@ impl Autotuner {
                     std::fs::create_dir_all(dir)?;
                 }
                 let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
-                writeln!(f, "{key}\t{}", tile.name)
+                writeln!(f, "{key}\t{value}")
             })();
             if let Err(e) = res {
                 if !self.warned.swap(true, Ordering::Relaxed) {
@@ -259,13 +296,14 @@ impl Autotuner {
                 }
             }
         }
-        self.choices.lock().unwrap_or_else(|e| e.into_inner()).insert(key, tile);
     }
 
-    /// The choices so far: (GPU and op and shape, tile name), sorted.
+    /// The choices so far: (GPU and op and shape, tile name or `epilogue` / `pass`), sorted.
     pub fn choices(&self) -> Vec<(String, &'static str)> {
         let mut v: Vec<_> =
             self.choices.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|(k, t)| (k.clone(), t.name)).collect();
+        let e = self.epilogues.lock().unwrap_or_else(|e| e.into_inner());
+        v.extend(e.iter().map(|(k, &on)| (k.clone(), if on { EPILOGUE } else { PASS })));
         v.sort();
         v
     }
@@ -301,9 +339,18 @@ mod tests {
         assert!(a.choices().is_empty());
         a.insert("H200\tconv fwd 1".into(), X256);
         a.insert("H200\tmatmul nt 2".into(), X64);
+        a.insert_epilogue("H200\tepilogue moments 3".into(), false);
+        a.insert_epilogue("H200\tepilogue sums 4".into(), true);
         let b = Autotuner::with_file(&path).unwrap();
         assert_eq!(b.get("H200\tconv fwd 1"), Some(X256));
-        assert_eq!(b.choices().len(), 2);
+        assert_eq!(b.epilogue("H200\tepilogue moments 3"), Some(false));
+        assert_eq!(b.epilogue("H200\tepilogue sums 4"), Some(true));
+        assert_eq!((b.epilogue("H200\tconv fwd 1"), b.get("H200\tepilogue sums 4")), (None, None));
+        assert_eq!(b.choices().len(), 4);
+        assert!(b.choices().contains(&("H200\tepilogue moments 3".to_string(), "pass")));
+        std::fs::write(&path, "H200\tepilogue x\tmaybe\n").unwrap();
+        let e = Autotuner::with_file(&path).unwrap_err().to_string();
+        assert!(e.contains("line 1") && e.contains("`epilogue` / `pass`"), "{e}");
         std::fs::write(&path, "H200\tconv\tt999\n").unwrap();
         let e = Autotuner::with_file(&path).unwrap_err().to_string();
         assert!(e.contains("line 1") && e.contains(&path.display().to_string()), "{e}");

@@ -437,8 +437,11 @@ pub struct KernelsSection {
     /// sm_90a GPU; the block output BatchNorm's backward sums in the pass that makes the block's ReLU gradient,
     /// an inner BatchNorm's in the epilogue of the grad-input that makes its output gradient; small launches then
     /// combine the partials as the passes' finalisers do), or one half of it: "forward" (the moments only) or
-    /// "backward" (the sums only), to tell their costs apart. Not the default: correct on the H200 (its GPU tests
-    /// passed on 2026-12-05) but slower there end to end; the epilogues have been rewritten since, not yet measured
+    /// "backward" (the sums only), to tell their costs apart; or "auto": "fused", with each convolution shape
+    /// keeping its reduction in the epilogue only where the plain convolution and the pass were timed slower on
+    /// first use (with `kernels.autotune`; remembered in the autotune cache, as `epilogue` or `pass`). Not the
+    /// default: "fused" was correct on the H200 (its GPU tests passed on 2026-12-05) but slower there end to end;
+    /// the epilogues have been rewritten since and "auto" added, neither yet run on a GPU
     pub bn_stats: BnStatsChoice,
 }
 
@@ -463,6 +466,8 @@ impl Default for KernelsSection {
 pub enum BnStatsChoice {
     Pass,
     Fused,
+    /// "fused" where the epilogue was timed faster, per convolution shape.
+    Auto,
     /// Only the forward's moments from the conv epilogues.
     Forward,
     /// Only the backward's sums from the kernels that make the gradients.
@@ -474,6 +479,7 @@ impl BnStatsChoice {
         match self {
             Self::Pass => "pass",
             Self::Fused => "fused",
+            Self::Auto => "auto",
             Self::Forward => "forward",
             Self::Backward => "backward",
         }
@@ -621,8 +627,15 @@ impl KernelsSection {
             conv: self.conv.resolve(cuda, act),
             matmul: self.matmul.resolve(cuda, act),
             tuning,
-            bn_stats_in_conv: matches!(self.bn_stats, BnStatsChoice::Fused | BnStatsChoice::Forward),
-            bn_sums_in_backward: matches!(self.bn_stats, BnStatsChoice::Fused | BnStatsChoice::Backward),
+            bn_stats_in_conv: matches!(
+                self.bn_stats,
+                BnStatsChoice::Fused | BnStatsChoice::Auto | BnStatsChoice::Forward
+            ),
+            bn_sums_in_backward: matches!(
+                self.bn_stats,
+                BnStatsChoice::Fused | BnStatsChoice::Auto | BnStatsChoice::Backward
+            ),
+            bn_epilogue_by_timing: self.bn_stats == BnStatsChoice::Auto,
             ..Default::default()
         })
     }
@@ -933,6 +946,24 @@ mod tests {
         assert_eq!(c.train.bucket_mb, 0.5);
     }
 
+    /// Each `kernels.bn_stats` setting turns on its halves of the fused reductions; "auto" also the per-shape
+    /// timing, which "fused" leaves off.
+    #[test]
+    fn bn_stats_settings_set_the_policy() {
+        for (v, conv, backward, timed) in [
+            ("pass", false, false, false),
+            ("fused", true, true, false),
+            ("auto", true, true, true),
+            ("forward", true, false, false),
+            ("backward", false, true, false),
+        ] {
+            let c = super::Config::from_str_with("", "x.toml", &[format!("kernels.bn_stats=\"{v}\"")]).unwrap();
+            let p = c.kernels.policy(true, super::Precision::Bf16).unwrap();
+            assert_eq!((p.bn_stats_in_conv, p.bn_sums_in_backward, p.bn_epilogue_by_timing), (conv, backward, timed));
+            assert_eq!(c.kernels.bn_stats.name(), v);
+        }
+    }
+
     #[test]
     fn unknown_names_give_one_line_naming_key_and_choices() {
         for (key, allowed) in [
@@ -945,7 +976,7 @@ mod tests {
             ("kernels.conv", "auto, fwdconv, candle, custom"),
             ("kernels.matmul", "auto, cublas, custom"),
             ("kernels.graph", "auto, on, off"),
-            ("kernels.bn_stats", "pass, fused, forward, backward"),
+            ("kernels.bn_stats", "pass, fused, auto, forward, backward"),
         ] {
             let e = super::Config::from_str_with("", "x.toml", &[format!("{key}=\"nope\"")]).unwrap_err();
             let e = format!("{e:#}");

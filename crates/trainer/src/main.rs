@@ -452,6 +452,14 @@ fn info(c: ConfigArgs) -> Result<()> {
         let what = match bn {
             config::BnStatsChoice::Forward => "moments in the conv epilogues",
             config::BnStatsChoice::Backward => "backward sums with the gradients that make them",
+            config::BnStatsChoice::Auto if !cfg.kernels.autotune => {
+                "moments in the conv epilogues, backward sums with the gradients that make them (kernels.autotune \
+                 is off: nothing is timed, every epilogue runs)"
+            }
+            config::BnStatsChoice::Auto => {
+                "moments in the conv epilogues, backward sums with the gradients that make them, each conv shape \
+                 where timed faster on first use"
+            }
             _ => "moments in the conv epilogues, backward sums with the gradients that make them",
         };
         println!("bn_stats: {} (kernels.bn_stats; the fused step on CUDA: {what})", bn.name());

@@ -257,6 +257,13 @@ fn info_prints_stages_and_parameter_count() {
     assert!(!text.contains("bn_stats:"), "{text}");
     let out = trainer(&["info", "--config", &cfg, "--set", "kernels.bn_stats=\"fused\""]);
     assert!(String::from_utf8_lossy(&out.stdout).contains("bn_stats: fused (kernels.bn_stats;"));
+    let out = trainer(&["info", "--config", &cfg, "--set", "kernels.bn_stats=\"auto\""]);
+    let auto = String::from_utf8_lossy(&out.stdout);
+    assert!(auto.contains("bn_stats: auto (kernels.bn_stats;") && auto.contains("where timed faster"), "{auto}");
+    let out =
+        trainer(&["info", "--config", &cfg, "--set", "kernels.bn_stats=\"auto\"", "--set", "kernels.autotune=false"]);
+    let auto = String::from_utf8_lossy(&out.stdout);
+    assert!(auto.contains("nothing is timed, every epilogue runs"), "{auto}");
     // The kernels "auto" resolves to, for the configured device and dtype (info opens no device).
     let out = trainer(&["info", "--config", &cfg]);
     let text = String::from_utf8_lossy(&out.stdout);

@@ -80,3 +80,50 @@ pub fn pick<F: FnMut(Tile) -> Result<()>>(
     tuner.insert(key, best.1);
     Ok(best.1)
 }
+
+/// The remembered choice of [`epilogue_pays`] for `key`, without timing anything: Some(false) where the pass
+/// was faster, None where nothing is remembered yet (or tiles are not autotuned).
+pub fn remembered_epilogue(dev: &CudaDevice, tuning: &Tuning, key: impl FnOnce() -> String) -> Option<bool> {
+    match tuning {
+        Tuning::Autotune(a) => a.epilogue(&format!("{}\tepilogue {}", gpu_name(dev), key())),
+        _ => None,
+    }
+}
+
+/// Whether a convolution's BatchNorm reduction pays in its epilogue (`kernels.bn_stats = "auto"`). Under
+/// [`Tuning::Autotune`], the first time `key` is met on this GPU model both ways are timed as [`pick`] times tiles
+/// (one warm-up run, then the GPU time of 5 back-to-back runs between two CUDA events): `pass`, the plain
+/// convolution followed by the reduction's own pass and finaliser, and `epi`, the convolution with the reduction
+/// in its epilogue followed by the finaliser; the faster is remembered (ties: the epilogue). With other tunings
+/// (nothing is timed), the epilogue.
+pub fn epilogue_pays(
+    dev: &CudaDevice,
+    tuning: &Tuning,
+    key: impl FnOnce() -> String,
+    mut pass: impl FnMut() -> Result<()>,
+    mut epi: impl FnMut() -> Result<()>,
+) -> Result<bool> {
+    let Tuning::Autotune(tuner) = tuning else { return Ok(true) };
+    let key = format!("{}\tepilogue {}", gpu_name(dev), key());
+    if let Some(e) = tuner.epilogue(&key) {
+        return Ok(e);
+    }
+    if super::graph::capturing() {
+        candle_core::bail!("autotune: epilogue choice not made before the CUDA graph capture ({key})");
+    }
+    let stream = dev.cuda_stream();
+    let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
+    let time = |run: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
+        run()?;
+        let start = stream.record_event(timing).w()?;
+        for _ in 0..5 {
+            run()?;
+        }
+        let end = stream.record_event(timing).w()?;
+        Ok(start.elapsed_ms(&end).w()? as f64)
+    };
+    let (t_pass, t_epi) = (time(&mut pass)?, time(&mut epi)?);
+    let pays = t_epi <= t_pass;
+    tuner.insert_epilogue(key, pays);
+    Ok(pays)
+}

@@ -411,10 +411,17 @@ pub fn batch_stats_from_partials(part: &Tensor, rows: usize, c: usize, eps: f64,
             num_batches_tracked: addr_of::<i64>(running.num_batches_tracked.as_tensor(), 1, "num_batches_tracked")?,
             momentum: running.momentum as f32,
         };
-        return part.apply_op1_no_bwd(&BnStatsFromPartials { rows, c, eps, running: addrs });
+        return part.apply_op1_no_bwd(&BnStatsFromPartials { rows, c, eps, running: Some(addrs) });
     }
     let _ = (part, eps, running);
     candle_core::bail!("batch_stats_from_partials: the epilogue statistics exist on CUDA only ({rows} x {c})")
+}
+
+/// [`batch_stats_from_partials`] with no running statistics to update: the same launch, for timing it
+/// ([`crate::cuda::autotune::epilogue_pays`]).
+#[cfg(feature = "cuda")]
+pub(crate) fn batch_stats_from_partials_unrecorded(part: &Tensor, rows: usize, c: usize, eps: f64) -> Result<Tensor> {
+    part.apply_op1_no_bwd(&BnStatsFromPartials { rows, c, eps, running: None })
 }
 
 /// [`batch_stats_from_partials`] as a candle op over the partials.
@@ -424,7 +431,7 @@ struct BnStatsFromPartials {
     rows: usize,
     c: usize,
     eps: f64,
-    running: crate::cuda::bn::RunningAddrs,
+    running: Option<crate::cuda::bn::RunningAddrs>,
 }
 
 #[cfg(feature = "cuda")]
@@ -438,7 +445,7 @@ impl CustomOp1 for BnStatsFromPartials {
     }
 
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
-        let st = crate::cuda::bn::stats_from_partials(s, l, self.rows, self.c, self.eps, Some(self.running))?;
+        let st = crate::cuda::bn::stats_from_partials(s, l, self.rows, self.c, self.eps, self.running)?;
         Ok((st, Shape::from((3, self.c))))
     }
 }

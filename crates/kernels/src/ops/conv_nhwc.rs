@@ -189,6 +189,7 @@ pub use cuda_ops::{conv_nhwc_dgrad, conv_nhwc_dgrad_sums, conv_nhwc_fwd, conv_nh
 #[cfg(feature = "cuda")]
 mod cuda_ops {
     use super::{dgrad_reference, kernels_apply};
+    use crate::cuda::autotune::{epilogue_pays, remembered_epilogue};
     use crate::cuda::conv::{conv_storage, wgrad_transposed, ConvLaunch, StatsOut};
     use crate::cuda::im2col::im2col_applies;
     use crate::cuda::tma::Epi;
@@ -369,9 +370,19 @@ mod cuda_ops {
         aligned(&x)?.apply_op2_no_bwd(&aligned(&w)?, &ConvOp::new(geom, ConvPass::Fwd, policy))
     }
 
+    /// The CUDA device of a tensor on one.
+    fn cuda_device(t: &Tensor) -> Result<&candle_core::CudaDevice> {
+        match t.device() {
+            candle_core::Device::Cuda(d) => Ok(d),
+            d => candle_core::bail!("conv2d_nhwc (cuda): a tensor on {d:?}"),
+        }
+    }
+
     /// [`conv_nhwc_fwd`] with the BatchNorm moments of its output computed in the epilogue, when the pass runs on a
     /// TMA tile: (y, Some(partials)) with the partials of [`crate::cuda::tma::stats_partials_len`] floats for
-    /// [`crate::ops::batchnorm::batch_stats_from_partials`]; (y, None) on the other paths.
+    /// [`crate::ops::batchnorm::batch_stats_from_partials`]; (y, None) on the other paths, and under
+    /// `policy.bn_epilogue_by_timing` where the plain convolution and the moments pass were timed faster for this
+    /// shape ([`crate::cuda::autotune::epilogue_pays`]).
     pub fn conv_nhwc_fwd_stats(
         x: &Tensor,
         w: &Tensor,
@@ -381,14 +392,38 @@ mod cuda_ops {
     ) -> Result<(Tensor, Option<Tensor>)> {
         let (x, w) = pad_channels(x, w)?;
         let geom = geom_of(&x, &w, stride, pad)?;
-        let len = crate::cuda::tma::stats_partials_len(geom.n * geom.p() * geom.q(), geom.ko);
+        let (x, w) = (aligned(&x)?, aligned(&w)?);
+        let dev = cuda_device(&x)?;
+        let key = || format!("moments {geom:?} {:?}", x.dtype());
+        let plain = ConvOp::new(geom, ConvPass::Fwd, policy);
+        let by_timing = policy.bn_epilogue_by_timing;
+        if by_timing && remembered_epilogue(dev, &policy.tuning, key) == Some(false) {
+            return Ok((x.apply_op2_no_bwd(&w, &plain)?, None));
+        }
+        let (rows, c) = (geom.n * geom.p() * geom.q(), geom.ko);
+        let len = crate::cuda::tma::stats_partials_len(rows, c);
         let part = crate::cuda::empty_f32(&x, len)?;
         let addr = crate::cuda::addr_of::<f32>(&part, len, "epilogue statistics")?;
         let wrote = Arc::new(AtomicBool::new(false));
         let epi = Epi::Moments { part: addr };
-        let op = ConvOp { stats: Some((epi, wrote.clone())), ..ConvOp::new(geom, ConvPass::Fwd, policy) };
-        let y = aligned(&x)?.apply_op2_no_bwd(&aligned(&w)?, &op)?;
-        Ok((y, wrote.load(Ordering::Relaxed).then_some(part)))
+        let op = ConvOp { stats: Some((epi, wrote.clone())), ..plain.clone() };
+        let y = x.apply_op2_no_bwd(&w, &op)?;
+        if !wrote.load(Ordering::Relaxed) {
+            return Ok((y, None));
+        }
+        if by_timing {
+            // The finalisers, with no running statistics to update, are timed on both sides.
+            let stats = crate::ops::batchnorm::BnStats { eps: 1e-5 };
+            let pass = || x.apply_op2_no_bwd(&w, &plain)?.apply_op1_no_bwd(&stats).map(drop);
+            let epi = || {
+                x.apply_op2_no_bwd(&w, &op)?;
+                crate::ops::batchnorm::batch_stats_from_partials_unrecorded(&part, rows, c, 1e-5).map(drop)
+            };
+            if !epilogue_pays(dev, &policy.tuning, key, pass, epi)? {
+                return Ok((y, None));
+            }
+        }
+        Ok((y, Some(part)))
     }
 
     /// Grad-input: dy (n, p, q, ko), w (ko, r, r, c) -> dx (n, h, w, c) for an input of `in_hw`.
@@ -409,6 +444,8 @@ mod cuda_ops {
     /// [`conv_nhwc_dgrad`] whose dx is the gradient at the output of BatchNorm `p` + ReLU over `z`, with that
     /// BatchNorm's backward sums computed in the epilogue when the pass runs on a TMA tile (plain or stride 1):
     /// (dx, Some(sums (2, c))); (dx, None) on the other paths.
+    /// Under `policy.bn_epilogue_by_timing`, (dx, None) also where the plain grad-input and the sums pass were timed
+    /// faster for this shape ([`crate::cuda::autotune::epilogue_pays`]).
     #[allow(clippy::too_many_arguments)]
     pub fn conv_nhwc_dgrad_sums(
         dy: &Tensor,
@@ -424,6 +461,12 @@ mod cuda_ops {
         let (_, r, _, c) = w.dims4()?;
         let geom = ConvGeom { n, h: in_hw.0, w: in_hw.1, c, ko, r, stride, pad };
         let rows = n * in_hw.0 * in_hw.1;
+        let dev = cuda_device(dy)?;
+        let key = || format!("sums {geom:?} {:?}", dy.dtype());
+        let by_timing = policy.bn_epilogue_by_timing;
+        if by_timing && remembered_epilogue(dev, &policy.tuning, key) == Some(false) {
+            return Ok((dgrad_geom(&aligned(dy)?, w, geom, policy)?, None));
+        }
         let fits = z.dims() == [n, in_hw.0, in_hw.1, c]
             && z.dtype() == dy.dtype()
             && z.is_contiguous()
@@ -454,9 +497,20 @@ mod cuda_ops {
         let epi = Epi::GradSums { part: f32_addr(&part, len, "backward sums")?, z: za, bn };
         let wrote = Arc::new(AtomicBool::new(false));
         let op = ConvOp { stats: Some((epi, wrote.clone())), ..ConvOp::new(geom, ConvPass::Dgrad, policy) };
-        let dx = aligned(dy)?.apply_op2_no_bwd(&aligned(w)?, &op)?;
+        let (dy, w) = (aligned(dy)?, aligned(w)?);
+        let dx = dy.apply_op2_no_bwd(&w, &op)?;
         if !wrote.load(Ordering::Relaxed) {
             return Ok((dx, None));
+        }
+        if by_timing {
+            let pass = || super::sums_pass(z, &dgrad_geom(&dy, &w, geom, policy)?, p).map(drop);
+            let epi = || {
+                dy.apply_op2_no_bwd(&w, &op)?;
+                crate::ops::batchnorm::grad_sums_from_partials(&part, rows, c).map(drop)
+            };
+            if !epilogue_pays(dev, &policy.tuning, key, pass, epi)? {
+                return Ok((dx, None));
+            }
         }
         let sums = crate::ops::batchnorm::grad_sums_from_partials(&part, rows, c)?;
         Ok((dx, Some(sums)))
