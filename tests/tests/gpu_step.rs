@@ -710,3 +710,74 @@ fn grad_input_epilogue_sums_match_the_pass() -> Result<()> {
     println!("grad-input epilogue sums vs the pass: worst rel err {worst:.1e}");
     Ok(())
 }
+
+/// `kernels.bn_stats = "auto"`: a convolution shape's first launch times its BatchNorm reduction in the epilogue
+/// against the plain kernel and the pass and remembers one choice per (shape, direction), which that launch and
+/// every later one follow: epilogue partials exactly where the autotuner says `epilogue`. Forward moments of a 1x1
+/// and a 3x3, grad-input sums of the same two, bf16; the sums, whichever way they came, within 1e-4 of the pass.
+#[test]
+fn auto_epilogue_choice_is_timed_once_and_followed() -> Result<()> {
+    use kernels::ops::batchnorm::BnGrad;
+    use kernels::ops::conv_nhwc::conv_nhwc_dgrad_sums;
+    use kernels::{Autotuner, Tuning};
+    use std::sync::Arc;
+    let gpu = cuda()?;
+    let tuner = Arc::new(Autotuner::in_memory());
+    let policy = KernelPolicy {
+        bn_epilogue_by_timing: true,
+        ..KernelPolicy::custom().with_tuning(Tuning::Autotune(tuner.clone())).with_fused_bn_reductions(true)
+    };
+    let chosen = |what: &str| -> Vec<(String, &'static str)> {
+        tuner.choices().into_iter().filter(|(k, _)| k.contains(&format!("\tepilogue {what} "))).collect()
+    };
+    let dt = DType::BF16;
+    // (n, hw, c, ko, k, pad)
+    for (i, &(n, hw, c, ko, k, pad)) in [(8, 28, 256, 512, 1, 0), (8, 28, 128, 128, 3, 1)].iter().enumerate() {
+        let tag = format!("n{n} {hw}x{hw}x{c} -> {ko} k{k}");
+        let x = (Tensor::randn(0f32, 1.0, (n, hw, hw, c), &gpu)? + 1.0)?.to_dtype(dt)?;
+        let w = (Tensor::randn(0f32, 1.0, (ko, k, k, c), &gpu)? * (1.0 / ((c * k * k) as f64).sqrt()))?.to_dtype(dt)?;
+        let mut got = Vec::new();
+        for _ in 0..2 {
+            got.push(kernels::conv2d_nhwc_forward_stats(&x, &w, 1, pad, &policy)?.1.is_some());
+        }
+        let c_fwd = chosen("moments");
+        ensure!(c_fwd.len() == i + 1, "{tag}: {} forward choices remembered, expected {}", c_fwd.len(), i + 1);
+        let key = format!("c: {c}, ko: {ko}");
+        let (_, v) = c_fwd.iter().find(|(k, _)| k.contains(&key)).with_context(|| tag.clone())?;
+        println!("{tag}: forward moments: {v} (launches took the epilogue: {got:?})");
+        ensure!(got == vec![*v == "epilogue"; 2], "{tag}: launches {got:?} against the remembered `{v}`");
+
+        // Grad-input of the same conv with the sums of a BatchNorm + ReLU over z (x's shape).
+        let dy = Tensor::randn(0f32, 1.0, (n, hw, hw, ko), &gpu)?.to_dtype(dt)?;
+        let z = (Tensor::randn(0f32, 1.0, (n, hw, hw, c), &gpu)? + 0.3)?.to_dtype(dt)?;
+        let inv = 1.0 / (1.0f32 + 1e-5).sqrt();
+        let p = kernels::BnParams {
+            stats: Tensor::from_vec([vec![0.3f32; c], vec![1.0; c], vec![inv; c]].concat(), (3, c), &gpu)?,
+            weight: Tensor::ones(c, DType::F32, &gpu)?,
+            bias: Tensor::zeros(c, DType::F32, &gpu)?,
+        };
+        let mut took = Vec::new();
+        for _ in 0..2 {
+            let (dx, sums) = conv_nhwc_dgrad_sums(&dy, &w, 1, pad, (hw, hw), &policy, &z, &p)?;
+            took.push(sums.is_some());
+            let op = BnGrad {
+                relu: true,
+                stats: p.stats.clone(),
+                weight: p.weight.clone(),
+                bias: p.bias.clone(),
+                sums: None,
+            };
+            let want = z.apply_op2_no_bwd(&dx, &op)?;
+            if let Some(s) = sums {
+                let e = rel_err(&s, &want)?;
+                ensure!(e <= 1e-4, "{tag}: backward sums rel err {e:.2e} against the pass");
+            }
+        }
+        let c_bwd = chosen("sums");
+        ensure!(c_bwd.len() == i + 1, "{tag}: {} backward choices remembered, expected {}", c_bwd.len(), i + 1);
+        let (_, v) = c_bwd.iter().find(|(k, _)| k.contains(&key)).with_context(|| tag.clone())?;
+        println!("{tag}: backward sums: {v} (launches took the epilogue: {took:?})");
+        ensure!(took == vec![*v == "epilogue"; 2], "{tag}: launches {took:?} against the remembered `{v}`");
+    }
+    Ok(())
+}
