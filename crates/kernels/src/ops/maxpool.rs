@@ -350,7 +350,9 @@ impl CustomOp1 for MaxPool2dNhwcOffsets {
 /// Gradient of [`MaxPool2dNhwc`] from the window offsets of [`MaxPool2dNhwcOffsets`]: `(offsets (n, oh, ow, c)
 /// U8, grad_out (n, oh, ow, c)) -> grad_in (n, h, w, c)` with (h, w) the pool's input size. Bit for bit
 /// [`MaxPool2dNhwcBackward`]'s result: each input cell sums, in FP32 and in (oy, ox) order, the gradients of the
-/// windows whose argmax it is, rounded once.
+/// windows whose argmax it is, rounded once. `in_hw` must be the size the offsets were taken at (several input
+/// sizes pool to one output size, so the op cannot tell): an offset that points outside the input, or the
+/// sentinel 255, is an error on the CPU, while the CUDA gather never visits such a cell and drops its gradient.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MaxPool2dNhwcBackwardOffsets {
     pub pool: MaxPool2d,
