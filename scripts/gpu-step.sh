@@ -15,10 +15,11 @@
 #      STEP_TESTS=0 skips them, for a second call);
 #   4. with SWEEP=B: `trainer sweep --max` of ResNet-152 bf16 on the fused step from batch B (heuristic tiles, 1 + 2
 #      steps per probe, granularity 128): the largest batch that fits; SWEEP_RECOMPUTE=1 repeats it with
-#      kernels.recompute = "relu" and "relu+conv";
+#      kernels.recompute = "relu" and "relu+conv"; SWEEP_SET='key=value' adds one --set to each sweep;
 #   5. with KTRACE=DIR (a folder holding ktrace.c and ktrace_report.py, ../shared/tools/ktrace copied into the
 #      carried tree): a kernel timeline of the fused bf16 step, summarised here (the CSV stays on the machine),
-#      when at least 100 s of TIME_BUDGET_S (default 600) are left;
+#      when at least 100 s of TIME_BUDGET_S (default 600) are left; KTRACE_SET='key=value' adds one --set (e.g.
+#      KTRACE_SET='kernels.bn_stats="auto"');
 #   6. with dist/dp-tests.gz: the trainer's data_parallel test synced_step_on_cuda (synchronised BatchNorm in bf16);
 #      with NCCL_CHECK=1 (a trainer built with NCCL=1): `trainer launch --nproc-per-node 1 -- dist-check --nccl`,
 #      then quickstart.toml on cuda in bf16 trained twice plainly and once as rank 0 of 1 through NCCL: the step
@@ -125,7 +126,7 @@ main() {
                 | tee -a "$out/sweep.log"
             timeout "${SWEEP_TIMEOUT:-240}" "$bin/trainer" sweep --config "$here/configs/resnet152.toml" \
                 --set 'kernels.step="fused"' --set 'amp.dtype="bf16"' --set 'kernels.autotune=false' \
-                --set "kernels.recompute=\"$rc\"" --batch-sizes "$SWEEP" --max --granularity 128 --warmup 1 \
+                --set "kernels.recompute=\"$rc\"" ${SWEEP_SET:+--set "$SWEEP_SET"} --batch-sizes "$SWEEP" --max --granularity 128 --warmup 1 \
                 --steps 2 --out "$bin/sweep-$rc" >> "$out/sweep.log" 2>&1 || { echo "sweep: FAILED"; fails=$((fails + 1)); }
             grep -vE "^\s*$" "$out/sweep.log" | tail -14
         done
@@ -138,7 +139,7 @@ main() {
         if gcc -O2 -shared -fPIC "$KTRACE/ktrace.c" -o "$bin/libktrace.so" -I"$sp/include" -I"$inc" \
             -L"$sp/lib" -l:libcupti.so.13 -lpthread; then
             CUDA_INJECTION64_PATH="$bin/libktrace.so" KTRACE_OUT="$bin/trace.csv" timeout 120 "$bin/trainer" bench \
-                --config "$here/configs/resnet152.toml" --set 'kernels.step="fused"' --dtypes bf16 \
+                --config "$here/configs/resnet152.toml" --set 'kernels.step="fused"' ${KTRACE_SET:+--set "$KTRACE_SET"} --dtypes bf16 \
                 --batch-sizes "$batch" --warmup 3 --steps 5 > "$out/ktrace-bench.log" 2>&1
             python3 "$KTRACE/ktrace_report.py" "$bin/trace.csv" --marker 'mt_sgd_f32' --steps 4 --top 40 \
                 > "$out/ktrace-fused.txt" 2>&1 || echo "ktrace report failed"
