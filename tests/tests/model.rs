@@ -330,6 +330,46 @@ fn wrong_weights_are_named() {
     assert!(e.contains("junk.safetensors"), "{e}");
     let e = weights::load_into(&a, &dir.join("nope.safetensors"), false).unwrap_err().to_string();
     assert!(e.contains("nope.safetensors") && e.contains("no such file"), "{e}");
+
+    // Values no model has: an integer where the model keeps floats, a float counter, inf, a negative variance;
+    // FP16 weights are cast (torchvision files may hold them). A trainer checkpoint's names get a hint.
+    let good_snap = a.store().snapshot().unwrap();
+    let fc = good_snap["fc.weight"].clone();
+    let cases: Vec<(&str, Tensor, &str)> = vec![
+        (
+            "fc.weight",
+            fc.to_dtype(DType::I64).unwrap(),
+            "fc.weight is I64 in the file, the model keeps it as floating point",
+        ),
+        (
+            "bn1.num_batches_tracked",
+            Tensor::new(1f32, &dev).unwrap(),
+            "bn1.num_batches_tracked is F32 in the file, the model keeps it as an integer",
+        ),
+        ("fc.weight", (fc.ones_like().unwrap() / 0.0).unwrap(), "fc.weight holds inf"),
+        (
+            "bn1.running_var",
+            (good_snap["bn1.running_var"].ones_like().unwrap() * -1.0).unwrap(),
+            "bn1.running_var holds -1 (a variance below zero)",
+        ),
+    ];
+    for (name, t, want) in cases {
+        let mut snap = good_snap.clone();
+        snap.insert(name.into(), t);
+        let p = dir.join("odd.safetensors");
+        weights::save_tensors(&snap, &p).unwrap();
+        let e = weights::load_into(&a, &p, false).unwrap_err().to_string();
+        assert!(e.contains("odd.safetensors") && e.contains(want), "{e}");
+    }
+    let mut snap = good_snap.clone();
+    snap.insert("fc.weight".into(), fc.to_dtype(DType::F16).unwrap());
+    weights::save_tensors(&snap, &dir.join("half.safetensors")).unwrap();
+    weights::load_into(&a, &dir.join("half.safetensors"), false).unwrap();
+    let prefixed: std::collections::BTreeMap<String, Tensor> =
+        good_snap.iter().map(|(k, v)| (format!("model.{k}"), v.clone())).collect();
+    weights::save_tensors(&prefixed, &dir.join("ckpt.safetensors")).unwrap();
+    let e = weights::load_into(&a, &dir.join("ckpt.safetensors"), false).unwrap_err().to_string();
+    assert!(e.contains("a trainer checkpoint?"), "{e}");
     std::fs::remove_dir_all(dir).ok();
 }
 

@@ -59,7 +59,11 @@ pub fn load_tensors(
                     mismatched.push(format!("{name} (file {:?}, model {:?})", t.dims(), e.param.var().dims()));
                 }
             }
-            Some(_) => {}
+            Some(t) => {
+                if let Some(why) = unusable(name, t, e.param.var().dtype()) {
+                    return Err(why);
+                }
+            }
         }
     }
     let known: std::collections::HashSet<&str> = entries.iter().map(|(n, _)| n.as_str()).collect();
@@ -86,7 +90,12 @@ pub fn load_tensors(
             parts.push(format!("missing: {}", list(&missing)));
         }
         if !unexpected.is_empty() {
-            parts.push(format!("unexpected: {}", list(&unexpected)));
+            let hint = if unexpected.iter().any(|k| k.starts_with("model.")) {
+                " (a trainer checkpoint? its model's tensors are the ones named model.*)"
+            } else {
+                ""
+            };
+            parts.push(format!("unexpected: {}{hint}", list(&unexpected)));
         }
         return Err(format!("weights do not match {}: {}", model.config.arch.name(), parts.join("; ")));
     }
@@ -101,6 +110,32 @@ pub fn load_tensors(
         }
     }
     Ok(LoadReport { loaded, head_replaced: head_mismatch })
+}
+
+/// Why a file's tensor cannot become the model's `name` (kept as `dtype`): floating point where the model keeps
+/// floating point (a cast between float widths is fine: torchvision files may be FP16), an integer where it keeps
+/// an integer (`num_batches_tracked`), finite values, and a running variance of no negative value.
+fn unusable(name: &str, t: &Tensor, dtype: candle_core::DType) -> Option<String> {
+    if t.dtype().is_float() != dtype.is_float() {
+        let kind = if dtype.is_float() { "floating point" } else { "an integer" };
+        return Some(format!("{name} is {:?} in the file, the model keeps it as {kind}", t.dtype()));
+    }
+    if !t.dtype().is_float() {
+        return None;
+    }
+    let v = match t.to_dtype(candle_core::DType::F64).and_then(|t| t.flatten_all()?.to_vec1::<f64>()) {
+        Ok(v) => v,
+        Err(e) => return Some(format!("{name}: {e}")),
+    };
+    if let Some(x) = v.iter().find(|x| !x.is_finite()) {
+        return Some(format!("{name} holds {x} (not a finite number)"));
+    }
+    if name.ends_with("running_var") {
+        if let Some(x) = v.iter().find(|x| **x < 0.0) {
+            return Some(format!("{name} holds {x} (a variance below zero)"));
+        }
+    }
+    None
 }
 
 /// Saves every parameter and buffer under torchvision's names (FP32, running stats and counters included),

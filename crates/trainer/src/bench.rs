@@ -194,7 +194,8 @@ pub fn print_row(r: &BenchResult) {
     }
 }
 
-/// Batch sizes to try with `--max`: doubling from `start` until one fails, then bisection to `granularity`.
+/// Batch sizes to try with `--max`: doubling from `start` until one runs out of memory, then bisection to
+/// `granularity`. Any other failure ends the sweep there (it says nothing about what fits): the caller reports it.
 pub fn sweep_max(
     cfg: &Config,
     dtype: Precision,
@@ -215,6 +216,7 @@ pub fn sweep_max(
         out.push(r);
         ok
     };
+    let failed = |out: &[BenchResult]| out.last().is_some_and(|r| r.error.is_some() && !r.oom);
     while bad.is_none() {
         if run(bs, &mut out) {
             good = bs;
@@ -222,6 +224,8 @@ pub fn sweep_max(
             if bs > 1 << 16 {
                 break;
             }
+        } else if failed(&out) {
+            return out;
         } else {
             bad = Some(bs);
         }
@@ -236,6 +240,8 @@ pub fn sweep_max(
             }
             if run(mid, &mut out) {
                 lo = mid;
+            } else if failed(&out) {
+                break;
             } else {
                 hi = mid;
             }

@@ -52,6 +52,42 @@ fn one() -> usize {
     1
 }
 
+/// Bounds of a trainer state no run reaches (a resume refuses a checkpoint beyond them as damaged).
+const MAX_EPOCH: usize = 10_000_000;
+const MAX_STEP: usize = 1 << 48;
+const MAX_BATCH: usize = 1 << 24;
+const MAX_WORLD: usize = 1 << 20;
+
+impl TrainState {
+    /// The state's own consistency: counts within what a run can reach, updates at most the steps attempted,
+    /// a positive loss scale; the resume checks the rest against the data and config.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        let bad = |what: &str, v: &dyn std::fmt::Display| Err(format!("has {what} = {v}, which no run reaches"));
+        if self.epoch > MAX_EPOCH {
+            return bad("epoch", &self.epoch);
+        }
+        if self.step > MAX_STEP {
+            return bad("step", &self.step);
+        }
+        if self.optimizer_steps > self.step as u64 {
+            return Err(format!("has {} optimizer updates in {} steps", self.optimizer_steps, self.step));
+        }
+        if self.world_size == 0 || self.world_size > MAX_WORLD {
+            return bad("world_size", &self.world_size);
+        }
+        if self.batch_size > MAX_BATCH {
+            return bad("batch_size", &self.batch_size);
+        }
+        if self.batch_in_epoch > MAX_STEP {
+            return bad("batch_in_epoch", &self.batch_in_epoch);
+        }
+        if self.metrics_lines > MAX_STEP {
+            return bad("metrics_lines", &self.metrics_lines);
+        }
+        self.scaler.check()
+    }
+}
+
 pub struct Loaded {
     pub model: HashMap<String, Tensor>,
     pub optim: BTreeMap<String, Tensor>,
@@ -98,6 +134,7 @@ pub fn load(path: &Path) -> Result<Loaded> {
     if state.format != FORMAT {
         bail!("{}: checkpoint format `{}`, this trainer reads `{FORMAT}`", path.display(), state.format);
     }
+    state.check().map_err(|why| bad(format!("trainer state {why}")))?;
     let all =
         candle_core::safetensors::load_buffer(&bytes, &Device::Cpu).map_err(|e| bad(format!("{e} (truncated?)")))?;
     let mut model = HashMap::new();
@@ -112,6 +149,28 @@ pub fn load(path: &Path) -> Result<Loaded> {
         }
     }
     Ok(Loaded { model, optim, state })
+}
+
+/// Whether a safetensors file is a trainer checkpoint (trainer state in its metadata, or `model.` / `optim.`
+/// tensors), judged from its header alone; false for plain weights and for files whose header does not parse
+/// (their loader names the problem).
+pub fn is_checkpoint(path: &Path) -> bool {
+    use std::io::Read;
+    let header = || -> Option<serde_json::Value> {
+        let mut f = std::fs::File::open(path).ok()?;
+        let mut len = [0u8; 8];
+        f.read_exact(&mut len).ok()?;
+        let n = u64::from_le_bytes(len);
+        if n > 100 << 20 {
+            return None;
+        }
+        let mut buf = vec![0u8; n as usize];
+        f.read_exact(&mut buf).ok()?;
+        serde_json::from_slice(&buf).ok()
+    };
+    let Some(serde_json::Value::Object(h)) = header() else { return false };
+    h.get("__metadata__").and_then(|m| m.get(STATE_KEY)).is_some()
+        || h.keys().any(|k| k.starts_with("model.") || k.starts_with("optim."))
 }
 
 /// Name of a periodic checkpoint; names sort in training order.
@@ -138,6 +197,22 @@ pub fn list(dir: &Path) -> Vec<PathBuf> {
 
 pub fn latest(dir: &Path) -> Option<PathBuf> {
     list(dir).pop()
+}
+
+/// Name of the best-validation checkpoint in a run's checkpoint directory.
+pub const BEST: &str = "best.safetensors";
+
+/// The checkpoint a resume continues from: the newest periodic one, else `best.safetensors` (a run that kept no
+/// periodic checkpoints, `checkpoint.every_epochs = 0`, or was stopped before its first one).
+pub fn resume_point(dir: &Path) -> Option<PathBuf> {
+    latest(dir).or_else(|| Some(dir.join(BEST)).filter(|p| p.is_file()))
+}
+
+/// What a new run into `run_dir` would overwrite: a checkpoint (periodic or best) or a finished model
+/// (`model.safetensors`); None when the directory holds neither.
+pub fn finished_work(run_dir: &Path) -> Option<PathBuf> {
+    resume_point(&run_dir.join("checkpoints"))
+        .or_else(|| Some(run_dir.join("model.safetensors")).filter(|p| p.is_file()))
 }
 
 /// Deletes all but the newest `keep` periodic checkpoints.

@@ -304,19 +304,19 @@ fn train(a: TrainArgs) -> Result<()> {
     let rank0 = dist.rank == 0;
     let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("run").to_string();
     let run_dir = a.run_dir.unwrap_or_else(|| PathBuf::from("runs").join(stem));
-    if !a.resume && trainer::checkpoint::latest(&run_dir.join("checkpoints")).is_some() {
-        bail!(
-            "run directory {} already holds checkpoints: pass --resume to continue it, or --run-dir for a new run",
-            run_dir.display()
-        );
+    if !a.resume {
+        if let Some(done) = trainer::checkpoint::finished_work(&run_dir) {
+            let what = if done.ends_with("model.safetensors") { "a finished model" } else { "checkpoints" };
+            bail!(
+                "run directory {} already holds {what} ({}): pass --resume to continue it, or --run-dir for a new run",
+                run_dir.display(),
+                done.display()
+            );
+        }
     }
     if rank0 {
-        std::fs::create_dir_all(&run_dir)
-            .with_context(|| format!("cannot create run directory {}", run_dir.display()))?;
-        let text = cfg.to_toml();
-        eprintln!("# resolved config ({})\n{text}", path.display());
-        std::fs::write(run_dir.join("config.toml"), &text)
-            .with_context(|| format!("cannot write {}/config.toml", run_dir.display()))?;
+        // The file itself is written by the training loop, once a resume has accepted its checkpoint.
+        eprintln!("# resolved config ({})\n{}", path.display(), cfg.to_toml());
     }
     let s = if launched {
         train_data_parallel(&cfg, &run_dir, a.resume, &dist)?
@@ -405,12 +405,14 @@ fn eval(c: ConfigArgs, ckpt: PathBuf) -> Result<()> {
     let (cfg, _) = c.load()?;
     let device = trainer::train::select_device(&cfg.device)?;
     let model = bare_model(&cfg, &device)?;
-    // A trainer checkpoint, or plain weights in torchvision format.
-    match trainer::checkpoint::load(&ckpt) {
-        Ok(l) => resnet::weights::load_tensors(&model, &l.model, false)
-            .map_err(|m| anyhow::anyhow!("{}: {m}", ckpt.display()))?,
-        Err(_) => resnet::weights::load_into(&model, &ckpt, false)?,
-    };
+    // A trainer checkpoint (a damaged one is its own error), or plain weights in torchvision format.
+    if trainer::checkpoint::is_checkpoint(&ckpt) {
+        let l = trainer::checkpoint::load(&ckpt)?;
+        resnet::weights::load_tensors(&model, &l.model, false)
+            .map_err(|m| anyhow::anyhow!("{}: {m}", ckpt.display()))?;
+    } else {
+        resnet::weights::load_into(&model, &ckpt, false)?;
+    }
     let val = trainer::data::open(&cfg.data, trainer::data::Split::Val, cfg.seed, cfg.model.num_classes)?;
     let r = trainer::train::validate(&model, val, &cfg, trainer::train::precision(&cfg))?;
     println!(
@@ -569,7 +571,18 @@ fn sweep(
     let out = out.unwrap_or_else(|| PathBuf::from("runs").join(format!("sweep-{stem}")));
     std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
     trainer::bench::print_header();
-    let show = |r: &trainer::bench::BenchResult| trainer::bench::print_row(r);
+    // Each result is printed and sweep.csv rewritten with every row so far, so that a sweep cut short (a process
+    // killed for memory) keeps what it measured.
+    let csv = out.join("sweep.csv");
+    let mut so_far: Vec<trainer::bench::BenchResult> = Vec::new();
+    let mut csv_error = None;
+    let mut show = |r: &trainer::bench::BenchResult| {
+        trainer::bench::print_row(r);
+        so_far.push(r.clone());
+        if let Err(e) = trainer::bench::write_csv(&so_far, &csv) {
+            csv_error.get_or_insert(e);
+        }
+    };
     let mut rows: Vec<trainer::bench::BenchResult> = if max {
         let start = batch_sizes.first().copied().unwrap_or(cfg.train.batch_size);
         trainer::bench::sweep_max(&cfg, cfg.amp.dtype, start, granularity, warmup, steps, show)
@@ -583,6 +596,9 @@ fn sweep(
             })
             .collect()
     };
+    if let Some(e) = csv_error {
+        return Err(e);
+    }
     rows.sort_by_key(|r| r.batch_size);
     if let Some(best) = rows.iter().filter(|r| r.img_per_s.is_some()).map(|r| r.batch_size).max() {
         println!("largest batch that fits: {best}");
@@ -604,6 +620,16 @@ fn sweep(
             println!("wrote {}/sweep.csv", out.display());
             eprintln!("warning: no sweep plot: {e:#}");
         }
+    }
+    // Out of memory is what a sweep looks for; any other failure is the run's.
+    let failed: Vec<&trainer::bench::BenchResult> = rows.iter().filter(|r| r.error.is_some() && !r.oom).collect();
+    if let Some(first) = failed.first() {
+        bail!(
+            "{} sweep configuration(s) failed; batch {}: {}",
+            failed.len(),
+            first.batch_size,
+            first.error.as_deref().unwrap_or_default()
+        );
     }
     Ok(())
 }

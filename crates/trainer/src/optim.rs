@@ -271,25 +271,99 @@ impl Optimizer {
         Ok(out)
     }
 
-    /// Restores state saved by [`state_tensors`]; a parameter without saved state starts fresh.
+    /// Restores state saved by [`state_tensors`]. A checkpoint with no optimizer state at all starts every
+    /// parameter fresh (as PyTorch's optimizers do for parameters without state, e.g. after a run without
+    /// momentum); otherwise every parameter's state must be there and every saved tensor must be one of this
+    /// optimizer's (another optimizer's state, state of a parameter this run does not train, or a partial
+    /// checkpoint is an error naming the tensor).
     pub fn load_state(&mut self, tensors: &BTreeMap<String, Tensor>, steps: u64) -> Result<()> {
         let names = self.state_names();
+        let known: std::collections::HashSet<String> =
+            self.slots.iter().flat_map(|s| names.iter().map(move |n| format!("{}.{n}", s.name))).collect();
+        if let Some(k) = tensors.keys().find(|k| !known.contains(*k)) {
+            let hint = match (k.rsplit('.').next(), self.kind) {
+                (Some("momentum_buffer"), OptimKind::AdamW { .. }) => ": it is SGD's; resume with optim.name = \"sgd\"",
+                (Some("exp_avg" | "exp_avg_sq"), OptimKind::Sgd { .. }) => {
+                    ": it is AdamW's; resume with optim.name = \"adamw\""
+                }
+                _ => " (a parameter this run does not train, or another optimizer's state)",
+            };
+            bail!("optimizer state {k} does not belong to this run's optimizer{hint}");
+        }
         self.flat_state.clear();
         for s in &mut self.slots {
             let found: Vec<Option<&Tensor>> = names.iter().map(|n| tensors.get(&format!("{}.{n}", s.name))).collect();
             s.state.clear();
-            if found.iter().all(Option::is_none) {
+            if tensors.is_empty() {
                 continue;
             }
             for (t, n) in found.into_iter().zip(names) {
-                let Some(t) = t else { bail!("optimizer state {}.{n} is missing", s.name) };
+                let Some(t) = t else {
+                    bail!("optimizer state {}.{n} is missing (the checkpoint has other parameters' state)", s.name)
+                };
                 if t.dims() != s.var.dims() {
                     bail!("optimizer state {}.{n} has shape {:?}, parameter has {:?}", s.name, t.dims(), s.var.dims());
+                }
+                if !t.dtype().is_float() {
+                    bail!("optimizer state {}.{n} is {:?}, not floating point", s.name, t.dtype());
                 }
                 s.state.push(t.to_dtype(DType::F32)?.to_device(s.var.device())?);
             }
         }
         self.steps = steps;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn opt(kind: OptimKind) -> Optimizer {
+        let p = |n: usize| Var::from_tensor(&Tensor::ones(n, DType::F32, &Device::Cpu).unwrap()).unwrap();
+        let o = || ParamOptions { weight_decay: 0.0, lr_mult: 1.0 };
+        Optimizer::new(kind, vec![("a".into(), p(2), o()), ("b".into(), p(3), o())])
+    }
+
+    fn stepped(kind: OptimKind) -> BTreeMap<String, Tensor> {
+        let mut o = opt(kind);
+        let g =
+            [Tensor::ones(2, DType::F32, &Device::Cpu).unwrap(), Tensor::ones(3, DType::F32, &Device::Cpu).unwrap()];
+        o.step(&g, 0.1, 1).unwrap();
+        o.state_tensors().unwrap()
+    }
+
+    const SGD: OptimKind = OptimKind::Sgd { momentum: 0.9, nesterov: false };
+    const ADAMW: OptimKind = OptimKind::AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8 };
+
+    /// A resume takes the whole state, or none (a checkpoint without optimizer state); a partial state, another
+    /// optimizer's state or state of an untrained parameter is an error naming the tensor.
+    #[test]
+    fn load_state_takes_all_or_nothing() {
+        let full = stepped(SGD);
+        assert_eq!(full.len(), 2);
+        opt(SGD).load_state(&full, 1).unwrap();
+        opt(SGD).load_state(&BTreeMap::new(), 1).unwrap();
+
+        let mut partial = full.clone();
+        partial.remove("b.momentum_buffer");
+        let e = opt(SGD).load_state(&partial, 1).unwrap_err().to_string();
+        assert!(e.contains("b.momentum_buffer is missing"), "{e}");
+
+        let e = opt(ADAMW).load_state(&full, 1).unwrap_err().to_string();
+        assert!(e.contains("a.momentum_buffer") && e.contains("optim.name = \"sgd\""), "{e}");
+        let e = opt(SGD).load_state(&stepped(ADAMW), 1).unwrap_err().to_string();
+        assert!(e.contains("a.exp_avg") && e.contains("optim.name = \"adamw\""), "{e}");
+
+        let mut extra = full.clone();
+        extra.insert("c.momentum_buffer".into(), Tensor::ones(1, DType::F32, &Device::Cpu).unwrap());
+        let e = opt(SGD).load_state(&extra, 1).unwrap_err().to_string();
+        assert!(e.contains("c.momentum_buffer does not belong"), "{e}");
+
+        let mut ints = full;
+        ints.insert("a.momentum_buffer".into(), Tensor::ones(2, DType::I64, &Device::Cpu).unwrap());
+        let e = opt(SGD).load_state(&ints, 1).unwrap_err().to_string();
+        assert!(e.contains("a.momentum_buffer is I64"), "{e}");
     }
 }

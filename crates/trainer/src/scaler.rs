@@ -31,6 +31,47 @@ impl LossScaler {
         }
     }
 
+    /// A scaler's values as a run can have them (a checkpoint's are checked before a resume takes them): a finite
+    /// positive scale, growth >= 1, backoff in (0, 1], an interval of at least one step, bounds >= 0 (0: none).
+    pub fn check(&self) -> Result<(), String> {
+        let finite_pos = |v: f64| v.is_finite() && v > 0.0;
+        let ok = finite_pos(self.scale)
+            && self.growth_factor.is_finite()
+            && self.growth_factor >= 1.0
+            && finite_pos(self.backoff_factor)
+            && self.backoff_factor <= 1.0
+            && self.growth_interval >= 1
+            && self.min_scale.is_finite()
+            && self.min_scale >= 0.0
+            && self.max_scale.is_finite()
+            && self.max_scale >= 0.0
+            && (self.min_scale == 0.0 || self.max_scale == 0.0 || self.min_scale <= self.max_scale);
+        if ok {
+            Ok(())
+        } else {
+            Err(format!(
+                "has a loss scaler no run has (scale {}, growth {}, backoff {}, interval {}, bounds [{}, {}])",
+                self.scale,
+                self.growth_factor,
+                self.backoff_factor,
+                self.growth_interval,
+                self.min_scale,
+                self.max_scale
+            ))
+        }
+    }
+
+    /// The scaler a resume continues with: this (the config's) scaler's settings and on/off, with the
+    /// checkpoint's scale and growth tracker when both scale (as GradScaler.load_state_dict restores them); when
+    /// only this one scales, it starts fresh at its initial scale.
+    pub fn resumed_from(&self, saved: &LossScaler) -> LossScaler {
+        if self.enabled && saved.enabled {
+            LossScaler { scale: saved.scale, growth_tracker: saved.growth_tracker, ..self.clone() }
+        } else {
+            self.clone()
+        }
+    }
+
     /// The factor the loss is multiplied by this step (1 when disabled).
     pub fn scale(&self) -> f64 {
         if self.enabled {

@@ -77,7 +77,14 @@ pub fn build_model(cfg: &Config, device: &Device) -> Result<ResNet> {
     let model = ResNet::new(mc, device)?;
     if !cfg.model.init_from.is_empty() {
         let path = Path::new(&cfg.model.init_from);
-        let report = weights::load_into(&model, path, true).with_context(|| "model.init_from".to_string())?;
+        // Plain weights, or the model of a trainer checkpoint (a fine-tuning start from another run).
+        let report = if checkpoint::is_checkpoint(path) {
+            let l = checkpoint::load(path).context("model.init_from")?;
+            weights::load_tensors(&model, &l.model, true)
+                .map_err(|m| anyhow!("model.init_from: {}: {m}", path.display()))?
+        } else {
+            weights::load_into(&model, path, true).with_context(|| "model.init_from".to_string())?
+        };
         eprintln!(
             "loaded {} tensors from {}{}",
             report.loaded,
@@ -854,7 +861,13 @@ pub fn resume_position(state: &TrainState, batch_size: usize, world: usize) -> s
     if state.batch_in_epoch == 0 || saved == now {
         return Ok(state.batch_in_epoch);
     }
-    let done = state.batch_in_epoch * saved;
+    let Some(done) = state.batch_in_epoch.checked_mul(saved) else {
+        return Err(format!(
+            "its place in epoch {} ({} batches of {saved}) is out of range",
+            state.epoch + 1,
+            state.batch_in_epoch
+        ));
+    };
     if !done.is_multiple_of(now) {
         return Err(format!(
             "it stopped {done} samples into epoch {} (global batch {saved_bs} x {} rank(s)), which is not a whole \
@@ -923,11 +936,18 @@ pub fn train_ranks(cfg: &Config, run_dir: &Path, resume: bool, ranks: Option<Ran
     };
     let (rank, world) = collective.as_ref().map(|c| (c.rank(), c.world_size())).unwrap_or((0, 1));
     let writer = rank == 0;
-    if writer {
-        std::fs::create_dir_all(run_dir.join("checkpoints"))
-            .with_context(|| format!("cannot create run directory {}", run_dir.display()))?;
-    }
     let ckpt_dir = run_dir.join("checkpoints");
+    // The checkpoint to resume from, found before anything is created or written in the run directory.
+    let resume_from = match resume {
+        true => Some(
+            checkpoint::resume_point(&ckpt_dir)
+                .ok_or_else(|| anyhow!("--resume: no checkpoint in {}", ckpt_dir.display()))?,
+        ),
+        false => None,
+    };
+    if writer {
+        std::fs::create_dir_all(&ckpt_dir).with_context(|| format!("cannot create {}", ckpt_dir.display()))?;
+    }
     let device = select_device(&cfg.device)?;
     let (train_ds, val_ds) = open_data(cfg)?;
     let model = build_model(cfg, &device)?;
@@ -939,7 +959,13 @@ pub fn train_ranks(cfg: &Config, run_dir: &Path, resume: bool, ranks: Option<Ran
     // Micro-batches per epoch, the same on every rank (each takes its share of every global batch).
     let batches_per_epoch = crate::dist::steps_per_epoch(train_ds.len(), world, cfg.train.batch_size);
     let steps_per_epoch = batches_per_epoch.div_ceil(accum);
-    let mut total_steps = steps_per_epoch * cfg.train.epochs;
+    let mut total_steps = steps_per_epoch.checked_mul(cfg.train.epochs).ok_or_else(|| {
+        anyhow!(
+            "train.epochs = {}: {} steps per epoch over that many epochs is out of range",
+            cfg.train.epochs,
+            steps_per_epoch
+        )
+    })?;
     if cfg.train.max_steps > 0 {
         total_steps = total_steps.min(cfg.train.max_steps);
     }
@@ -962,9 +988,10 @@ pub fn train_ranks(cfg: &Config, run_dir: &Path, resume: bool, ranks: Option<Ran
         batch_size: cfg.train.batch_size,
     };
     let mut metrics_keep = None;
-    if resume {
-        let path = checkpoint::latest(&ckpt_dir)
-            .ok_or_else(|| anyhow!("--resume: no checkpoint in {}", ckpt_dir.display()))?;
+    if let Some(path) = resume_from {
+        if writer && checkpoint::latest(&ckpt_dir).is_none() {
+            eprintln!("note: no periodic checkpoint in {}: resuming from the best one", ckpt_dir.display());
+        }
         let loaded = checkpoint::load(&path)?;
         if loaded.state.arch != cfg.model.arch.name() || loaded.state.num_classes != cfg.model.num_classes {
             bail!(
@@ -981,15 +1008,39 @@ pub fn train_ranks(cfg: &Config, run_dir: &Path, resume: bool, ranks: Option<Ran
             .opt
             .load_state(&loaded.optim, loaded.state.optimizer_steps)
             .with_context(|| path.display().to_string())?;
-        runner.scaler = loaded.state.scaler.clone();
+        let scaler = runner.scaler.resumed_from(&loaded.state.scaler);
+        if writer && scaler.enabled && !loaded.state.scaler.enabled {
+            eprintln!(
+                "note: the checkpoint ran without loss scaling; amp.dtype = \"{}\" scales the loss from amp.init_scale = {}",
+                cfg.amp.dtype.as_str(),
+                cfg.amp.init_scale
+            );
+        }
+        runner.scaler = scaler;
         state = loaded.state;
+        state.scaler = runner.scaler.clone();
         state.batch_in_epoch = resume_position(&state, cfg.train.batch_size, world)
             .map_err(|m| anyhow!("--resume from {}: {m}", path.display()))?;
+        if state.batch_in_epoch > batches_per_epoch {
+            bail!(
+                "--resume from {}: it stopped {} batches into epoch {}, which has {batches_per_epoch} with this data \
+                 and batch size",
+                path.display(),
+                state.batch_in_epoch,
+                state.epoch + 1
+            );
+        }
         (state.world_size, state.batch_size) = (world, cfg.train.batch_size);
         metrics_keep = Some(state.metrics_lines);
         if writer {
             eprintln!("resuming from {} (epoch {}, step {})", path.display(), state.epoch + 1, state.step);
         }
+    }
+    if writer {
+        // The run's resolved config, written once a resume has accepted the checkpoint (a refused resume leaves
+        // the run's config as it was).
+        let cfg_path = run_dir.join("config.toml");
+        std::fs::write(&cfg_path, cfg.to_toml()).with_context(|| format!("cannot write {}", cfg_path.display()))?;
     }
     let metrics_path = run_dir.join("metrics.jsonl");
     let mut metrics = if writer {

@@ -80,6 +80,62 @@ fn kill_9_then_resume_matches_uninterrupted_run() {
     assert_error(&out, &["already holds checkpoints", "--resume"]);
 }
 
+/// A run directory whose only checkpoint is the best one (no periodic checkpoints kept) is protected like any
+/// other, and `--resume` continues from that checkpoint; a refused resume leaves the run's config.toml as it was.
+#[test]
+fn best_only_runs_are_protected_and_resumable() {
+    let dir = TempDir::new("bestonly");
+    let cfg = write_config(dir.path(), "");
+    let run = dir.path().join("run");
+    let r = run.to_str().unwrap();
+    let sets = ["--set", "checkpoint.every_epochs=0", "--set", "train.epochs=1"];
+    let out = Command::new(BIN).args(["--config", &cfg, "--run-dir", r]).args(sets).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let best = run.join("checkpoints").join("best.safetensors");
+    assert!(best.is_file());
+    // As a run killed after its best checkpoint, before the final one and the final model.
+    for p in trainer::checkpoint::list(&run.join("checkpoints")) {
+        std::fs::remove_file(p).unwrap();
+    }
+    std::fs::remove_file(run.join("model.safetensors")).unwrap();
+    let before = std::fs::read(&best).unwrap();
+    let out = Command::new(BIN).args(["--config", &cfg, "--run-dir", r]).args(sets).output().unwrap();
+    assert_error(&out, &["already holds checkpoints", "best.safetensors", "--resume"]);
+    assert!(std::fs::read(&best).unwrap() == before, "the best checkpoint was overwritten");
+    // A resume the checkpoint refuses (another architecture) changes nothing in the run directory.
+    let config_before = std::fs::read(run.join("config.toml")).unwrap();
+    let out = Command::new(BIN)
+        .args(["--config", &cfg, "--run-dir", r, "--resume", "--set", "model.arch=\"resnet34\""])
+        .args(sets)
+        .output()
+        .unwrap();
+    assert_error(&out, &["best.safetensors", "resnet18", "resnet34"]);
+    assert!(std::fs::read(run.join("config.toml")).unwrap() == config_before, "a refused resume rewrote config.toml");
+    // Resuming continues from the best checkpoint (two epochs now: one more to train).
+    let out = Command::new(BIN)
+        .args([
+            "--config",
+            &cfg,
+            "--run-dir",
+            r,
+            "--resume",
+            "--set",
+            "checkpoint.every_epochs=0",
+            "--set",
+            "train.epochs=2",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("resuming from the best one") && err.contains("(epoch 2, step 4)"), "{err}");
+    // A --resume into a directory that does not exist fails without creating it.
+    let gone = dir.path().join("gone");
+    let out = trainer(&["--config", &cfg, "--run-dir", gone.to_str().unwrap(), "--resume"]);
+    assert_error(&out, &["no checkpoint"]);
+    assert!(!gone.exists(), "a failed --resume created {}", gone.display());
+}
+
 #[test]
 fn bad_configs_name_the_culprit() {
     let dir = TempDir::new("badcfg");
@@ -367,6 +423,25 @@ fn bench_and_sweep_on_the_cpu() {
     let svg = std::fs::read_to_string(sweep.join("sweep.svg")).expect("sweep.svg next to sweep.png");
     assert!(svg.contains("throughput (img/s)") && svg.contains("peak device memory (GiB)"), "axis labels missing");
     assert_error(&trainer(&["sweep", "--config", &cfg]), &["--batch-sizes"]);
+    // A failure other than running out of memory ends `--max` there and fails the command, its row kept.
+    let failed = dir.path().join("sweep-failed");
+    let out = trainer(&[
+        "sweep",
+        "--config",
+        &cfg,
+        "--set",
+        "device=\"cuda\"",
+        "--max",
+        "--batch-sizes",
+        "4",
+        "--steps",
+        "1",
+        "--out",
+        failed.to_str().unwrap(),
+    ]);
+    assert_error(&out, &["1 sweep configuration(s) failed", "batch 4"]);
+    let csv = std::fs::read_to_string(failed.join("sweep.csv")).unwrap();
+    assert_eq!(csv.lines().count(), 2, "{csv}");
 }
 
 /// A small JPEG folder (2 classes, `n` images each, train and val) for the input-pipeline commands.

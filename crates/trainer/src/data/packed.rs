@@ -154,6 +154,9 @@ impl Packed {
         if num_classes == 0 || num_samples == 0 {
             return Err(bad("holds no samples or no classes".into()));
         }
+        if num_shards == 0 || num_shards > num_samples {
+            return Err(bad(format!("its header says {num_shards} shards for {num_samples} samples (corrupt)")));
+        }
         let mut shards = Vec::with_capacity(num_shards);
         for i in 0..num_shards {
             let path = dir.join(shard_name(i));
@@ -632,6 +635,12 @@ mod tests {
         std::fs::write(&index, &foreign).unwrap();
         let e = open_err();
         assert!(e.contains("index.bin") && e.contains("magic"), "{e}");
+        // A shard count no pack has (the header's third field).
+        let mut shards = idx.clone();
+        shards[12..16].copy_from_slice(&u32::MAX.to_le_bytes());
+        std::fs::write(&index, &shards).unwrap();
+        let e = open_err();
+        assert!(e.contains("index.bin") && e.contains("4294967295 shards for 9 samples"), "{e}");
         std::fs::write(&index, &idx).unwrap();
         // Corrupt image bytes inside a shard: the sample is named at load time (error), or skipped.
         let p = Packed::open(&dir, transform(false)).unwrap();

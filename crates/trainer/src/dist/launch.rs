@@ -85,13 +85,30 @@ pub fn child_env(o: &LaunchOptions, local_rank: usize, port: u16) -> Vec<(&'stat
     ]
 }
 
+/// Ranks one node can run (one per GPU: 8 or 16 on today's machines, with room to spare) and nodes one run can
+/// have; the rank arithmetic stays far from overflow.
+const MAX_PROCS_PER_NODE: usize = 1024;
+const MAX_NODES: usize = 1 << 20;
+
 fn validate(o: &LaunchOptions) -> Result<(), LaunchError> {
     let bad = |flag, msg: &str| Err(LaunchError::BadArgs { flag, msg: msg.to_string() });
     if o.nproc_per_node == 0 {
         return bad("--nproc-per-node", "must be at least 1");
     }
+    if o.nproc_per_node > MAX_PROCS_PER_NODE {
+        return Err(LaunchError::BadArgs {
+            flag: "--nproc-per-node",
+            msg: format!(
+                "{} is more than the {MAX_PROCS_PER_NODE} processes one node runs (one per GPU)",
+                o.nproc_per_node
+            ),
+        });
+    }
     if o.nnodes == 0 {
         return bad("--nnodes", "must be at least 1");
+    }
+    if o.nnodes > MAX_NODES {
+        return Err(LaunchError::BadArgs { flag: "--nnodes", msg: format!("{} is more than {MAX_NODES}", o.nnodes) });
     }
     if o.node_rank >= o.nnodes {
         return Err(LaunchError::BadArgs {
@@ -351,6 +368,14 @@ mod tests {
         assert_eq!(err(|o| o.nproc_per_node = 0), "launch: --nproc-per-node must be at least 1");
         assert_eq!(err(|o| o.node_rank = 2), "launch: --node-rank 2 is not below --nnodes 2");
         assert_eq!(err(|o| o.nnodes = 0), "launch: --nnodes must be at least 1");
+        assert_eq!(
+            err(|o| o.nproc_per_node = usize::MAX / 2),
+            format!(
+                "launch: --nproc-per-node {} is more than the 1024 processes one node runs (one per GPU)",
+                usize::MAX / 2
+            )
+        );
+        assert_eq!(err(|o| o.nnodes = usize::MAX), format!("launch: --nnodes {} is more than 1048576", usize::MAX));
         assert!(err(|o| o.master_port = 0).starts_with("launch: --master-port 0 (a free port) works on one node only"));
         assert_eq!(err(|o| o.master_addr = " ".into()), "launch: --master-addr is empty");
     }
