@@ -224,3 +224,54 @@ pub fn prune(dir: &Path, keep: usize) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state() -> TrainState {
+        TrainState {
+            format: FORMAT.into(),
+            arch: "resnet18".into(),
+            num_classes: 10,
+            epoch: 2,
+            batch_in_epoch: 3,
+            step: 40,
+            optimizer_steps: 38,
+            scaler: LossScaler::new(&crate::config::AmpSection::default(), true),
+            seed: 0,
+            meters: EpochMeters::default(),
+            best_top1: None,
+            metrics_lines: 50,
+            world_size: 1,
+            batch_size: 32,
+        }
+    }
+
+    /// A trainer state no run reaches is refused by what it names; the checkpoint loader says so with its path.
+    #[test]
+    fn impossible_states_are_named() {
+        assert!(state().check().is_ok());
+        let cases: Vec<(TrainState, &str)> = vec![
+            (TrainState { epoch: 1_000_000_000_000, ..state() }, "epoch = 1000000000000"),
+            (TrainState { step: usize::MAX, ..state() }, "step = "),
+            (TrainState { optimizer_steps: 41, ..state() }, "41 optimizer updates in 40 steps"),
+            (TrainState { world_size: 0, ..state() }, "world_size = 0"),
+            (TrainState { batch_size: usize::MAX, ..state() }, "batch_size = "),
+            (TrainState { batch_in_epoch: usize::MAX, ..state() }, "batch_in_epoch = "),
+            (TrainState { metrics_lines: usize::MAX, ..state() }, "metrics_lines = "),
+            (TrainState { scaler: LossScaler { scale: f64::INFINITY, ..state().scaler }, ..state() }, "loss scaler"),
+        ];
+        for (s, want) in cases {
+            let e = s.check().unwrap_err();
+            assert!(e.contains(want), "{e}");
+        }
+        let dir = std::env::temp_dir().join(format!("ckpt-state-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("odd.safetensors");
+        save(&p, &BTreeMap::new(), &BTreeMap::new(), &TrainState { world_size: 0, ..state() }).unwrap();
+        let e = load(&p).err().unwrap().to_string();
+        assert!(e.contains("odd.safetensors") && e.contains("world_size = 0"), "{e}");
+        std::fs::remove_dir_all(dir).ok();
+    }
+}

@@ -260,4 +260,30 @@ mod tests {
         d.update(true);
         assert_eq!(d.scale(), 1.0);
     }
+
+    /// A resume keeps the config's settings and the checkpoint's scale and tracker when both scale; a checkpoint
+    /// that did not scale gives a fresh scaler; values no run has are refused.
+    #[test]
+    fn resume_and_check() {
+        let cfg = AmpSection { growth_factor: 4.0, ..AmpSection::default() };
+        let now = LossScaler::new(&cfg, true);
+        let saved = LossScaler { scale: 8.0, growth_tracker: 3, ..LossScaler::new(&AmpSection::default(), true) };
+        let r = now.resumed_from(&saved);
+        assert_eq!((r.scale, r.growth_tracker, r.growth_factor), (8.0, 3, 4.0));
+        let off = LossScaler::new(&AmpSection::default(), false);
+        assert_eq!(now.resumed_from(&off), now);
+        assert_eq!(off.resumed_from(&saved), off);
+        assert!(saved.check().is_ok() && off.check().is_ok());
+        for bad in [
+            LossScaler { scale: f64::NAN, ..saved.clone() },
+            LossScaler { scale: -1.0, ..saved.clone() },
+            LossScaler { growth_factor: 0.0, ..saved.clone() },
+            LossScaler { backoff_factor: 5.0, ..saved.clone() },
+            LossScaler { growth_interval: 0, ..saved.clone() },
+            LossScaler { min_scale: 100.0, max_scale: 10.0, ..saved.clone() },
+        ] {
+            let e = bad.check().unwrap_err();
+            assert!(e.contains("loss scaler"), "{e}");
+        }
+    }
 }
