@@ -22,6 +22,9 @@ fn err(path: &Path, msg: impl Into<String>) -> ModelError {
 /// Reads every tensor of a safetensors file onto the CPU; a missing, truncated or foreign file is an error
 /// naming the file.
 pub fn read_safetensors(path: &Path) -> Result<HashMap<String, Tensor>> {
+    if path.is_dir() {
+        return Err(err(path, "is a folder, not a safetensors file"));
+    }
     if !path.is_file() {
         return Err(err(path, "no such file"));
     }

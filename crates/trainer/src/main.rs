@@ -206,7 +206,19 @@ fn main() {
 }
 
 fn run() -> Result<()> {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        // --help and --version print as clap writes them.
+        Err(e) if !e.use_stderr() => e.exit(),
+        Err(e) => {
+            // A usage error in one line, as every other error (clap's own text adds the usage and a hint).
+            // Its first paragraph (the message, and the arguments it lists on the lines under it).
+            let text = e.render().to_string();
+            let first: Vec<&str> = text.lines().take_while(|l| !l.trim().is_empty()).map(str::trim).collect();
+            eprintln!("error: {} (see --help)", first.join(" ").trim_start_matches("error: "));
+            std::process::exit(2);
+        }
+    };
     match cli.command {
         None => train(cli.train),
         Some(Command::Train(a)) => train(a),

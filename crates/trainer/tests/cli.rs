@@ -136,6 +136,25 @@ fn best_only_runs_are_protected_and_resumable() {
     assert!(!gone.exists(), "a failed --resume created {}", gone.display());
 }
 
+/// Usage errors (clap's) are one line naming the argument, exit code 2; --help still prints the usage.
+#[test]
+fn usage_errors_are_one_line() {
+    for (args, want) in [
+        (vec!["--bogus"], "unexpected argument '--bogus'"),
+        (vec!["eval", "--config", "x.toml"], "--checkpoint"),
+        (vec!["frobnicate"], "'frobnicate'"),
+        (vec!["bench", "--config", "x.toml", "--batch-sizes", "99999999999999999999"], "--batch-sizes"),
+    ] {
+        let out = trainer(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
+        assert!(err.starts_with("error: ") && err.contains(want) && err.contains("(see --help)"), "{err}");
+    }
+    let out = trainer(&["--help"]);
+    assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("Usage:"));
+}
+
 #[test]
 fn bad_configs_name_the_culprit() {
     let dir = TempDir::new("badcfg");

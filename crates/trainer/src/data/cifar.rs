@@ -35,6 +35,9 @@ impl Cifar10 {
         let (mut data, mut files) = (Vec::new(), Vec::new());
         for name in names {
             let path = root.join(&name);
+            if path.is_dir() {
+                return Err(DataError::format(&path, "is a folder, not a cifar10 binary batch"));
+            }
             if !path.is_file() {
                 return Err(DataError::Missing { path: format!("cifar10 file {}", path.display()), hint: HINT.into() });
             }

@@ -160,6 +160,9 @@ impl Packed {
         let mut shards = Vec::with_capacity(num_shards);
         for i in 0..num_shards {
             let path = dir.join(shard_name(i));
+            if path.is_dir() {
+                return Err(DataError::format(&path, "is a folder, not a packed shard"));
+            }
             let file = std::fs::File::open(&path).map_err(|e| DataError::io(&path, e))?;
             // SAFETY: the shard is only read; `trainer prepare` never rewrites a shard a reader has open (it
             // writes a new set), and a file truncated under a reader is outside what this format guards.
