@@ -373,6 +373,17 @@ fn wrong_weights_are_named() {
     std::fs::remove_dir_all(dir).ok();
 }
 
+/// Every conv output of one image, counted from the layers: ResNet-18 with the CIFAR stem at 8 px is 64 x 8 x 8
+/// (stem) + 4 x 64 x 8 x 8 (layer1) + 5 x 128 x 4 x 4 (layer2 with its downsample) + 5 x 256 x 2 x 2 + 5 x 512.
+#[test]
+fn conv_output_elems_counts_every_conv() {
+    let m = ResNet::new(cfg(Arch::ResNet18, 10, Stem::Cifar), &Device::Cpu).unwrap();
+    assert_eq!(m.conv_output_elems(8), 4096 + 4 * 4096 + 5 * 2048 + 5 * 1024 + 5 * 512);
+    // ImageNet stem at 64 px: the stem conv at 32 x 32, then the pool to 16.
+    let m = ResNet::new(cfg(Arch::ResNet18, 10, Stem::ImageNet), &Device::Cpu).unwrap();
+    assert_eq!(m.conv_output_elems(64), 64 * 32 * 32 + 4 * 64 * 256 + 5 * 128 * 64 + 5 * 256 * 16 + 5 * 512 * 4);
+}
+
 #[test]
 fn zero_init_residual_and_frozen_params() {
     let dev = Device::Cpu;

@@ -320,6 +320,31 @@ impl ResNet {
         out
     }
 
+    /// Elements of every convolution's output for one image of `image_size` (the stem, each block's convs and
+    /// downsample): a lower bound of what training keeps per image, as each is saved for its BatchNorm's backward.
+    pub fn conv_output_elems(&self, image_size: usize) -> usize {
+        let out = |c: &Conv2d, s: usize| {
+            let d = c.weight.var().dims();
+            let s = conv_out_size(s, d[2], c.stride, c.padding);
+            (s, d[0] * s * s)
+        };
+        let (mut s, mut total) = out(&self.conv1, image_size);
+        if self.config.stem == Stem::ImageNet {
+            s = conv_out_size(s, 3, 2, 1);
+        }
+        for block in self.stages.iter().flatten() {
+            let input = s;
+            for c in &block.convs {
+                let (next, n) = out(c, s);
+                (s, total) = (next, total + n);
+            }
+            if let Some(d) = &block.downsample {
+                total += out(&d.conv, input).1;
+            }
+        }
+        total
+    }
+
     /// Every BatchNorm layer with its name prefix.
     pub(crate) fn batchnorms(&self) -> Vec<&BatchNorm2d> {
         let mut v = vec![&self.bn1];

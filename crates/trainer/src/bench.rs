@@ -28,6 +28,10 @@ pub struct BenchResult {
     /// or eagerly and why. None on the CPU.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub graph: Option<String>,
+    /// On the CPU: the process's peak resident memory over the run (Linux), what `sweep --max` extrapolates to
+    /// leave out a batch that would not fit host memory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host_peak_gib: Option<f64>,
 }
 
 /// Samples the GPU's used memory through NVML every few milliseconds and keeps the maximum.
@@ -86,6 +90,7 @@ pub fn bench_one(cfg: &Config, dtype: Precision, bs: usize, warmup: usize, steps
         error: None,
         phases_ms: None,
         graph: None,
+        host_peak_gib: None,
     };
     let mut cfg = cfg.clone();
     cfg.amp.dtype = dtype;
@@ -96,6 +101,7 @@ pub fn bench_one(cfg: &Config, dtype: Precision, bs: usize, warmup: usize, steps
         let device = select_device(&cfg.device)?;
         let mem = if device.is_cuda() { PeakMemory::start(cfg.cuda_ordinal()) } else { None };
         let model = build_model(&cfg, &device)?;
+        crate::train::check_host_batch(&model, &cfg, bs, "batch size")?;
         let mut runner = StepRunner::new(&cfg, model)?;
         let batch = synthetic_batch(&device, bs, cfg.data.image_size, cfg.model.num_classes, cfg.seed)?;
         let lr = cfg.optim.lr;
@@ -140,7 +146,14 @@ pub fn bench_one(cfg: &Config, dtype: Precision, bs: usize, warmup: usize, steps
         device.synchronize()?;
         Ok((secs, mem.map(PeakMemory::finish)))
     };
+    let on_cpu = crate::config::parse_device(&cfg.device) == Some(None);
+    if on_cpu {
+        crate::train::host_peak_reset();
+    }
     let result = run();
+    if on_cpu && result.is_ok() {
+        r.host_peak_gib = crate::train::host_peak_bytes().map(|b| b as f64 / (1u64 << 30) as f64);
+    }
     // Give the pool's memory back so that the next run's peak starts from an empty pool (and after an OOM).
     #[cfg(feature = "cuda")]
     if let Ok(candle_core::Device::Cuda(d)) = select_device(&cfg.device) {
@@ -194,6 +207,29 @@ pub fn print_row(r: &BenchResult) {
     }
 }
 
+/// On the CPU (rows with a host peak), why batch `bs` would not fit host memory, from the straight line through
+/// the two largest batches that ran: their peak resident memory against the memory there is now (what the
+/// process holds plus what the kernel has available), with 10% to spare. An allocation that fails aborts the
+/// process (or the kernel kills it), so such a batch is not tried.
+fn host_memory_forecast(rows: &[BenchResult], bs: usize) -> Option<String> {
+    let mut ran: Vec<(usize, f64)> = rows.iter().filter_map(|r| Some((r.batch_size, r.host_peak_gib?))).collect();
+    ran.sort_by_key(|r| r.0);
+    let [.., (b1, p1), (b2, p2)] = ran[..] else { return None };
+    if b2 <= b1 || bs <= b2 {
+        return None;
+    }
+    let per = ((p2 - p1) / (b2 - b1) as f64).max(0.0);
+    let want = p2 + per * (bs - b2) as f64;
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let have = gib(crate::train::host_memory_available()?) + gib(crate::train::host_rss_bytes().unwrap_or(0));
+    (want * 1.1 > have).then(|| {
+        format!(
+            "out of memory (forecast): batch {bs} would take about {want:.1} GiB of host memory (from batches {b1} \
+             and {b2}), {have:.1} GiB is there"
+        )
+    })
+}
+
 /// Batch sizes to try with `--max`: doubling from `start` until one runs out of memory, then bisection to
 /// `granularity`. Any other failure ends the sweep there (it says nothing about what fits): the caller reports it.
 pub fn sweep_max(
@@ -210,7 +246,22 @@ pub fn sweep_max(
     let mut bad = None;
     let mut bs = start.max(1);
     let mut run = |bs: usize, out: &mut Vec<BenchResult>| -> bool {
-        let r = bench_one(cfg, dtype, bs, warmup, steps, false);
+        let r = match host_memory_forecast(out, bs) {
+            Some(why) => BenchResult {
+                arch: cfg.model.arch.name().to_string(),
+                dtype: dtype.to_string(),
+                batch_size: bs,
+                img_per_s: None,
+                step_ms: None,
+                peak_gib: None,
+                oom: true,
+                error: Some(why),
+                phases_ms: None,
+                graph: None,
+                host_peak_gib: None,
+            },
+            None => bench_one(cfg, dtype, bs, warmup, steps, false),
+        };
         on_result(&r);
         let ok = r.img_per_s.is_some();
         out.push(r);
@@ -269,4 +320,40 @@ pub fn write_csv(rows: &[BenchResult], path: &std::path::Path) -> Result<()> {
         ));
     }
     std::fs::write(path, s).with_context(|| format!("cannot write {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(bs: usize, host_peak_gib: Option<f64>) -> BenchResult {
+        BenchResult {
+            arch: "resnet18".into(),
+            dtype: "fp32".into(),
+            batch_size: bs,
+            img_per_s: host_peak_gib.map(|_| 1.0),
+            step_ms: None,
+            peak_gib: None,
+            oom: false,
+            error: None,
+            phases_ms: None,
+            graph: None,
+            host_peak_gib,
+        }
+    }
+
+    /// The forecast needs two batches that ran on the host; it speaks only of larger batches, and leaves out one
+    /// whose straight-line peak exceeds any machine.
+    #[test]
+    fn host_memory_forecast_extrapolates_two_runs() {
+        let rows = [row(1024, Some(2.0)), row(2048, Some(3.75))];
+        assert!(host_memory_forecast(&rows[..1], 1 << 40).is_none());
+        assert!(host_memory_forecast(&rows, 1536).is_none());
+        assert!(host_memory_forecast(&[row(1024, None), row(2048, None)], 1 << 40).is_none());
+        let why = host_memory_forecast(&rows, 1 << 40).expect("a petabyte does not fit");
+        assert!(
+            why.starts_with("out of memory (forecast): batch 1099511627776") && why.contains("batches 1024 and 2048"),
+            "{why}"
+        );
+    }
 }

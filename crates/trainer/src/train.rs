@@ -915,6 +915,81 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
     train_ranks(cfg, run_dir, resume, None)
 }
 
+/// A value of /proc/self/status in bytes (`VmHWM:`, `VmRSS:`, ...; Linux).
+fn proc_status_bytes(key: &str) -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = text.lines().find(|l| l.starts_with(key))?;
+    line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|k| k * 1024)
+}
+
+/// Starts a new measure of this process's peak resident memory (Linux: /proc/self/clear_refs; elsewhere a no-op).
+pub fn host_peak_reset() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
+/// This process's peak resident memory since [`host_peak_reset`] (Linux), in bytes.
+pub fn host_peak_bytes() -> Option<u64> {
+    proc_status_bytes("VmHWM:")
+}
+
+/// This process's resident memory now (Linux), in bytes.
+pub fn host_rss_bytes() -> Option<u64> {
+    proc_status_bytes("VmRSS:")
+}
+
+/// Bytes of host memory this process can still take (Linux): the kernel's MemAvailable, capped by the address
+/// space limit (`ulimit -v`) less what the process maps now; None where unknown.
+pub fn host_memory_available() -> Option<u64> {
+    let kib = |text: &str, key: &str| -> Option<u64> {
+        let line = text.lines().find(|l| l.starts_with(key))?;
+        line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|k| k * 1024)
+    };
+    let avail = kib(&std::fs::read_to_string("/proc/meminfo").ok()?, "MemAvailable:")?;
+    #[cfg(target_os = "linux")]
+    {
+        let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: getrlimit writes the struct it is given.
+        if unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut lim) } == 0 && lim.rlim_cur != libc::RLIM_INFINITY {
+            let mapped = proc_status_bytes("VmSize:").unwrap_or(0);
+            return Some(avail.min((lim.rlim_cur as u64).saturating_sub(mapped)));
+        }
+    }
+    Some(avail)
+}
+
+/// Values kept per conv output value by the CPU training step, as a floor: measured at 10.5-12.8 (peak RSS
+/// against batch size, ResNet-18 at 8 and 64 px, ResNet-50 at 8 px, FP32, 2026-12-05), so half that leaves a
+/// margin for what the measure did not cover.
+pub const HOST_VALUES_PER_CONV_OUTPUT: u128 = 6;
+
+/// On the CPU, a batch of `batch` whose activations cannot fit the host memory is refused here with an error
+/// naming `what` (an allocation that fails later aborts the process, past any error handling). The bound is a
+/// floor of what the CPU training step keeps: [`HOST_VALUES_PER_CONV_OUTPUT`] times every conv output's elements,
+/// at the activation width (4 bytes in FP32, 2 in BF16/FP16). GPU memory is not checked here: a CUDA allocation
+/// that fails is an error the callers handle.
+pub fn check_host_batch(model: &ResNet, cfg: &Config, batch: usize, what: &str) -> Result<()> {
+    if model.device().is_cuda() {
+        return Ok(());
+    }
+    let width = if precision(cfg) == resnet::Precision::F32 { 4 } else { 2 };
+    let per_image = HOST_VALUES_PER_CONV_OUTPUT * width * model.conv_output_elems(cfg.data.image_size) as u128;
+    let need = per_image * batch as u128;
+    let Some(have) = host_memory_available() else { return Ok(()) };
+    if need > have as u128 {
+        let gib = |b: u128| b as f64 / (1u64 << 30) as f64;
+        bail!(
+            "{what} = {batch} would run out of memory: training at {}x{} keeps at least {:.1} GiB ({:.1} MiB an \
+             image), this machine has {:.1} GiB available",
+            cfg.data.image_size,
+            cfg.data.image_size,
+            gib(need),
+            per_image as f64 / (1u64 << 20) as f64,
+            gib(have as u128)
+        );
+    }
+    Ok(())
+}
+
 /// This process's part in a data-parallel run.
 pub struct Ranks {
     /// Sums over the ranks (NCCL in the trainer).
@@ -951,6 +1026,7 @@ pub fn train_ranks(cfg: &Config, run_dir: &Path, resume: bool, ranks: Option<Ran
     let device = select_device(&cfg.device)?;
     let (train_ds, val_ds) = open_data(cfg)?;
     let model = build_model(cfg, &device)?;
+    check_host_batch(&model, cfg, cfg.train.batch_size, "train.batch_size")?;
     let mut runner = StepRunner::new(cfg, model)?;
     runner.collective = collective;
     runner.progress = progress;

@@ -168,6 +168,8 @@ fn bad_configs_name_the_culprit() {
         (vec!["--set", "model.arch=resnet19"], vec!["model.arch", "resnet19"]),
         (vec!["--set", "train.batch_size=0"], vec!["train.batch_size"]),
         (vec!["--set", "optim.lr=-1"], vec!["optim.lr"]),
+        // At least 286 GiB at 8 px: refused before anything is allocated.
+        (vec!["--set", "train.batch_size=1000000"], vec!["train.batch_size = 1000000", "would run out of memory"]),
         (vec!["--set", "train"], vec!["--set", "key=value"]),
         (
             vec![
