@@ -951,7 +951,9 @@ pub fn host_memory_available() -> Option<u64> {
         // SAFETY: getrlimit writes the struct it is given.
         if unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut lim) } == 0 && lim.rlim_cur != libc::RLIM_INFINITY {
             let mapped = proc_status_bytes("VmSize:").unwrap_or(0);
-            return Some(avail.min((lim.rlim_cur as u64).saturating_sub(mapped)));
+            #[allow(clippy::unnecessary_cast)] // rlim_t is u64 here, narrower on some targets
+            let limit = lim.rlim_cur as u64;
+            return Some(avail.min(limit.saturating_sub(mapped)));
         }
     }
     Some(avail)
