@@ -270,6 +270,13 @@ fn prepare(c: ConfigArgs, out: PathBuf, max_side: Option<usize>, quality: Option
     let opts = trainer::databench::pack_options(&cfg, shard_mib);
     trainer::databench::prepare(&cfg, &out, &opts)?;
     println!("packed into {}: set data.kind = \"packed\" and data.dir = \"{}\"", out.display(), out.display());
+    if cfg.data.val_dir.is_empty() {
+        println!(
+            "note: no validation split was packed (data.val_dir is empty); training reads {}/val too: set \
+             data.val_dir and run prepare again",
+            out.display()
+        );
+    }
     Ok(())
 }
 

@@ -46,8 +46,15 @@ pub fn class_names(dir: &str, key: &str) -> Result<Vec<String>, DataError> {
     Ok(classes)
 }
 
-/// Image files under `dir`, recursively, sorted.
-fn image_files(dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), DataError> {
+/// Image files under `dir`, recursively, sorted. Symlinked folders are followed (as torchvision's ImageFolder
+/// does), except one that leads back to a folder above it (`ancestors`: the canonical paths from the split's root
+/// down), which would list images of other classes, or loop: an error naming the link.
+fn image_files(dir: &Path, out: &mut Vec<PathBuf>, ancestors: &mut Vec<PathBuf>) -> Result<(), DataError> {
+    let canon = dir.canonicalize().map_err(|e| DataError::io(dir, e))?;
+    if ancestors.contains(&canon) {
+        return Err(DataError::format(dir, format!("leads back to {} (a symlink loop)", canon.display())));
+    }
+    ancestors.push(canon);
     let mut entries = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(|e| DataError::io(dir, e))? {
         entries.push(entry.map_err(|e| DataError::io(dir, e))?.path());
@@ -56,11 +63,12 @@ fn image_files(dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), DataError> {
     for path in entries {
         let ext = path.extension().map(|e| e.to_string_lossy().to_ascii_lowercase());
         if path.is_dir() {
-            image_files(&path, out)?;
+            image_files(&path, out, ancestors)?;
         } else if ext.is_some_and(|e| EXTENSIONS.contains(&e.as_str())) {
             out.push(path);
         }
     }
+    ancestors.pop();
     Ok(())
 }
 
@@ -96,10 +104,11 @@ impl ImageFolder {
             }
         }
         let mut samples = Vec::new();
+        let root = Path::new(dir).canonicalize().map_err(|e| DataError::io(Path::new(dir), e))?;
         for (label, class) in classes.iter().enumerate() {
             let class_dir = Path::new(dir).join(class);
             let mut files = Vec::new();
-            image_files(&class_dir, &mut files)?;
+            image_files(&class_dir, &mut files, &mut vec![root.clone()])?;
             if files.is_empty() {
                 return Err(DataError::format(&class_dir, "class folder has no .jpg/.jpeg/.png files"));
             }
@@ -227,6 +236,20 @@ pub(crate) mod tests {
         std::fs::remove_dir(empty.join("cls")).unwrap();
         let e = ImageFolder::open(empty.to_str().unwrap(), "", Split::Train, transform()).err().unwrap().to_string();
         assert!(e.contains("no class sub-folders") && e.contains("empty"), "{e}");
+        // A symlinked folder is followed, unless it leads back above itself (it would list other classes' images).
+        #[cfg(unix)]
+        {
+            let elsewhere = tmp.path().join("more");
+            std::fs::create_dir_all(&elsewhere).unwrap();
+            solid(9, 9, 7).save(elsewhere.join("d.png")).unwrap();
+            std::os::unix::fs::symlink(&elsewhere, tmp.path().join("train/dog/more")).unwrap();
+            std::fs::remove_dir_all(tmp.path().join("val/fox")).unwrap();
+            let ds = ImageFolder::open(&train, &val, Split::Train, transform()).unwrap();
+            assert_eq!(ds.len(), 10);
+            std::os::unix::fs::symlink("..", tmp.path().join("train/dog/loop")).unwrap();
+            let e = ImageFolder::open(&train, &val, Split::Train, transform()).err().unwrap().to_string();
+            assert!(e.contains("train/dog/loop") && e.contains("symlink loop"), "{e}");
+        }
     }
 
     #[test]
