@@ -700,19 +700,23 @@ fn parse_value(raw: &str) -> toml::Value {
     }
 }
 
-/// Applies one `a.b=value` override to a TOML tree; the key must exist in the schema.
-fn apply_override(root: &mut toml::Table, schema: &toml::Table, spec: &str) -> Result<()> {
+/// Applies one `a.b=value` override to a TOML tree; the key must exist in the schema. Returns the dotted key.
+fn apply_override(root: &mut toml::Table, schema: &toml::Table, spec: &str) -> Result<String> {
+    let spec = spec.trim();
     let (key, raw) = spec.split_once('=').ok_or_else(|| anyhow!("--set `{spec}`: expected key=value"))?;
-    let key = key.trim();
+    let (key, raw) = (key.trim(), raw.trim());
+    if key.is_empty() {
+        bail!("--set {spec}: empty key (expected key=value, e.g. train.batch_size=64)");
+    }
     let parts: Vec<&str> = key.split('.').collect();
     let mut sch = schema;
     for (i, part) in parts.iter().enumerate() {
         let last = i + 1 == parts.len();
         match sch.get(*part) {
             Some(toml::Value::Table(t)) if !last => sch = t,
-            Some(toml::Value::Table(_)) => bail!("--set {key}: `{key}` is a section, not a key"),
+            Some(toml::Value::Table(_)) => bail!("--set {spec}: `{key}` is a section, not a key"),
             Some(_) if last => {}
-            _ => bail!("--set {key}: unknown config key `{key}`"),
+            _ => bail!("--set {spec}: unknown config key `{key}`"),
         }
     }
     let mut node = root;
@@ -721,15 +725,24 @@ fn apply_override(root: &mut toml::Table, schema: &toml::Table, spec: &str) -> R
             .entry(part.to_string())
             .or_insert_with(|| toml::Value::Table(Default::default()))
             .as_table_mut()
-            .ok_or_else(|| anyhow!("--set {key}: `{part}` is not a section in the config file"))?;
+            .ok_or_else(|| anyhow!("--set {spec}: `{part}` is not a section in the config file"))?;
     }
-    let mut value = parse_value(raw.trim());
-    // A float key given an integer literal (`optim.lr=1`) is still a float.
-    if let (Some(toml::Value::Float(_)), toml::Value::Integer(i)) = (lookup(schema, &parts), &value) {
-        value = toml::Value::Float(*i as f64);
-    }
+    let value = match (lookup(schema, &parts), parse_value(raw)) {
+        // A float key given an integer literal (`optim.lr=1`) is still a float, and so is a number too long for a
+        // TOML integer (`optim.lr=99999999999999999999`).
+        (Some(toml::Value::Float(_)), toml::Value::Integer(i)) => toml::Value::Float(i as f64),
+        (Some(toml::Value::Float(_)), v @ toml::Value::String(_)) => raw.parse().map(toml::Value::Float).unwrap_or(v),
+        // Digits TOML could not read as an integer: beyond its 64-bit range.
+        (Some(toml::Value::Integer(_)), toml::Value::String(_)) if integer_text(raw) => {
+            let why = if raw.starts_with('-') { "must not be negative" } else { "is too large" };
+            bail!("--set {spec}: {key} = {raw} {why}")
+        }
+        // A name or a path is the text typed, whatever TOML would read it as (`model.arch=18`, `data.dir=2024`).
+        (Some(toml::Value::String(_)), v) if !v.is_str() => toml::Value::String(raw.to_string()),
+        (_, v) => v,
+    };
     node.insert(parts[parts.len() - 1].to_string(), value);
-    Ok(())
+    Ok(key.to_string())
 }
 
 fn lookup<'a>(t: &'a toml::Table, parts: &[&str]) -> Option<&'a toml::Value> {
@@ -742,20 +755,47 @@ fn lookup<'a>(t: &'a toml::Table, parts: &[&str]) -> Option<&'a toml::Value> {
     }
 }
 
+/// A one-line error `msg` prefixed with where its culprit came from: the final `--set` of each key it names
+/// (`--set optim.lr=-1: optim.lr must be ...`), else the config file (`origin`).
+fn blame(origin: &str, sets: &[(String, &str)], msg: String) -> anyhow::Error {
+    let named: Vec<&str> = sets.iter().filter(|(k, _)| names_key(&msg, k)).map(|(_, s)| *s).collect();
+    if named.is_empty() {
+        anyhow!("{origin}: {msg}")
+    } else {
+        anyhow!("--set {}: {msg}", named.join(" --set "))
+    }
+}
+
+/// Whether an error message names `key`: a dotted key as a word anywhere, a top-level one (`device`) only as its
+/// first word (the messages use "device" as a plain word too).
+fn names_key(msg: &str, key: &str) -> bool {
+    let mut words = msg.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '.')).filter(|w| !w.is_empty());
+    if key.contains('.') {
+        words.any(|w| w.trim_end_matches('.') == key)
+    } else {
+        words.next() == Some(key)
+    }
+}
+
 impl Config {
-    /// Parses TOML text plus overrides. Errors name the key (and the file, via `origin`).
+    /// Parses TOML text plus overrides. Errors are one line naming the key and the value, prefixed with where the
+    /// value came from: the `--set` that gave it, else the file (`origin`).
     pub fn from_str_with(text: &str, origin: &str, overrides: &[String]) -> Result<Self> {
         let mut table: toml::Table =
             text.parse().map_err(|e: toml::de::Error| anyhow!("{origin}: {}", one_line(&e.to_string())))?;
         let schema = toml::Table::try_from(Config::default()).context("serialising the default config")?;
         // Integers where floats are expected (lr = 1) are accepted in files as well.
         coerce_floats(&mut table, &schema);
+        // The last `--set` of each key: its value is the one checked.
+        let mut sets: Vec<(String, &str)> = Vec::new();
         for o in overrides {
-            apply_override(&mut table, &schema, o)?;
+            let key = apply_override(&mut table, &schema, o)?;
+            sets.retain(|(k, _)| *k != key);
+            sets.push((key, o.trim()));
         }
         let cfg: Config = Config::deserialize(toml::Value::Table(table.clone()))
-            .map_err(|e| anyhow!("{origin}: {}", value_error(&e)))?;
-        cfg.validate().with_context(|| origin.to_string())?;
+            .map_err(|e| blame(origin, &sets, value_error(&e, &table, &schema)))?;
+        cfg.validate().map_err(|e| blame(origin, &sets, format!("{e:#}")))?;
         Ok(cfg)
     }
 
@@ -769,7 +809,9 @@ impl Config {
         toml::to_string_pretty(self).unwrap_or_else(|e| format!("# cannot serialise config: {e}"))
     }
 
-    /// Checks values that types alone do not (names from fixed sets, positive sizes).
+    /// Checks values that types alone do not (names from fixed sets, sizes and counts within what a run can hold,
+    /// numbers within the ranges PyTorch allows or that make sense, keys that must agree). Each error is one line
+    /// naming the key and the value.
     pub fn validate(&self) -> Result<()> {
         if self.kernels.autotune_cache.is_empty() {
             bail!("kernels.autotune_cache is empty (\"auto\", \"off\" or a file path)");
@@ -777,27 +819,34 @@ impl Config {
         if parse_device(&self.device).is_none() {
             bail!("device = \"{}\" is not one of cpu, cuda, cuda:N", self.device);
         }
-        let positive = [
-            ("model.num_classes", self.model.num_classes),
-            ("data.image_size", self.data.image_size),
-            ("data.num_samples", self.data.num_samples),
-            ("data.prefetch", self.data.prefetch),
-            ("train.batch_size", self.train.batch_size),
-            ("train.grad_accum", self.train.grad_accum),
-            ("train.epochs", self.train.epochs),
-            ("log.every_steps", self.log.every_steps),
-            ("amp.growth_interval", self.amp.growth_interval),
-        ];
-        for (k, v) in positive {
-            if v == 0 {
-                bail!("{k} must be at least 1");
+        // Counts and sizes: (key, value, least, most). The upper bounds keep absurd values from failing late: an
+        // allocation (the loader holds 8 bytes of epoch order per sample; the head num_classes x 2048 weights), an
+        // overflow of epochs x steps, minutes spent starting threads. Image sizes: the data transforms' range.
+        // amp.growth_interval: the device counts clean steps in f32, which cannot count past 2^24.
+        for (k, v, least, most) in [
+            ("model.num_classes", self.model.num_classes, 2, 1_000_000),
+            ("data.image_size", self.data.image_size, 1, 16384),
+            ("data.val_resize", self.data.val_resize, 1, 16384),
+            ("data.num_samples", self.data.num_samples, 1, 100_000_000),
+            ("data.workers", self.data.workers, 0, 1024),
+            ("data.prefetch", self.data.prefetch, 1, 1024),
+            ("data.pack_max_side", self.data.pack_max_side, 16, 65535),
+            ("data.pack_quality", self.data.pack_quality, 1, 100),
+            ("train.epochs", self.train.epochs, 1, 1_000_000),
+            ("train.batch_size", self.train.batch_size, 1, 1 << 20),
+            ("train.eval_batch_size", self.train.eval_batch_size, 0, 1 << 20),
+            ("train.grad_accum", self.train.grad_accum, 1, 65536),
+            ("amp.growth_interval", self.amp.growth_interval, 1, 1 << 24),
+        ] {
+            if !(least..=most).contains(&v) {
+                bail!("{k} must be in {least}..={most}, got {v}");
             }
         }
-        if !(16..=65535).contains(&self.data.pack_max_side) {
-            bail!("data.pack_max_side must be in 16..=65535, got {}", self.data.pack_max_side);
-        }
-        if !(1..=100).contains(&self.data.pack_quality) {
-            bail!("data.pack_quality must be in 1..=100, got {}", self.data.pack_quality);
+        // checkpoint.keep_last = 0 would delete the checkpoint a --resume needs (prune keeps at least one anyway).
+        for (k, v) in [("log.every_steps", self.log.every_steps), ("checkpoint.keep_last", self.checkpoint.keep_last)] {
+            if v == 0 {
+                bail!("{k} must be at least 1, got 0");
+            }
         }
         if self.data.val_resize < self.data.image_size {
             bail!(
@@ -806,50 +855,133 @@ impl Config {
                 self.data.image_size
             );
         }
-        if self.model.stem == Stem::ImageNet && self.data.image_size < 32 {
-            bail!(
+        // The smallest inputs the stems take down to a 1x1 last stage (the model downsamples by 32 and by 8).
+        match self.model.stem {
+            Stem::ImageNet if self.data.image_size < 32 => bail!(
                 "data.image_size = {} is too small for the imagenet stem (at least 32; use model.stem = \"cifar\")",
                 self.data.image_size
-            );
+            ),
+            Stem::Cifar if self.data.image_size < 8 => {
+                bail!("data.image_size = {} is too small for the cifar stem (at least 8)", self.data.image_size)
+            }
+            _ => {}
         }
         for (k, v) in [
             ("optim.lr", self.optim.lr),
+            ("optim.eps", self.optim.eps),
+            ("sched.gamma", self.sched.gamma),
             ("amp.init_scale", self.amp.init_scale),
-            ("amp.growth_factor", self.amp.growth_factor),
             ("finetune.head_lr_mult", self.finetune.head_lr_mult),
             ("train.bucket_mb", self.train.bucket_mb),
         ] {
             if !(v.is_finite() && v > 0.0) {
-                bail!("{k} must be a positive number, got {v}");
+                bail!("{k} must be a positive number, got {}", num(v));
             }
         }
         for (k, v) in [
-            ("optim.momentum", self.optim.momentum),
             ("optim.weight_decay", self.optim.weight_decay),
             ("train.clip_grad_norm", self.train.clip_grad_norm),
             ("sched.warmup_epochs", self.sched.warmup_epochs),
             ("sched.min_lr", self.sched.min_lr),
+            ("amp.min_scale", self.amp.min_scale),
+            ("amp.max_scale", self.amp.max_scale),
         ] {
             if !(v.is_finite() && v >= 0.0) {
-                bail!("{k} must be a non-negative number, got {v}");
+                bail!("{k} must be a non-negative number, got {}", num(v));
             }
         }
-        if !(self.train.stall_timeout_s.is_finite() && self.train.stall_timeout_s > 0.0) {
-            bail!("train.stall_timeout_s must be a number of seconds above 0, got {}", self.train.stall_timeout_s);
+        // PyTorch's ranges for the betas; a momentum of 1 or more never forgets a gradient and diverges.
+        for (k, v) in [
+            ("train.label_smoothing", self.train.label_smoothing),
+            ("optim.momentum", self.optim.momentum),
+            ("optim.beta1", self.optim.beta1),
+            ("optim.beta2", self.optim.beta2),
+        ] {
+            if !(0.0..1.0).contains(&v) {
+                bail!("{k} must be in [0, 1), got {}", num(v));
+            }
         }
-        if !(0.0..1.0).contains(&self.train.label_smoothing) {
-            bail!("train.label_smoothing must be in [0, 1), got {}", self.train.label_smoothing);
+        if self.finetune.head_lr_mult > 1e6 {
+            bail!("finetune.head_lr_mult must be at most 1e6, got {}", num(self.finetune.head_lr_mult));
         }
+        let stall = self.train.stall_timeout_s;
+        if !(stall.is_finite() && stall > 0.0) {
+            bail!("train.stall_timeout_s must be a number of seconds above 0, got {}", num(stall));
+        }
+        if stall > 1e9 {
+            bail!("train.stall_timeout_s must be at most 1e9 seconds, got {}", num(stall));
+        }
+        // torch.amp.GradScaler's rules; the device keeps the scale (and its clamps) in f32.
         if !(self.amp.backoff_factor > 0.0 && self.amp.backoff_factor < 1.0) {
-            bail!("amp.backoff_factor must be in (0, 1), got {}", self.amp.backoff_factor);
+            bail!("amp.backoff_factor must be in (0, 1), got {}", num(self.amp.backoff_factor));
+        }
+        if !(self.amp.growth_factor.is_finite() && self.amp.growth_factor > 1.0) {
+            bail!("amp.growth_factor must be a number above 1, got {}", num(self.amp.growth_factor));
+        }
+        let (init, min, max) = (self.amp.init_scale, self.amp.min_scale, self.amp.max_scale);
+        if init > f32::MAX as f64 {
+            bail!("amp.init_scale must be at most 3.4e38 (the scale is kept in f32), got {}", num(init));
+        }
+        if min > 0.0 && max > 0.0 && min > max {
+            bail!("amp.min_scale ({}) must be at most amp.max_scale ({})", num(min), num(max));
+        }
+        if min > 0.0 && init < min {
+            bail!("amp.init_scale ({}) must be at least amp.min_scale ({})", num(init), num(min));
+        }
+        if max > 0.0 && init > max {
+            bail!("amp.init_scale ({}) must be at most amp.max_scale ({})", num(init), num(max));
         }
         if self.optim.nesterov && self.optim.momentum == 0.0 {
             bail!("optim.nesterov = true needs optim.momentum > 0");
         }
-        if self.sched.name == SchedName::Step && self.sched.step_epochs == 0 {
+        // The schedule: torch.optim.lr_scheduler.LinearLR's start factor; the warm-up (counted in epochs of
+        // optimizer steps) within the run; the cosine's floor below its start.
+        let s = &self.sched;
+        if !(s.warmup_start_factor > 0.0 && s.warmup_start_factor <= 1.0) {
+            bail!("sched.warmup_start_factor must be in (0, 1], got {}", num(s.warmup_start_factor));
+        }
+        if s.warmup_epochs > self.train.epochs as f64 {
+            bail!(
+                "sched.warmup_epochs ({}) must be at most train.epochs ({})",
+                num(s.warmup_epochs),
+                self.train.epochs
+            );
+        }
+        if s.name == SchedName::Cosine && s.min_lr > self.optim.lr {
+            bail!(
+                "sched.min_lr ({}) must be at most optim.lr ({}) for sched.name = \"cosine\"",
+                num(s.min_lr),
+                num(self.optim.lr)
+            );
+        }
+        if s.name == SchedName::Step && s.step_epochs == 0 {
             bail!("sched.step_epochs must be at least 1 for sched.name = \"step\"");
         }
+        if s.milestones.contains(&0) {
+            bail!("sched.milestones must be epochs of at least 1, got {:?}", s.milestones);
+        }
+        if s.milestones.windows(2).any(|w| w[0] >= w[1]) {
+            bail!("sched.milestones must be strictly increasing, got {:?}", s.milestones);
+        }
         Ok(())
+    }
+}
+
+/// A number as the messages show it: very large and very small ones in exponent form (`1e300`, `1e-8`), others as
+/// written (`0.5`, `-3`, `NaN`).
+fn num(v: f64) -> String {
+    if v != 0.0 && v.is_finite() && !(1e-4..1e16).contains(&v.abs()) {
+        format!("{v:e}")
+    } else {
+        format!("{v}")
+    }
+}
+
+/// A config value as the messages show it (TOML syntax, numbers as [`num`] writes them).
+fn show(v: &toml::Value) -> String {
+    match v {
+        toml::Value::Float(f) => num(*f),
+        v => v.to_string(),
     }
 }
 
@@ -867,20 +999,70 @@ fn coerce_floats(t: &mut toml::Table, schema: &toml::Table) {
     }
 }
 
-/// A deserialisation error as one line naming the key: `model.arch = "resnet19" is not one of resnet18, ...` for an
-/// unknown name, `key: message` otherwise.
-fn value_error(e: &toml::de::Error) -> String {
-    let text = e.to_string();
-    let key = text.lines().rev().find_map(|l| l.trim().strip_prefix("in `")?.strip_suffix('`').map(str::to_string));
+/// The dotted key a deserialisation error is about (its `in `key`` line).
+fn error_key(e: &toml::de::Error) -> Option<String> {
+    e.to_string().lines().rev().find_map(|l| l.trim().strip_prefix("in `")?.strip_suffix('`').map(str::to_string))
+}
+
+/// The value and the allowed names of serde's "unknown variant" message.
+fn unknown_variant(msg: &str) -> Option<(&str, Vec<&str>)> {
+    let rest = msg.trim().strip_prefix("unknown variant `")?;
+    let (value, expected) = rest.split_once('`').unwrap_or((rest, ""));
+    Some((value, expected.split('`').skip(1).step_by(2).collect()))
+}
+
+/// The names a name-valued key takes (None for a free-form string such as a path): what serde lists when the key
+/// in `table` is given a name it does not know.
+fn choices(table: &toml::Table, parts: &[&str]) -> Option<Vec<String>> {
+    let mut t = table.clone();
+    let (last, sections) = parts.split_last()?;
+    let mut node = &mut t;
+    for p in sections {
+        node = node.get_mut(*p)?.as_table_mut()?;
+    }
+    node.insert(last.to_string(), toml::Value::String("\u{1}".into()));
+    let e = Config::deserialize(toml::Value::Table(t)).err()?;
+    if error_key(&e)? != parts.join(".") {
+        return None;
+    }
+    let (_, allowed) = unknown_variant(e.message())?;
+    Some(allowed.into_iter().map(String::from).collect())
+}
+
+/// Digits with an optional sign (and TOML's underscores).
+fn integer_text(s: &str) -> bool {
+    let d = s.strip_prefix(['+', '-']).unwrap_or(s);
+    d.chars().any(|c| c.is_ascii_digit()) && d.chars().all(|c| c.is_ascii_digit() || c == '_')
+}
+
+/// A deserialisation error as one line naming the key and the value: `model.arch = "resnet19" is not one of
+/// resnet18, ...` for an unknown name (or a value of another type), `train.batch_size = 1.5 is not an integer` for
+/// another wrong type, `train.batch_size = -1 must not be negative`, `key = value: message` otherwise.
+/// `table` is the config deserialised, `schema` the default config.
+fn value_error(e: &toml::de::Error, table: &toml::Table, schema: &toml::Table) -> String {
+    use toml::Value as V;
+    let Some(key) = error_key(e) else { return one_line(&e.to_string()) };
     let msg = e.message().trim();
-    match (key, msg.strip_prefix("unknown variant `")) {
-        (Some(key), Some(rest)) => {
-            let (value, expected) = rest.split_once('`').unwrap_or((rest, ""));
-            let allowed: Vec<&str> = expected.split('`').skip(1).step_by(2).collect();
-            format!("{key} = \"{value}\" is not one of {}", allowed.join(", "))
-        }
-        (Some(key), None) => format!("{key}: {}", one_line(msg)),
-        (None, _) => one_line(&text),
+    if let Some((value, allowed)) = unknown_variant(msg) {
+        return format!("{key} = \"{value}\" is not one of {}", allowed.join(", "));
+    }
+    let parts: Vec<&str> = key.split('.').collect();
+    let (Some(want), Some(got)) = (lookup(schema, &parts), lookup(table, &parts)) else {
+        return format!("{key}: {}", one_line(msg));
+    };
+    let shown = show(got);
+    match (want, got) {
+        (V::Table(_), _) | (_, V::Table(_)) => format!("{key}: {}", one_line(msg)),
+        (V::Integer(_), V::Integer(i)) if *i < 0 => format!("{key} = {i} must not be negative"),
+        (V::Integer(_), g) if !g.is_integer() => format!("{key} = {shown} is not an integer"),
+        (V::Float(_), g) if !(g.is_float() || g.is_integer()) => format!("{key} = {shown} is not a number"),
+        (V::Boolean(_), g) if !g.is_bool() => format!("{key} = {shown} is not true or false"),
+        (V::String(_), g) if !g.is_str() => match choices(table, &parts) {
+            Some(allowed) => format!("{key} = {shown} is not one of {}", allowed.join(", ")),
+            None => format!("{key} = {shown} is not a string (write it in quotes)"),
+        },
+        (V::Array(_), g) if !g.is_array() => format!("{key} = {shown} is not a list (write it as [a, b])"),
+        _ => format!("{key} = {shown}: {}", one_line(msg)),
     }
 }
 
@@ -940,7 +1122,7 @@ mod tests {
             ("train.stall_timeout_s=0", "train.stall_timeout_s must be a number of seconds above 0, got 0"),
         ] {
             let e = super::Config::from_str_with("", "x.toml", &[set.to_string()]).unwrap_err();
-            assert_eq!(format!("{e:#}"), format!("x.toml: {want}"));
+            assert_eq!(format!("{e:#}"), format!("--set {set}: {want}"));
         }
         let c = super::Config::from_str_with("", "x.toml", &["train.bucket_mb=0.5".into()]).unwrap();
         assert_eq!(c.train.bucket_mb, 0.5);
@@ -980,10 +1162,262 @@ mod tests {
         ] {
             let e = super::Config::from_str_with("", "x.toml", &[format!("{key}=\"nope\"")]).unwrap_err();
             let e = format!("{e:#}");
-            assert_eq!(e, format!("x.toml: {key} = \"nope\" is not one of {allowed}"));
+            assert_eq!(e, format!("--set {key}=\"nope\": {key} = \"nope\" is not one of {allowed}"));
+            // The same key in the file (at its top, as a dotted key): the file is named.
+            let e = super::Config::from_str_with(&format!("{key} = \"nope\"\n"), "y.toml", &[]).unwrap_err();
+            assert_eq!(format!("{e:#}"), format!("y.toml: {key} = \"nope\" is not one of {allowed}"));
         }
+        // A number where a name is expected: shown as written in the file (from --set: the text typed, quoted).
         let e = super::Config::from_str_with("[model]\narch = 3\n", "y.toml", &[]).unwrap_err();
         let e = format!("{e:#}");
-        assert!(e.starts_with("y.toml: model.arch: ") && !e.contains('\n'), "{e}");
+        assert_eq!(e, "y.toml: model.arch = 3 is not one of resnet18, resnet34, resnet50, resnet101, resnet152");
+    }
+
+    /// `--set key=value` on the default config: the error is `--set key=value: <message>`.
+    fn set_error(set: &str) -> String {
+        let e = super::Config::from_str_with("", "x.toml", &[set.to_string()]).unwrap_err();
+        format!("{e:#}")
+    }
+
+    /// Every range check names the key and the value, on one line, and blames the `--set` that gave it.
+    #[test]
+    fn out_of_range_values_name_key_and_value() {
+        for (set, want) in [
+            ("optim.lr=-1", "optim.lr must be a positive number, got -1"),
+            ("optim.momentum=5", "optim.momentum must be in [0, 1), got 5"),
+            ("optim.momentum=1", "optim.momentum must be in [0, 1), got 1"),
+            ("optim.momentum=-0.1", "optim.momentum must be in [0, 1), got -0.1"),
+            ("optim.momentum=nan", "optim.momentum must be in [0, 1), got NaN"),
+            ("optim.beta1=1", "optim.beta1 must be in [0, 1), got 1"),
+            ("optim.beta2=-0.5", "optim.beta2 must be in [0, 1), got -0.5"),
+            ("optim.beta2=inf", "optim.beta2 must be in [0, 1), got inf"),
+            ("optim.eps=0", "optim.eps must be a positive number, got 0"),
+            ("optim.eps=nan", "optim.eps must be a positive number, got NaN"),
+            ("sched.warmup_start_factor=0", "sched.warmup_start_factor must be in (0, 1], got 0"),
+            ("sched.warmup_start_factor=1.5", "sched.warmup_start_factor must be in (0, 1], got 1.5"),
+            ("sched.warmup_start_factor=nan", "sched.warmup_start_factor must be in (0, 1], got NaN"),
+            ("sched.gamma=0", "sched.gamma must be a positive number, got 0"),
+            ("sched.gamma=inf", "sched.gamma must be a positive number, got inf"),
+            ("sched.min_lr=-1", "sched.min_lr must be a non-negative number, got -1"),
+            ("sched.min_lr=0.5", "sched.min_lr (0.5) must be at most optim.lr (0.1) for sched.name = \"cosine\""),
+            ("sched.milestones=[0, 3]", "sched.milestones must be epochs of at least 1, got [0, 3]"),
+            ("sched.milestones=[5, 3]", "sched.milestones must be strictly increasing, got [5, 3]"),
+            ("sched.milestones=[3, 3]", "sched.milestones must be strictly increasing, got [3, 3]"),
+            ("sched.warmup_epochs=1.5", "sched.warmup_epochs (1.5) must be at most train.epochs (1)"),
+            ("amp.init_scale=0", "amp.init_scale must be a positive number, got 0"),
+            ("amp.init_scale=1e300", "amp.init_scale must be at most 3.4e38 (the scale is kept in f32), got 1e300"),
+            ("amp.growth_factor=1", "amp.growth_factor must be a number above 1, got 1"),
+            ("amp.growth_factor=0.5", "amp.growth_factor must be a number above 1, got 0.5"),
+            ("amp.growth_factor=inf", "amp.growth_factor must be a number above 1, got inf"),
+            ("amp.backoff_factor=1", "amp.backoff_factor must be in (0, 1), got 1"),
+            ("amp.backoff_factor=nan", "amp.backoff_factor must be in (0, 1), got NaN"),
+            ("amp.min_scale=-1", "amp.min_scale must be a non-negative number, got -1"),
+            ("amp.max_scale=inf", "amp.max_scale must be a non-negative number, got inf"),
+            ("amp.min_scale=2048", "amp.init_scale (1024) must be at least amp.min_scale (2048)"),
+            ("amp.max_scale=512", "amp.init_scale (1024) must be at most amp.max_scale (512)"),
+            ("amp.growth_interval=0", "amp.growth_interval must be in 1..=16777216, got 0"),
+            ("amp.growth_interval=16777217", "amp.growth_interval must be in 1..=16777216, got 16777217"),
+            ("finetune.head_lr_mult=0", "finetune.head_lr_mult must be a positive number, got 0"),
+            ("finetune.head_lr_mult=1e9", "finetune.head_lr_mult must be at most 1e6, got 1000000000"),
+            ("model.num_classes=0", "model.num_classes must be in 2..=1000000, got 0"),
+            ("model.num_classes=1", "model.num_classes must be in 2..=1000000, got 1"),
+            ("model.num_classes=1000000000", "model.num_classes must be in 2..=1000000, got 1000000000"),
+            ("data.image_size=0", "data.image_size must be in 1..=16384, got 0"),
+            ("data.image_size=16385", "data.image_size must be in 1..=16384, got 16385"),
+            ("data.val_resize=16385", "data.val_resize must be in 1..=16384, got 16385"),
+            ("data.val_resize=100", "data.val_resize (100) must be at least data.image_size (224)"),
+            (
+                "data.image_size=16",
+                "data.image_size = 16 is too small for the imagenet stem (at least 32; use model.stem = \"cifar\")",
+            ),
+            ("data.num_samples=0", "data.num_samples must be in 1..=100000000, got 0"),
+            ("data.num_samples=10000000000", "data.num_samples must be in 1..=100000000, got 10000000000"),
+            (
+                "data.num_samples=9223372036854775807",
+                "data.num_samples must be in 1..=100000000, got 9223372036854775807",
+            ),
+            ("data.workers=100000", "data.workers must be in 0..=1024, got 100000"),
+            ("data.prefetch=0", "data.prefetch must be in 1..=1024, got 0"),
+            ("data.prefetch=1000000", "data.prefetch must be in 1..=1024, got 1000000"),
+            ("data.pack_quality=0", "data.pack_quality must be in 1..=100, got 0"),
+            ("data.pack_max_side=8", "data.pack_max_side must be in 16..=65535, got 8"),
+            ("train.epochs=0", "train.epochs must be in 1..=1000000, got 0"),
+            ("train.epochs=4611686018427387904", "train.epochs must be in 1..=1000000, got 4611686018427387904"),
+            ("train.batch_size=0", "train.batch_size must be in 1..=1048576, got 0"),
+            ("train.batch_size=1048577", "train.batch_size must be in 1..=1048576, got 1048577"),
+            ("train.eval_batch_size=1048577", "train.eval_batch_size must be in 0..=1048576, got 1048577"),
+            ("train.grad_accum=0", "train.grad_accum must be in 1..=65536, got 0"),
+            ("train.grad_accum=9223372036854775807", "train.grad_accum must be in 1..=65536, got 9223372036854775807"),
+            ("train.stall_timeout_s=0", "train.stall_timeout_s must be a number of seconds above 0, got 0"),
+            ("train.stall_timeout_s=1e20", "train.stall_timeout_s must be at most 1e9 seconds, got 1e20"),
+            ("train.label_smoothing=1", "train.label_smoothing must be in [0, 1), got 1"),
+            ("checkpoint.keep_last=0", "checkpoint.keep_last must be at least 1, got 0"),
+            ("log.every_steps=0", "log.every_steps must be at least 1, got 0"),
+        ] {
+            assert_eq!(set_error(set), format!("--set {set}: {want}"));
+        }
+        // The small-image stem: down to 8 pixels (its last stage at 1x1).
+        let cifar = |size: &str| {
+            let sets = ["model.stem=\"cifar\"".to_string(), format!("data.image_size={size}")];
+            super::Config::from_str_with("", "x.toml", &sets).map_err(|e| format!("{e:#}"))
+        };
+        let want = "--set data.image_size=4: data.image_size = 4 is too small for the cifar stem (at least 8)";
+        assert_eq!(cifar("4").unwrap_err(), want);
+        assert_eq!(cifar("8").unwrap().data.image_size, 8);
+    }
+
+    /// The edges of each range are accepted.
+    #[test]
+    fn values_at_the_edges_are_accepted() {
+        let sets = [
+            "optim.momentum=0",
+            "optim.beta1=0",
+            "optim.beta2=0.999999",
+            "optim.eps=1e-30",
+            "sched.warmup_start_factor=1",
+            "sched.gamma=1",
+            "sched.min_lr=0.1",
+            "sched.milestones=[1, 2, 90]",
+            "train.epochs=5",
+            "sched.warmup_epochs=5",
+            "amp.init_scale=3e38",
+            "amp.min_scale=1",
+            "amp.max_scale=3e38",
+            "amp.growth_factor=1.0001",
+            "amp.growth_interval=16777216",
+            "finetune.head_lr_mult=1e6",
+            "model.num_classes=2",
+            "data.image_size=16384",
+            "data.val_resize=16384",
+            "data.num_samples=100000000",
+            "data.workers=1024",
+            "data.prefetch=1024",
+            "train.batch_size=1048576",
+            "train.grad_accum=65536",
+            "train.stall_timeout_s=1e9",
+            "checkpoint.keep_last=1",
+        ];
+        let c = super::Config::from_str_with("", "x.toml", &sets.map(String::from)).unwrap();
+        assert_eq!((c.sched.milestones, c.amp.growth_interval, c.data.image_size), (vec![1, 2, 90], 1 << 24, 16384));
+        // Warm-up and the cosine floor may take the whole run and the base rate; only the cosine has a floor.
+        let step = ["sched.name=\"step\"", "sched.min_lr=5"].map(String::from);
+        assert_eq!(super::Config::from_str_with("", "x.toml", &step).unwrap().sched.min_lr, 5.0);
+    }
+
+    /// Wrong types and impossible numbers: one line with the key and the value as typed, never serde's jargon.
+    #[test]
+    fn wrong_types_name_key_and_value() {
+        for (set, want) in [
+            ("model.arch=18", "model.arch = \"18\" is not one of resnet18, resnet34, resnet50, resnet101, resnet152"),
+            ("device=3", "device = \"3\" is not one of cpu, cuda, cuda:N"),
+            ("train.batch_size=99999999999999999999", "train.batch_size = 99999999999999999999 is too large"),
+            ("train.batch_size=-99999999999999999999", "train.batch_size = -99999999999999999999 must not be negative"),
+            ("train.batch_size=-1", "train.batch_size = -1 must not be negative"),
+            ("seed=-1", "seed = -1 must not be negative"),
+            ("train.batch_size=1.5", "train.batch_size = 1.5 is not an integer"),
+            ("train.batch_size=abc", "train.batch_size = \"abc\" is not an integer"),
+            ("train.batch_size=\"64\"", "train.batch_size = \"64\" is not an integer"),
+            ("optim.lr=abc", "optim.lr = \"abc\" is not a number"),
+            ("optim.lr=\"0.1\"", "optim.lr = \"0.1\" is not a number"),
+            ("kernels.autotune=\"yes\"", "kernels.autotune = \"yes\" is not true or false"),
+            ("sched.milestones=3", "sched.milestones = 3 is not a list (write it as [a, b])"),
+            ("sched.milestones=[-1]", "sched.milestones = [-1]: invalid value: integer `-1`, expected usize"),
+        ] {
+            assert_eq!(set_error(set), format!("--set {set}: {want}"));
+        }
+        // Numbers beyond a TOML integer are still numbers for a float key; names and paths are the text typed.
+        let sets = ["optim.lr=99999999999999999999", "data.dir=2024", "model.init_from=7"].map(String::from);
+        let c = super::Config::from_str_with("", "x.toml", &sets).unwrap();
+        assert_eq!((c.optim.lr, c.data.dir.as_str(), c.model.init_from.as_str()), (1e20, "2024", "7"));
+        // The same mistakes in a file.
+        for (text, want) in [
+            ("[data]\ndir = 3\n", "data.dir = 3 is not a string (write it in quotes)"),
+            ("[train]\nbatch_size = -1\n", "train.batch_size = -1 must not be negative"),
+            ("[train]\nbatch_size = 2.5\n", "train.batch_size = 2.5 is not an integer"),
+            ("[optim]\nlr = \"a\"\n", "optim.lr = \"a\" is not a number"),
+            ("[amp]\ndtype = 16\n", "amp.dtype = 16 is not one of fp32, bf16, fp16"),
+            ("[finetune]\nfreeze = \"layer1\"\n", "finetune.freeze = \"layer1\" is not a list (write it as [a, b])"),
+            ("[log]\nprogress = 1\n", "log.progress = 1 is not true or false"),
+            ("[train]\nbatch_size = \"64\"\n", "train.batch_size = \"64\" is not an integer"),
+        ] {
+            let e = super::Config::from_str_with(text, "y.toml", &[]).unwrap_err();
+            assert_eq!(format!("{e:#}"), format!("y.toml: {want}"), "{text}");
+        }
+        // An integer beyond TOML's range in a file is TOML's own error, with the line.
+        let e = super::Config::from_str_with("[train]\nbatch_size = 99999999999999999999\n", "y.toml", &[]);
+        let e = format!("{:#}", e.unwrap_err());
+        assert!(e.starts_with("y.toml: ") && e.contains("99999999999999999999") && !e.contains('\n'), "{e}");
+        let e = super::Config::from_str_with("[train]\nbatchsize = 3\n", "y.toml", &[]).unwrap_err();
+        let e = format!("{e:#}");
+        assert!(e.starts_with("y.toml: train: unknown field `batchsize`") && !e.contains('\n'), "{e}");
+    }
+
+    /// Malformed `--set`s: one line quoting it.
+    #[test]
+    fn malformed_sets_are_quoted() {
+        for (set, want) in [
+            ("=3", "--set =3: empty key (expected key=value, e.g. train.batch_size=64)"),
+            (" = 3", "--set = 3: empty key (expected key=value, e.g. train.batch_size=64)"),
+            ("train", "--set `train`: expected key=value"),
+            ("train=3", "--set train=3: `train` is a section, not a key"),
+            ("train.nope=1", "--set train.nope=1: unknown config key `train.nope`"),
+            ("nope=1", "--set nope=1: unknown config key `nope`"),
+        ] {
+            assert_eq!(set_error(set), want);
+        }
+    }
+
+    /// An error names the `--set`s of the keys it is about when they gave the final value, the file otherwise.
+    #[test]
+    fn errors_blame_the_set_or_the_file() {
+        let load = |text: &str, sets: &[&str]| {
+            let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+            super::Config::from_str_with(text, "x.toml", &sets).map_err(|e| format!("{e:#}"))
+        };
+        let momentum = "[optim]\nmomentum = 5\n";
+        assert_eq!(load(momentum, &[]).unwrap_err(), "x.toml: optim.momentum must be in [0, 1), got 5");
+        // Another key's --set does not take the blame; a --set of the key does, and can mend the file.
+        let e = load(momentum, &["optim.lr=0.2"]).unwrap_err();
+        assert_eq!(e, "x.toml: optim.momentum must be in [0, 1), got 5");
+        let e = load(momentum, &["optim.momentum=2"]).unwrap_err();
+        assert_eq!(e, "--set optim.momentum=2: optim.momentum must be in [0, 1), got 2");
+        assert_eq!(load(momentum, &["optim.momentum=0.5"]).unwrap().optim.momentum, 0.5);
+        // The last --set of a key is the one named.
+        let e = load("", &["optim.lr=-1", "optim.lr=-2"]).unwrap_err();
+        assert_eq!(e, "--set optim.lr=-2: optim.lr must be a positive number, got -2");
+        // Two keys that disagree: the --set that made them disagree is named, or both.
+        let floor = "[sched]\nmin_lr = 0.01\n";
+        let msg = "sched.min_lr (0.01) must be at most optim.lr (0.001) for sched.name = \"cosine\"";
+        assert_eq!(load(&format!("{floor}[optim]\nlr = 0.001\n"), &[]).unwrap_err(), format!("x.toml: {msg}"));
+        assert_eq!(load(floor, &["optim.lr=0.001"]).unwrap_err(), format!("--set optim.lr=0.001: {msg}"));
+        let e = load("", &["sched.min_lr=0.01", "train.epochs=3", "optim.lr=0.001"]).unwrap_err();
+        assert_eq!(e, format!("--set sched.min_lr=0.01 --set optim.lr=0.001: {msg}"));
+        let warm = "[sched]\nwarmup_epochs = 5\n[train]\nepochs = 90\n";
+        let e = load(warm, &["train.epochs=1"]).unwrap_err();
+        assert_eq!(e, "--set train.epochs=1: sched.warmup_epochs (5) must be at most train.epochs (1)");
+        // A top-level key is named only as the subject of the message.
+        let e = load("[amp]\ninit_scale = 1e300\n", &["device=\"cpu\"", "seed=3"]).unwrap_err();
+        assert_eq!(e, "x.toml: amp.init_scale must be at most 3.4e38 (the scale is kept in f32), got 1e300");
+        let e = load("", &["device=\"tpu\""]).unwrap_err();
+        assert_eq!(e, "--set device=\"tpu\": device = \"tpu\" is not one of cpu, cuda, cuda:N");
+        // Type errors too.
+        let e = load("[model]\narch = \"resnet18\"\n", &["model.arch=resnet19"]).unwrap_err();
+        let names = "resnet18, resnet34, resnet50, resnet101, resnet152";
+        assert_eq!(e, format!("--set model.arch=resnet19: model.arch = \"resnet19\" is not one of {names}"));
+    }
+
+    /// The shipped configs pass the checks.
+    #[test]
+    fn shipped_configs_validate() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
+        let mut n = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "toml") {
+                super::Config::load(&path, &[]).unwrap_or_else(|e| panic!("{e:#}"));
+                n += 1;
+            }
+        }
+        assert!(n >= 5, "{n} configs in {}", dir.display());
     }
 }
