@@ -69,6 +69,7 @@ pub fn data_bench(cfg: &Config, workers: Option<usize>, batches: usize) -> Resul
     let mut cfg = cfg.clone();
     if let Some(w) = workers {
         cfg.data.workers = w;
+        cfg.validate().with_context(|| format!("--workers {w}"))?;
     }
     let device = crate::train::select_device(&cfg.device)?;
     let ds: Arc<dyn Dataset> = data::open(&cfg.data, Split::Train, cfg.seed, cfg.model.num_classes)?;

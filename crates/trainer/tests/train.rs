@@ -305,7 +305,10 @@ fn recompute_needs_the_fused_step() {
     assert!(e.starts_with("kernels.recompute = \"relu\" needs the fused step, but this run takes autograd"), "{e}");
     let e = trainer::config::Config::from_str_with(common::TINY, "t.toml", &["kernels.recompute=\"all\"".into()])
         .unwrap_err();
-    assert_eq!(format!("{e:#}"), "t.toml: kernels.recompute = \"all\" is not one of none, relu, relu+conv");
+    assert_eq!(
+        format!("{e:#}"),
+        "--set kernels.recompute=\"all\": kernels.recompute = \"all\" is not one of none, relu, relu+conv"
+    );
     // With the fused step it trains (the gradients equal the plain step's: tests/tests/step.rs).
     let dir = TempDir::new("recompute");
     let fused =
