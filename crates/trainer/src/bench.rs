@@ -78,20 +78,27 @@ fn is_oom(e: &anyhow::Error) -> bool {
 /// Builds the model, runs `warmup` then `steps` timed training steps at batch `bs` in `dtype`.
 ///
 /// With `phases`, the timed steps synchronize the device between phases and the result carries each phase's time.
+impl BenchResult {
+    /// A row of `cfg`'s architecture at (`dtype`, `bs`) with nothing measured yet.
+    fn empty(cfg: &Config, dtype: Precision, bs: usize) -> Self {
+        BenchResult {
+            arch: cfg.model.arch.name().to_string(),
+            dtype: dtype.to_string(),
+            batch_size: bs,
+            img_per_s: None,
+            step_ms: None,
+            peak_gib: None,
+            oom: false,
+            error: None,
+            phases_ms: None,
+            graph: None,
+            host_peak_gib: None,
+        }
+    }
+}
+
 pub fn bench_one(cfg: &Config, dtype: Precision, bs: usize, warmup: usize, steps: usize, phases: bool) -> BenchResult {
-    let mut r = BenchResult {
-        arch: cfg.model.arch.name().to_string(),
-        dtype: dtype.to_string(),
-        batch_size: bs,
-        img_per_s: None,
-        step_ms: None,
-        peak_gib: None,
-        oom: false,
-        error: None,
-        phases_ms: None,
-        graph: None,
-        host_peak_gib: None,
-    };
+    let mut r = BenchResult::empty(cfg, dtype, bs);
     let mut cfg = cfg.clone();
     cfg.amp.dtype = dtype;
     cfg.train.batch_size = bs;
@@ -247,19 +254,7 @@ pub fn sweep_max(
     let mut bs = start.max(1);
     let mut run = |bs: usize, out: &mut Vec<BenchResult>| -> bool {
         let r = match host_memory_forecast(out, bs) {
-            Some(why) => BenchResult {
-                arch: cfg.model.arch.name().to_string(),
-                dtype: dtype.to_string(),
-                batch_size: bs,
-                img_per_s: None,
-                step_ms: None,
-                peak_gib: None,
-                oom: true,
-                error: Some(why),
-                phases_ms: None,
-                graph: None,
-                host_peak_gib: None,
-            },
+            Some(why) => BenchResult { oom: true, error: Some(why), ..BenchResult::empty(cfg, dtype, bs) },
             None => bench_one(cfg, dtype, bs, warmup, steps, false),
         };
         on_result(&r);

@@ -31,6 +31,20 @@ pub fn split_k(tile: Tile, m: usize, n: usize, k: usize, sms: usize) -> (usize, 
     (k_split, k.div_ceil(k_split).max(1))
 }
 
+/// GPU milliseconds of 5 back-to-back runs of `run` after one warm-up run, between two CUDA events (host time would
+/// add launch and synchronisation latency, the same for every candidate, to kernels of ~30 us).
+fn gpu_ms(dev: &CudaDevice, run: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
+    let stream = dev.cuda_stream();
+    let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
+    run()?;
+    let start = stream.record_event(timing).w()?;
+    for _ in 0..5 {
+        run()?;
+    }
+    let end = stream.record_event(timing).w()?;
+    Ok(start.elapsed_ms(&end).w()? as f64)
+}
+
 /// Picks the tile of a launch. `vec`: the operands allow the vectorised kernels (else `t64`, the only tile
 /// with scalar loads). Under [`Tuning::Autotune`], the first launch of `key()` on this GPU model times every
 /// candidate (one warm-up run, then the GPU time of 5 back-to-back runs between two CUDA events: host time would
@@ -62,17 +76,9 @@ pub fn pick<F: FnMut(Tile) -> Result<()>>(
         // Timing waits for the device, which a capture cannot do: the warm-up step tunes every shape first.
         candle_core::bail!("autotune: shape not tuned before the CUDA graph capture ({key})");
     }
-    let stream = dev.cuda_stream();
-    let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
     let mut best = (f64::INFINITY, heuristic);
     for &t in candidates {
-        run(t)?;
-        let start = stream.record_event(timing).w()?;
-        for _ in 0..5 {
-            run(t)?;
-        }
-        let end = stream.record_event(timing).w()?;
-        let dt = start.elapsed_ms(&end).w()? as f64;
+        let dt = gpu_ms(dev, &mut || run(t))?;
         if dt < best.0 {
             best = (dt, t);
         }
@@ -111,18 +117,7 @@ pub fn epilogue_pays(
     if super::graph::capturing() {
         candle_core::bail!("autotune: epilogue choice not made before the CUDA graph capture ({key})");
     }
-    let stream = dev.cuda_stream();
-    let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
-    let time = |run: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
-        run()?;
-        let start = stream.record_event(timing).w()?;
-        for _ in 0..5 {
-            run()?;
-        }
-        let end = stream.record_event(timing).w()?;
-        Ok(start.elapsed_ms(&end).w()? as f64)
-    };
-    let (t_pass, t_epi) = (time(&mut pass)?, time(&mut epi)?);
+    let (t_pass, t_epi) = (gpu_ms(dev, &mut pass)?, gpu_ms(dev, &mut epi)?);
     let pays = t_epi <= t_pass;
     tuner.insert_epilogue(key, pays);
     Ok(pays)
