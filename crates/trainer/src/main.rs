@@ -510,7 +510,10 @@ fn info(c: ConfigArgs) -> Result<()> {
     let buckets = model.grad_buckets((cfg.train.bucket_mb * 1e6).max(1.0) as usize).len();
     println!(
         "data-parallel gradient all-reduce: {buckets} bucket(s) of about {} MB (train.bucket_mb), {} (train.grad_allreduce)",
-        cfg.train.bucket_mb,
+        match cfg.train.bucket_mb {
+            mb if (1e-3..1e6).contains(&mb) => format!("{mb}"),
+            mb => format!("{mb:e}"),
+        },
         match cfg.train.grad_allreduce {
             config::GradAllreduce::Fp32 => "fp32",
             config::GradAllreduce::Bf16 => "bf16",
