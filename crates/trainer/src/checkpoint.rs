@@ -173,6 +173,14 @@ pub fn is_checkpoint(path: &Path) -> bool {
         || h.keys().any(|k| k.starts_with("model.") || k.starts_with("optim."))
 }
 
+/// The model tensors of a trainer checkpoint (those named `model.*`, the prefix stripped), whatever its trainer
+/// state: what `model.init_from` starts from.
+pub fn load_model_tensors(path: &Path) -> Result<HashMap<String, Tensor>> {
+    let all = candle_core::safetensors::load(path, &Device::Cpu)
+        .map_err(|e| anyhow!("{} is not a readable safetensors file ({e})", path.display()))?;
+    Ok(all.into_iter().filter_map(|(k, v)| k.strip_prefix("model.").map(|n| (n.to_string(), v))).collect())
+}
+
 /// Name of a periodic checkpoint; names sort in training order.
 pub fn step_name(step: usize) -> String {
     format!("step-{step:09}.safetensors")

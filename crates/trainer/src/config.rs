@@ -662,6 +662,9 @@ pub fn resolve_path(name: &str) -> Result<PathBuf> {
     if p.is_file() {
         return Ok(p);
     }
+    if p.is_dir() {
+        bail!("config file `{name}` is a folder (give the path of a .toml file)");
+    }
     let mut tried = vec![p.display().to_string()];
     if p.components().count() == 1 {
         for base in [PathBuf::from("configs"), Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs")] {

@@ -346,9 +346,13 @@ fn train(a: TrainArgs) -> Result<()> {
         return Ok(());
     }
     eprintln!(
-        "done: {} steps, last loss {:.4}{}; run directory {}",
+        "done: {} steps, {}{}; run directory {}",
         s.steps,
-        s.last_loss,
+        if s.losses.is_empty() {
+            "none taken by this process".to_string()
+        } else {
+            format!("last loss {:.4}", s.last_loss)
+        },
         s.val.map(|v| format!(", val top1 {:.2}% top5 {:.2}%", v.top1, v.top5)).unwrap_or_default(),
         s.run_dir.display()
     );
@@ -427,6 +431,16 @@ fn eval(c: ConfigArgs, ckpt: PathBuf) -> Result<()> {
     // A trainer checkpoint (a damaged one is its own error), or plain weights in torchvision format.
     if trainer::checkpoint::is_checkpoint(&ckpt) {
         let l = trainer::checkpoint::load(&ckpt)?;
+        if l.state.arch != cfg.model.arch.name() || l.state.num_classes != cfg.model.num_classes {
+            bail!(
+                "{}: checkpoint is {} with {} classes, the config asks for {} with {}",
+                ckpt.display(),
+                l.state.arch,
+                l.state.num_classes,
+                cfg.model.arch,
+                cfg.model.num_classes
+            );
+        }
         resnet::weights::load_tensors(&model, &l.model, false)
             .map_err(|m| anyhow::anyhow!("{}: {m}", ckpt.display()))?;
     } else {

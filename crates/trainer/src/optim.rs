@@ -307,7 +307,11 @@ impl Optimizer {
                 if !t.dtype().is_float() {
                     bail!("optimizer state {}.{n} is {:?}, not floating point", s.name, t.dtype());
                 }
-                s.state.push(t.to_dtype(DType::F32)?.to_device(s.var.device())?);
+                let t = t.to_dtype(DType::F32)?;
+                if let Some(x) = t.flatten_all()?.to_vec1::<f32>()?.into_iter().find(|x| !x.is_finite()) {
+                    bail!("optimizer state {}.{n} holds {x} (not a finite number)", s.name);
+                }
+                s.state.push(t.to_device(s.var.device())?);
             }
         }
         self.steps = steps;
@@ -360,6 +364,14 @@ mod tests {
         extra.insert("c.momentum_buffer".into(), Tensor::ones(1, DType::F32, &Device::Cpu).unwrap());
         let e = opt(SGD).load_state(&extra, 1).unwrap_err().to_string();
         assert!(e.contains("c.momentum_buffer does not belong"), "{e}");
+
+        let mut nan = full.clone();
+        nan.insert(
+            "b.momentum_buffer".into(),
+            (Tensor::ones(3, DType::F32, &Device::Cpu).unwrap() * f64::NAN).unwrap(),
+        );
+        let e = opt(SGD).load_state(&nan, 1).unwrap_err().to_string();
+        assert!(e.contains("b.momentum_buffer holds NaN"), "{e}");
 
         let mut ints = full;
         ints.insert("a.momentum_buffer".into(), Tensor::ones(2, DType::I64, &Device::Cpu).unwrap());

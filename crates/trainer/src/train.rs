@@ -79,8 +79,8 @@ pub fn build_model(cfg: &Config, device: &Device) -> Result<ResNet> {
         let path = Path::new(&cfg.model.init_from);
         // Plain weights, or the model of a trainer checkpoint (a fine-tuning start from another run).
         let report = if checkpoint::is_checkpoint(path) {
-            let l = checkpoint::load(path).context("model.init_from")?;
-            weights::load_tensors(&model, &l.model, true)
+            let tensors = checkpoint::load_model_tensors(path).context("model.init_from")?;
+            weights::load_tensors(&model, &tensors, true)
                 .map_err(|m| anyhow!("model.init_from: {}: {m}", path.display()))?
         } else {
             weights::load_into(&model, path, true).with_context(|| "model.init_from".to_string())?
@@ -960,9 +960,9 @@ pub fn host_memory_available() -> Option<u64> {
 }
 
 /// Values kept per conv output value by the CPU training step, as a floor: measured at 10.5-12.8 (peak RSS
-/// against batch size, ResNet-18 at 8 and 64 px, ResNet-50 at 8 px, FP32, 2026-12-05), so half that leaves a
-/// margin for what the measure did not cover.
-pub const HOST_VALUES_PER_CONV_OUTPUT: u128 = 6;
+/// against batch size, ResNet-18 at 8 and 64 px, ResNet-50 at 8 px, FP32, 2026-12-05); 8 leaves a quarter of
+/// the least for what the measure did not cover.
+pub const HOST_VALUES_PER_CONV_OUTPUT: u128 = 8;
 
 /// On the CPU, a batch of `batch` whose activations cannot fit the host memory is refused here with an error
 /// naming `what` (an allocation that fails later aborts the process, past any error handling). The bound is a
@@ -1022,9 +1022,6 @@ pub fn train_ranks(cfg: &Config, run_dir: &Path, resume: bool, ranks: Option<Ran
         ),
         false => None,
     };
-    if writer {
-        std::fs::create_dir_all(&ckpt_dir).with_context(|| format!("cannot create {}", ckpt_dir.display()))?;
-    }
     let device = select_device(&cfg.device)?;
     let (train_ds, val_ds) = open_data(cfg)?;
     let model = build_model(cfg, &device)?;
@@ -1114,9 +1111,17 @@ pub fn train_ranks(cfg: &Config, run_dir: &Path, resume: bool, ranks: Option<Ran
             eprintln!("resuming from {} (epoch {}, step {})", path.display(), state.epoch + 1, state.step);
         }
     }
+    if resume && writer && (state.step >= total_steps || state.epoch >= cfg.train.epochs) {
+        eprintln!(
+            "note: the checkpoint has finished this run (train.epochs = {}): no steps to take; the run's final outputs \
+             are written again (raise train.epochs to train further)",
+            cfg.train.epochs
+        );
+    }
     if writer {
-        // The run's resolved config, written once a resume has accepted the checkpoint (a refused resume leaves
-        // the run's config as it was).
+        // The run's folders and resolved config, once the data, the model and a resume's checkpoint are accepted
+        // (a refused run leaves the directory as it was).
+        std::fs::create_dir_all(&ckpt_dir).with_context(|| format!("cannot create {}", ckpt_dir.display()))?;
         let cfg_path = run_dir.join("config.toml");
         std::fs::write(&cfg_path, cfg.to_toml()).with_context(|| format!("cannot write {}", cfg_path.display()))?;
     }

@@ -129,6 +129,37 @@ fn best_only_runs_are_protected_and_resumable() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
     assert!(err.contains("resuming from the best one") && err.contains("(epoch 2, step 4)"), "{err}");
+    // Resumed again, the finished run takes no step and says so.
+    let out = Command::new(BIN)
+        .args([
+            "--config",
+            &cfg,
+            "--run-dir",
+            r,
+            "--resume",
+            "--set",
+            "checkpoint.every_epochs=0",
+            "--set",
+            "train.epochs=2",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && err.contains("has finished this run") && err.contains("none taken by this process"),
+        "{err}"
+    );
+    // eval holds a checkpoint to the config's architecture, as --resume does.
+    let out = trainer(&[
+        "eval",
+        "--config",
+        &cfg,
+        "--set",
+        "model.arch=\"resnet34\"",
+        "--checkpoint",
+        best.to_str().unwrap(),
+    ]);
+    assert_error(&out, &["best.safetensors", "checkpoint is resnet18", "resnet34"]);
     // A --resume into a directory that does not exist fails without creating it.
     let gone = dir.path().join("gone");
     let out = trainer(&["--config", &cfg, "--run-dir", gone.to_str().unwrap(), "--resume"]);
@@ -206,6 +237,8 @@ fn bad_configs_name_the_culprit() {
         args.extend(extra.iter());
         let out = trainer(&args);
         assert_error(&out, &needles);
+        // A refused run leaves no run directory behind.
+        assert!(!run.exists(), "{extra:?} left {}", run.display());
     }
     assert_error(&trainer(&["--config", "/nonexistent/x.toml"]), &["/nonexistent/x.toml", "not found"]);
     let bad = dir.path().join("bad.toml");
