@@ -322,19 +322,8 @@ mod tests {
     use super::*;
 
     fn row(bs: usize, host_peak_gib: Option<f64>) -> BenchResult {
-        BenchResult {
-            arch: "resnet18".into(),
-            dtype: "fp32".into(),
-            batch_size: bs,
-            img_per_s: host_peak_gib.map(|_| 1.0),
-            step_ms: None,
-            peak_gib: None,
-            oom: false,
-            error: None,
-            phases_ms: None,
-            graph: None,
-            host_peak_gib,
-        }
+        let empty = BenchResult::empty(&Config::default(), Precision::F32, bs);
+        BenchResult { img_per_s: host_peak_gib.map(|_| 1.0), host_peak_gib, ..empty }
     }
 
     /// The forecast needs two batches that ran on the host; it speaks only of larger batches, and leaves out one

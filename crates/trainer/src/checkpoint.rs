@@ -94,6 +94,24 @@ pub struct Loaded {
     pub state: TrainState,
 }
 
+impl Loaded {
+    /// The checkpoint at `path` holds the model `cfg` asks for (architecture and class count), as a resume and
+    /// `eval` require.
+    pub fn check_model(&self, path: &Path, cfg: &crate::config::Config) -> Result<()> {
+        if self.state.arch != cfg.model.arch.name() || self.state.num_classes != cfg.model.num_classes {
+            bail!(
+                "{}: checkpoint is {} with {} classes, the config asks for {} with {}",
+                path.display(),
+                self.state.arch,
+                self.state.num_classes,
+                cfg.model.arch,
+                cfg.model.num_classes
+            );
+        }
+        Ok(())
+    }
+}
+
 /// Writes a checkpoint atomically: `path` either holds the previous complete file or the new complete file.
 pub fn save(
     path: &Path,

@@ -431,16 +431,7 @@ fn eval(c: ConfigArgs, ckpt: PathBuf) -> Result<()> {
     // A trainer checkpoint (a damaged one is its own error), or plain weights in torchvision format.
     if trainer::checkpoint::is_checkpoint(&ckpt) {
         let l = trainer::checkpoint::load(&ckpt)?;
-        if l.state.arch != cfg.model.arch.name() || l.state.num_classes != cfg.model.num_classes {
-            bail!(
-                "{}: checkpoint is {} with {} classes, the config asks for {} with {}",
-                ckpt.display(),
-                l.state.arch,
-                l.state.num_classes,
-                cfg.model.arch,
-                cfg.model.num_classes
-            );
-        }
+        l.check_model(&ckpt, &cfg)?;
         resnet::weights::load_tensors(&model, &l.model, false)
             .map_err(|m| anyhow::anyhow!("{}: {m}", ckpt.display()))?;
     } else {

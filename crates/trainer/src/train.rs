@@ -915,11 +915,16 @@ pub fn train(cfg: &Config, run_dir: &Path, resume: bool) -> Result<Summary> {
     train_ranks(cfg, run_dir, resume, None)
 }
 
-/// A value of /proc/self/status in bytes (`VmHWM:`, `VmRSS:`, ...; Linux).
-fn proc_status_bytes(key: &str) -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/self/status").ok()?;
+/// A `Key: N kB` value of a /proc file in bytes (`/proc/self/status`'s `VmHWM:`, `/proc/meminfo`'s
+/// `MemAvailable:`, ...; Linux).
+fn proc_kib_bytes(file: &str, key: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(file).ok()?;
     let line = text.lines().find(|l| l.starts_with(key))?;
     line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|k| k * 1024)
+}
+
+fn proc_status_bytes(key: &str) -> Option<u64> {
+    proc_kib_bytes("/proc/self/status", key)
 }
 
 /// Starts a new measure of this process's peak resident memory (Linux: /proc/self/clear_refs; elsewhere a no-op).
@@ -940,11 +945,7 @@ pub fn host_rss_bytes() -> Option<u64> {
 /// Bytes of host memory this process can still take (Linux): the kernel's MemAvailable, capped by the address
 /// space limit (`ulimit -v`) less what the process maps now; None where unknown.
 pub fn host_memory_available() -> Option<u64> {
-    let kib = |text: &str, key: &str| -> Option<u64> {
-        let line = text.lines().find(|l| l.starts_with(key))?;
-        line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|k| k * 1024)
-    };
-    let avail = kib(&std::fs::read_to_string("/proc/meminfo").ok()?, "MemAvailable:")?;
+    let avail = proc_kib_bytes("/proc/meminfo", "MemAvailable:")?;
     #[cfg(target_os = "linux")]
     {
         let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
@@ -1068,16 +1069,7 @@ pub fn train_ranks(cfg: &Config, run_dir: &Path, resume: bool, ranks: Option<Ran
             eprintln!("note: no periodic checkpoint in {}: resuming from the best one", ckpt_dir.display());
         }
         let loaded = checkpoint::load(&path)?;
-        if loaded.state.arch != cfg.model.arch.name() || loaded.state.num_classes != cfg.model.num_classes {
-            bail!(
-                "{}: checkpoint is {} with {} classes, the config asks for {} with {}",
-                path.display(),
-                loaded.state.arch,
-                loaded.state.num_classes,
-                cfg.model.arch,
-                cfg.model.num_classes
-            );
-        }
+        loaded.check_model(&path, cfg)?;
         weights::load_tensors(&runner.model, &loaded.model, false).map_err(|m| anyhow!("{}: {m}", path.display()))?;
         runner
             .opt
