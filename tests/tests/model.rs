@@ -382,6 +382,11 @@ fn conv_output_elems_counts_every_conv() {
     // ImageNet stem at 64 px: the stem conv at 32 x 32, then the pool to 16.
     let m = ResNet::new(cfg(Arch::ResNet18, 10, Stem::ImageNet), &Device::Cpu).unwrap();
     assert_eq!(m.conv_output_elems(64), 64 * 32 * 32 + 4 * 64 * 256 + 5 * 128 * 64 + 5 * 256 * 16 + 5 * 512 * 4);
+    // The largest: the stem conv's output; with the CIFAR stem a layer1 conv's (64 x 8 x 8, as the stem's).
+    assert_eq!(m.max_conv_output_elems(64), 64 * 32 * 32);
+    let m = ResNet::new(cfg(Arch::ResNet50, 10, Stem::Cifar), &Device::Cpu).unwrap();
+    // Bottleneck: layer1's last conv and downsample make 256 channels at the stem's 8 x 8.
+    assert_eq!(m.max_conv_output_elems(8), 256 * 8 * 8);
 }
 
 #[test]

@@ -321,14 +321,15 @@ impl ResNet {
     }
 
     /// Elements of every convolution's output for one image of `image_size` (the stem, each block's convs and
-    /// downsample): a lower bound of what training keeps per image, as each is saved for its BatchNorm's backward.
-    pub fn conv_output_elems(&self, image_size: usize) -> usize {
+    /// downsample), in forward order.
+    fn conv_outputs(&self, image_size: usize) -> Vec<usize> {
         let out = |c: &Conv2d, s: usize| {
             let d = c.weight.var().dims();
             let s = conv_out_size(s, d[2], c.stride, c.padding);
             (s, d[0] * s * s)
         };
-        let (mut s, mut total) = out(&self.conv1, image_size);
+        let (mut s, stem) = out(&self.conv1, image_size);
+        let mut v = vec![stem];
         if self.config.stem == Stem::ImageNet {
             s = conv_out_size(s, 3, 2, 1);
         }
@@ -336,13 +337,26 @@ impl ResNet {
             let input = s;
             for c in &block.convs {
                 let (next, n) = out(c, s);
-                (s, total) = (next, total + n);
+                s = next;
+                v.push(n);
             }
             if let Some(d) = &block.downsample {
-                total += out(&d.conv, input).1;
+                v.push(out(&d.conv, input).1);
             }
         }
-        total
+        v
+    }
+
+    /// Elements of every convolution's output for one image of `image_size`, summed: a lower bound of what
+    /// training keeps per image, as each is saved for its BatchNorm's backward.
+    pub fn conv_output_elems(&self, image_size: usize) -> usize {
+        self.conv_outputs(image_size).iter().sum()
+    }
+
+    /// Elements of the largest convolution output for one image of `image_size`: a lower bound of what inference
+    /// holds per image at its peak (that output, and the input it was made from).
+    pub fn max_conv_output_elems(&self, image_size: usize) -> usize {
+        self.conv_outputs(image_size).into_iter().max().unwrap_or(0)
     }
 
     /// Every BatchNorm layer with its name prefix.

@@ -108,7 +108,7 @@ pub fn bench_one(cfg: &Config, dtype: Precision, bs: usize, warmup: usize, steps
         let device = select_device(&cfg.device)?;
         let mem = if device.is_cuda() { PeakMemory::start(cfg.cuda_ordinal()) } else { None };
         let model = build_model(&cfg, &device)?;
-        crate::train::check_host_batch(&model, &cfg, bs, "batch size")?;
+        crate::train::check_host_batch(&model, &cfg, bs, &format!("batch size {bs}"), crate::train::HostPass::Train)?;
         let mut runner = StepRunner::new(&cfg, model)?;
         let batch = synthetic_batch(&device, bs, cfg.data.image_size, cfg.model.num_classes, cfg.seed)?;
         let lr = cfg.optim.lr;

@@ -688,7 +688,8 @@ pub struct EvalResult {
 
 /// Loss, top-1 and top-5 (in %) over a whole data set, eval-mode BatchNorm, no autograd graph.
 pub fn validate(model: &ResNet, ds: Arc<dyn Dataset>, cfg: &Config, prec: Precision) -> Result<EvalResult> {
-    let bs = if cfg.train.eval_batch_size > 0 { cfg.train.eval_batch_size } else { cfg.train.batch_size };
+    let (bs, key) = eval_batch(cfg);
+    check_host_batch(model, cfg, bs.min(ds.len()), &format!("{key} = {bs}"), HostPass::Eval)?;
     let loader = Loader::new(ds, loader_options(cfg, bs, false, 0, 0));
     let (dtype, layout) = input_format(model, prec);
     let (mut loss, mut c1, mut c5, mut n) = (0f64, 0f64, 0f64, 0usize);
@@ -965,32 +966,61 @@ pub fn host_memory_available() -> Option<u64> {
 /// the least for what the measure did not cover.
 pub const HOST_VALUES_PER_CONV_OUTPUT: u128 = 8;
 
-/// On the CPU, a batch of `batch` whose activations cannot fit the host memory is refused here with an error
-/// naming `what` (an allocation that fails later aborts the process, past any error handling). The bound is a
-/// floor of what the CPU training step keeps: [`HOST_VALUES_PER_CONV_OUTPUT`] times every conv output's elements,
-/// at the activation width (4 bytes in FP32, 2 in BF16/FP16). GPU memory is not checked here: a CUDA allocation
-/// that fails is an error the callers handle.
-pub fn check_host_batch(model: &ResNet, cfg: &Config, batch: usize, what: &str) -> Result<()> {
+/// Values held per value of the largest conv output by CPU evaluation, as a floor: measured at 4.6-6.0 (peak RSS
+/// of `trainer eval` against batch size, ResNet-18 at 16 px CIFAR stem and 64 px ImageNet stem, ResNet-50 at 16
+/// px, FP32, 2026-12-05).
+pub const HOST_EVAL_VALUES_PER_MAX_CONV_OUTPUT: u128 = 4;
+
+/// Which CPU pass a batch is checked for by [`check_host_batch`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HostPass {
+    /// A training step: every conv output is kept for the backward.
+    Train,
+    /// Evaluation: no graph, the largest layer's input and output at once.
+    Eval,
+}
+
+/// On the CPU, a batch of `batch` images whose activations cannot fit the host memory is refused here with an
+/// error naming `what` (the setting that asked for it, e.g. "train.batch_size = 64"; an allocation that fails later aborts the process, past any error handling). The bound is a
+/// floor of what the pass keeps: for training [`HOST_VALUES_PER_CONV_OUTPUT`] times every conv output's elements,
+/// for evaluation [`HOST_EVAL_VALUES_PER_MAX_CONV_OUTPUT`] times the largest one's, at the activation width (4
+/// bytes in FP32, 2 in BF16/FP16). GPU memory is not checked here: a CUDA allocation that fails is an error the
+/// callers handle.
+pub fn check_host_batch(model: &ResNet, cfg: &Config, batch: usize, what: &str, pass: HostPass) -> Result<()> {
     if model.device().is_cuda() {
         return Ok(());
     }
     let width = if precision(cfg) == resnet::Precision::F32 { 4 } else { 2 };
-    let per_image = HOST_VALUES_PER_CONV_OUTPUT * width * model.conv_output_elems(cfg.data.image_size) as u128;
+    let size = cfg.data.image_size;
+    let (values, doing) = match pass {
+        HostPass::Train => (HOST_VALUES_PER_CONV_OUTPUT * model.conv_output_elems(size) as u128, "training"),
+        HostPass::Eval => {
+            (HOST_EVAL_VALUES_PER_MAX_CONV_OUTPUT * model.max_conv_output_elems(size) as u128, "evaluation")
+        }
+    };
+    let per_image = width * values;
     let need = per_image * batch as u128;
     let Some(have) = host_memory_available() else { return Ok(()) };
     if need > have as u128 {
         let gib = |b: u128| b as f64 / (1u64 << 30) as f64;
         bail!(
-            "{what} = {batch} would run out of memory: training at {}x{} keeps at least {:.1} GiB ({:.1} MiB an \
-             image), this machine has {:.1} GiB available",
-            cfg.data.image_size,
-            cfg.data.image_size,
+            "{what} would run out of memory: {doing} {batch} images at {size}x{size} keeps at least {:.1} GiB ({:.1} MiB \
+             an image), this machine has {:.1} GiB available",
             gib(need),
             per_image as f64 / (1u64 << 20) as f64,
             gib(have as u128)
         );
     }
     Ok(())
+}
+
+/// The evaluation batch size: `train.eval_batch_size`, or `train.batch_size` when that is 0, with the key that
+/// gave it.
+pub fn eval_batch(cfg: &Config) -> (usize, &'static str) {
+    match cfg.train.eval_batch_size {
+        0 => (cfg.train.batch_size, "train.batch_size"),
+        n => (n, "train.eval_batch_size"),
+    }
 }
 
 /// This process's part in a data-parallel run.
@@ -1026,7 +1056,13 @@ pub fn train_ranks(cfg: &Config, run_dir: &Path, resume: bool, ranks: Option<Ran
     let device = select_device(&cfg.device)?;
     let (train_ds, val_ds) = open_data(cfg)?;
     let model = build_model(cfg, &device)?;
-    check_host_batch(&model, cfg, cfg.train.batch_size, "train.batch_size")?;
+    let bs = cfg.train.batch_size;
+    check_host_batch(&model, cfg, bs, &format!("train.batch_size = {bs}"), HostPass::Train)?;
+    // Checked now, not at the first validation: an abort there would come after an epoch's work.
+    if writer && !val_ds.is_empty() {
+        let (eval_bs, eval_key) = eval_batch(cfg);
+        check_host_batch(&model, cfg, eval_bs.min(val_ds.len()), &format!("{eval_key} = {eval_bs}"), HostPass::Eval)?;
+    }
     let mut runner = StepRunner::new(cfg, model)?;
     runner.collective = collective;
     runner.progress = progress;

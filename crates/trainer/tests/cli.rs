@@ -201,6 +201,12 @@ fn bad_configs_name_the_culprit() {
         (vec!["--set", "optim.lr=-1"], vec!["optim.lr"]),
         // At least 286 GiB at 8 px: refused before anything is allocated.
         (vec!["--set", "train.batch_size=1000000"], vec!["train.batch_size = 1000000", "would run out of memory"]),
+        // Evaluation: 1,000,000 validation images in one batch at 8 px, at least 61 GiB; refused before the
+        // first epoch, not at its end.
+        (
+            vec!["--set", "data.num_samples=10000000", "--set", "train.eval_batch_size=1000000"],
+            vec!["train.eval_batch_size = 1000000", "evaluation", "would run out of memory"],
+        ),
         (vec!["--set", "train"], vec!["--set", "key=value"]),
         (
             vec![
