@@ -24,6 +24,9 @@
 
 #include "common.cuh"
 
+#include <cooperative_groups.h>
+namespace cg = cooperative_groups;
+
 #define VB 256
 
 template <typename T>
@@ -65,11 +68,13 @@ __device__ __forceinline__ void group_sum(float (&acc)[8], float* sh, int G) {
 // part[chunk * c + ch] = S_chunk = sum d and part[(chunks + chunk) * c + ch] = M2_chunk = sum d^2 - S^2 / n (the
 // chunk's sum of squared deviations from its own mean); block 0 also writes K to part[2 * chunks * c + ch]. The
 // finaliser bn_nhwc_moments_final combines the chunks exactly (Chan et al.'s pairwise formula).
+// Chunk `chunk` of `chunks` (a block's: blockIdx.x of gridDim.x, or one of several in bn_nhwc_train_v8's loop).
 template <typename T>
-__device__ void bnv_moments(const T* __restrict__ x, float* __restrict__ part, int64_t rows, int c, int64_t rpc) {
+__device__ void bnv_moments(const T* __restrict__ x, float* __restrict__ part, int64_t rows, int c, int64_t rpc,
+                            int chunk, int chunks) {
     __shared__ float sh[8 * VB];
     const int G = c >> 3, t = threadIdx.x, cg = t % G, rstep = VB / G, ch0 = cg * 8;
-    const int64_t r0 = (int64_t)blockIdx.x * rpc, r1 = min(rows, r0 + rpc);
+    const int64_t r0 = (int64_t)chunk * rpc, r1 = min(rows, r0 + rpc);
     float k[8];
     {
         const Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(x + ch0);
@@ -93,9 +98,9 @@ __device__ void bnv_moments(const T* __restrict__ x, float* __restrict__ part, i
         const float n = (float)(r1 - r0);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-            part[(int64_t)blockIdx.x * c + ch0 + j] = s1[j];
-            part[((int64_t)gridDim.x + blockIdx.x) * c + ch0 + j] = fmaxf(fmaf(-s1[j], s1[j] / n, s2[j]), 0.0f);
-            if (blockIdx.x == 0) part[2 * (int64_t)gridDim.x * c + ch0 + j] = k[j];
+            part[(int64_t)chunk * c + ch0 + j] = s1[j];
+            part[((int64_t)chunks + chunk) * c + ch0 + j] = fmaxf(fmaf(-s1[j], s1[j] / n, s2[j]), 0.0f);
+            if (chunk == 0) part[2 * (int64_t)chunks * c + ch0 + j] = k[j];
         }
     }
 }
@@ -161,14 +166,15 @@ __device__ __forceinline__ void add_grad_row(const Vec8<T>& xv, const Vec8<T>& g
 // The chunk's backward sums over the block's threads of each channel group, written as its partials:
 // part[chunk * c + ch] = sum g, part[(chunks + chunk) * c + ch] = sum g * xhat.
 __device__ __forceinline__ void write_grad_partials(float (&ag)[8], float (&agx)[8], float* sh, int G,
-                                                    float* __restrict__ part, int c, int ch0) {
+                                                    float* __restrict__ part, int c, int ch0, int chunk,
+                                                    int chunks) {
     group_sum(ag, sh, G);
     group_sum(agx, sh, G);
     if ((int)threadIdx.x < G) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-            part[(int64_t)blockIdx.x * c + ch0 + j] = ag[j];
-            part[((int64_t)gridDim.x + blockIdx.x) * c + ch0 + j] = agx[j];
+            part[(int64_t)chunk * c + ch0 + j] = ag[j];
+            part[((int64_t)chunks + chunk) * c + ch0 + j] = agx[j];
         }
     }
 }
@@ -176,10 +182,11 @@ __device__ __forceinline__ void write_grad_partials(float (&ag)[8], float (&agx)
 template <typename T>
 __device__ void bnv_bwd_partial(const T* __restrict__ x, const T* __restrict__ dy, const float* __restrict__ stats,
                                 const float* __restrict__ weight, const float* __restrict__ bias,
-                                float* __restrict__ part, int64_t rows, int c, int64_t rpc, int relu) {
+                                float* __restrict__ part, int64_t rows, int c, int64_t rpc, int relu, int chunk,
+                                int chunks) {
     __shared__ float sh[8 * VB];
     const int G = c >> 3, t = threadIdx.x, cg = t % G, rstep = VB / G, ch0 = cg * 8;
-    const int64_t r0 = (int64_t)blockIdx.x * rpc, r1 = min(rows, r0 + rpc);
+    const int64_t r0 = (int64_t)chunk * rpc, r1 = min(rows, r0 + rpc);
     const Consts k = load_consts(stats, weight, bias, c, ch0);
     float ag[8] = {0, 0, 0, 0, 0, 0, 0, 0}, agx[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #pragma unroll 4
@@ -188,7 +195,7 @@ __device__ void bnv_bwd_partial(const T* __restrict__ x, const T* __restrict__ d
         const Vec8<T> gv = *reinterpret_cast<const Vec8<T>*>(dy + r * c + ch0);
         add_grad_row(xv, gv, k, relu, ag, agx);
     }
-    write_grad_partials(ag, agx, sh, G, part, c, ch0);
+    write_grad_partials(ag, agx, sh, G, part, c, ch0, chunk, chunks);
 }
 
 // The ReLU gradient at a block's output joined with the residual gradient, as relu_grad_{1,2} of
@@ -224,7 +231,7 @@ __device__ void bnv_join_partial(const T* __restrict__ a, const T* __restrict__ 
         *reinterpret_cast<Vec8<T>*>(gout + i) = gv;
         add_grad_row(xv, gv, k, 0, ag, agx);
     }
-    write_grad_partials(ag, agx, sh, G, part, c, ch0);
+    write_grad_partials(ag, agx, sh, G, part, c, ch0, blockIdx.x, gridDim.x);
 }
 
 template <typename T>
@@ -269,7 +276,7 @@ __device__ void bnv_bwd_dx(const T* __restrict__ x, const T* __restrict__ dy, co
 #define BNV_EXPORT(T, NAME)                                                                                         \
     extern "C" __global__ void bn_nhwc_moments_v8_##NAME(const T* x, float* part, long long rows, int c,            \
                                                          long long rpc) {                                           \
-        bnv_moments<T>(x, part, rows, c, rpc);                                                                      \
+        bnv_moments<T>(x, part, rows, c, rpc, blockIdx.x, gridDim.x);                                               \
     }                                                                                                               \
     extern "C" __global__ void bn_nhwc_apply_v8_##NAME(const T* x, const float* stats, const float* weight,          \
                                                        const float* bias, T* y, long long rows, int c, int relu) {   \
@@ -278,7 +285,7 @@ __device__ void bnv_bwd_dx(const T* __restrict__ x, const T* __restrict__ dy, co
     extern "C" __global__ void bn_nhwc_bwd_sum_v8_##NAME(const T* x, const T* dy, const float* stats,               \
                                                          const float* weight, const float* bias, float* part,       \
                                                          long long rows, int c, long long rpc, int relu) {          \
-        bnv_bwd_partial<T>(x, dy, stats, weight, bias, part, rows, c, rpc, relu);                                   \
+        bnv_bwd_partial<T>(x, dy, stats, weight, bias, part, rows, c, rpc, relu, blockIdx.x, gridDim.x);            \
     }                                                                                                               \
     extern "C" __global__ void bn_nhwc_bwd_dx_v8_##NAME(const T* x, const T* dy, const float* stats,                \
                                                         const float* weight, const float* bias, const float* sums,  \
@@ -305,13 +312,15 @@ BNV_EXPORT(__half, f16)
 // The finalisers below: block (FX, FY) = (8 channels, 128 chunk lanes), one block per 8 channels; each column
 // sums its chunks in a strided loop, then a fixed-order tree over the 128 lanes (deterministic). 01's finalisers
 // (32 x 8 threads per 32 channels) left ~1000 chunks to 8 lanes: 19-45 us a launch on the H200, 10 ms per
-// ResNet-152 step.
+// ResNet-152 step. Their bodies (moments_final_cols, bwd_final_cols) take the column count NX as a template
+// parameter: bn_nhwc_train_v8 / bn_nhwc_train_bwd_v8 run them with 2 columns x the same 128 lanes in their
+// 256-thread blocks, so every channel is reduced in the same order and the results are equal bit for bit.
 #define FX 8
 #define FY 128
 
-// Sum of acc over the FY lanes of column threadIdx.x, returned to every thread of the block's column.
-__device__ __forceinline__ float lane_sum(float acc, float (&sh)[FY][FX]) {
-    const int tx = threadIdx.x, ty = threadIdx.y;
+// Sum of acc over the FY lanes of column tx (lane ty), returned to every thread of the column.
+template <int NX>
+__device__ __forceinline__ float lane_sum(float acc, float (&sh)[FY][NX], int tx, int ty) {
     sh[ty][tx] = acc;
     __syncthreads();
 #pragma unroll
@@ -324,22 +333,18 @@ __device__ __forceinline__ float lane_sum(float acc, float (&sh)[FY][FX]) {
     return r;
 }
 
-// Combines bn_nhwc_moments_v8's chunks into stats (3, c) = [mean, biased var, invstd] (chunk i holds
-// n_i = min(rpc, rows - i rpc) rows): D = sum S_i / N, mean = K + D, M2 = sum M2_i + n_i (S_i / n_i - D)^2, in a
-// fixed order. With running_mean (non-null) also PyTorch's running update in place, with the unbiased variance:
-// running = (1 - momentum) running + momentum batch, and num_batches_tracked (non-null) += 1. Block (32, 8), one
-// block per 32 channels.
-extern "C" __global__ void __launch_bounds__(FX * FY)
-    bn_nhwc_moments_final(const float* part, float* stats, int chunks, int c, long long rows, long long rpc, float eps,
-                          float* running_mean, float* running_var, long long* num_batches_tracked, float momentum) {
-    __shared__ float sh[FY][FX];
-    const int tx = threadIdx.x, ty = threadIdx.y, ch = blockIdx.x * FX + tx;
+// Channel ch (column tx, lane ty) of bn_nhwc_moments_final; every thread of the block calls it (barriers).
+template <int NX>
+__device__ __forceinline__ void moments_final_cols(const float* __restrict__ part, float* __restrict__ stats,
+                                                   int chunks, int c, long long rows, long long rpc, float eps,
+                                                   float* running_mean, float* running_var, float momentum, int ch,
+                                                   int tx, int ty, float (&sh)[FY][NX]) {
     const float count = (float)rows;
     float acc = 0.0f;
     if (ch < c) {
         for (int k = ty; k < chunks; k += FY) acc += part[(int64_t)k * c + ch];
     }
-    const float dmean = lane_sum(acc, sh) / count;
+    const float dmean = lane_sum<NX>(acc, sh, tx, ty) / count;
     acc = 0.0f;
     if (ch < c) {
         for (int k = ty; k < chunks; k += FY) {
@@ -348,7 +353,7 @@ extern "C" __global__ void __launch_bounds__(FX * FY)
             acc += fmaf(n * d, d, part[((int64_t)chunks + k) * c + ch]);
         }
     }
-    const float m2 = lane_sum(acc, sh);
+    const float m2 = lane_sum<NX>(acc, sh, tx, ty);
     if (ty == 0 && ch < c) {
         const float mean = part[2 * (int64_t)chunks * c + ch] + dmean;
         const float var = m2 / count;
@@ -361,14 +366,12 @@ extern "C" __global__ void __launch_bounds__(FX * FY)
             running_var[ch] = (1.0f - momentum) * running_var[ch] + momentum * unbiased;
         }
     }
-    if (num_batches_tracked != nullptr && blockIdx.x == 0 && tx == 0 && ty == 0) num_batches_tracked[0] += 1;
 }
 
-// sums (2, c) = [sum g (dbias), sum g * xhat (dweight)] from bn_nhwc_bwd_sum_v8's two halves of partials.
-extern "C" __global__ void __launch_bounds__(FX * FY)
-    bn_nhwc_bwd_final_v8(const float* part, float* sums, int chunks, int c) {
-    __shared__ float sh[FY][FX];
-    const int tx = threadIdx.x, ty = threadIdx.y, ch = blockIdx.x * FX + tx;
+// Channel ch (column tx, lane ty) of bn_nhwc_bwd_final_v8; every thread of the block calls it (barriers).
+template <int NX>
+__device__ __forceinline__ void bwd_final_cols(const float* __restrict__ part, float* __restrict__ sums, int chunks,
+                                               int c, int ch, int tx, int ty, float (&sh)[FY][NX]) {
     float ag = 0.0f, agx = 0.0f;
     if (ch < c) {
         for (int k = ty; k < chunks; k += FY) {
@@ -376,13 +379,99 @@ extern "C" __global__ void __launch_bounds__(FX * FY)
             agx += part[((int64_t)chunks + k) * c + ch];
         }
     }
-    const float sg = lane_sum(ag, sh);
-    const float sgx = lane_sum(agx, sh);
+    const float sg = lane_sum<NX>(ag, sh, tx, ty);
+    const float sgx = lane_sum<NX>(agx, sh, tx, ty);
     if (ty == 0 && ch < c) {
         sums[ch] = sg;
         sums[c + ch] = sgx;
     }
 }
+
+// Combines bn_nhwc_moments_v8's chunks into stats (3, c) = [mean, biased var, invstd] (chunk i holds
+// n_i = min(rpc, rows - i rpc) rows): D = sum S_i / N, mean = K + D, M2 = sum M2_i + n_i (S_i / n_i - D)^2, in a
+// fixed order. With running_mean (non-null) also PyTorch's running update in place, with the unbiased variance:
+// running = (1 - momentum) running + momentum batch, and num_batches_tracked (non-null) += 1. Block (FX, FY), one
+// block per FX channels.
+extern "C" __global__ void __launch_bounds__(FX * FY)
+    bn_nhwc_moments_final(const float* part, float* stats, int chunks, int c, long long rows, long long rpc, float eps,
+                          float* running_mean, float* running_var, long long* num_batches_tracked, float momentum) {
+    __shared__ float sh[FY][FX];
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    moments_final_cols<FX>(part, stats, chunks, c, rows, rpc, eps, running_mean, running_var, momentum,
+                           blockIdx.x * FX + tx, tx, ty, sh);
+    if (num_batches_tracked != nullptr && blockIdx.x == 0 && tx == 0 && ty == 0) num_batches_tracked[0] += 1;
+}
+
+// sums (2, c) = [sum g (dbias), sum g * xhat (dweight)] from bn_nhwc_bwd_sum_v8's two halves of partials.
+extern "C" __global__ void __launch_bounds__(FX * FY)
+    bn_nhwc_bwd_final_v8(const float* part, float* sums, int chunks, int c) {
+    __shared__ float sh[FY][FX];
+    bwd_final_cols<FX>(part, sums, chunks, c, blockIdx.x * FX + threadIdx.x, threadIdx.x, threadIdx.y, sh);
+}
+
+// ----- one cooperative launch per BatchNorm (kernels.bn_cooperative) ------------------------------------------
+// bn_nhwc_train_v8: the statistics and the normalisation of a training-mode BatchNorm (+ ReLU) in one launch,
+// equal bit for bit to bn_nhwc_moments_v8 + bn_nhwc_moments_final + bn_nhwc_apply_v8: phase 1 writes the same
+// chunks' partials (each block loops over chunks blockIdx.x, + gridDim.x, ...), phase 2 runs the finaliser's
+// body over pairs of channels (2 columns x the same 128 lanes), phase 3 the element-wise pass. Between the phases
+// a grid-wide barrier (cooperative_groups, a cooperative launch: every block resident at once, so the grid is at
+// most the occupancy times the SMs; the launcher sizes it). Block 256 threads (VB), grid <= chunks.
+// bn_nhwc_train_bwd_v8: the backward the same way, bn_nhwc_bwd_sum_v8 + bn_nhwc_bwd_final_v8 + bn_nhwc_bwd_dx_v8
+// in one launch, the sums (2, c) also written out (dbias, dweight).
+template <typename T>
+__device__ void bnv_train(const T* __restrict__ x, float* __restrict__ part, float* __restrict__ stats,
+                          const float* __restrict__ weight, const float* __restrict__ bias, T* __restrict__ y,
+                          int64_t rows, int c, int64_t rpc, int chunks, float eps, float* running_mean,
+                          float* running_var, long long* num_batches_tracked, float momentum, int relu) {
+    cg::grid_group grid = cg::this_grid();
+    for (int k = blockIdx.x; k < chunks; k += gridDim.x) bnv_moments<T>(x, part, rows, c, rpc, k, chunks);
+    grid.sync();
+    __shared__ float sh[FY][2];
+    const int tx = threadIdx.x & 1, ty = threadIdx.x >> 1;
+    for (int p = blockIdx.x; p < (c >> 1); p += gridDim.x) {
+        moments_final_cols<2>(part, stats, chunks, c, rows, rpc, eps, running_mean, running_var, momentum,
+                              2 * p + tx, tx, ty, sh);
+    }
+    if (num_batches_tracked != nullptr && blockIdx.x == 0 && threadIdx.x == 0) num_batches_tracked[0] += 1;
+    grid.sync();
+    bnv_apply<T>(x, stats, weight, bias, y, rows, c, relu);
+}
+
+template <typename T>
+__device__ void bnv_train_bwd(const T* __restrict__ x, const T* __restrict__ dy, const float* __restrict__ stats,
+                              const float* __restrict__ weight, const float* __restrict__ bias,
+                              float* __restrict__ part, float* __restrict__ sums, T* __restrict__ dx, int64_t rows,
+                              int c, int64_t rpc, int chunks, float count, int relu) {
+    cg::grid_group grid = cg::this_grid();
+    for (int k = blockIdx.x; k < chunks; k += gridDim.x) {
+        bnv_bwd_partial<T>(x, dy, stats, weight, bias, part, rows, c, rpc, relu, k, chunks);
+    }
+    grid.sync();
+    __shared__ float sh[FY][2];
+    const int tx = threadIdx.x & 1, ty = threadIdx.x >> 1;
+    for (int p = blockIdx.x; p < (c >> 1); p += gridDim.x) bwd_final_cols<2>(part, sums, chunks, c, 2 * p + tx, tx, ty, sh);
+    grid.sync();
+    bnv_bwd_dx<T>(x, dy, stats, weight, bias, sums, dx, rows, c, count, relu);
+}
+
+#define BNV_TRAIN_EXPORT(T, NAME)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(VB, 4)                                                             \
+        bn_nhwc_train_v8_##NAME(const T* x, float* part, float* stats, const float* weight, const float* bias, T* y, \
+                                long long rows, int c, long long rpc, int chunks, float eps, float* running_mean,   \
+                                float* running_var, long long* num_batches_tracked, float momentum, int relu) {     \
+        bnv_train<T>(x, part, stats, weight, bias, y, rows, c, rpc, chunks, eps, running_mean, running_var,          \
+                     num_batches_tracked, momentum, relu);                                                          \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(VB, 3)                                                             \
+        bn_nhwc_train_bwd_v8_##NAME(const T* x, const T* dy, const float* stats, const float* weight,               \
+                                    const float* bias, float* part, float* sums, T* dx, long long rows, int c,      \
+                                    long long rpc, int chunks, float count, int relu) {                             \
+        bnv_train_bwd<T>(x, dy, stats, weight, bias, part, sums, dx, rows, c, rpc, chunks, count, relu);            \
+    }
+
+BNV_TRAIN_EXPORT(float, f32)
+BNV_TRAIN_EXPORT(__nv_bfloat16, bf16)
+BNV_TRAIN_EXPORT(__half, f16)
 
 // PyTorch's running update from finished statistics (3, c), for the 01 path whose finalisers do not take it: one
 // thread per channel, grid-stride; num_batches_tracked (non-null) += 1 by thread 0.

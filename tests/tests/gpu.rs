@@ -410,6 +410,71 @@ fn batch_stats_with_running_update_cuda_matches_cpu() -> Result<()> {
     Ok(())
 }
 
+/// `kernels.bn_cooperative`'s kernels: `batch_norm_train` (one cooperative launch: moments, finaliser and
+/// normalisation between grid-wide barriers) against `batch_stats` + `BnApply` (three launches), and
+/// `batch_norm_train_backward` against `BnGrad` without then with the sums, on CUDA in f32 / bf16 / f16, with and
+/// without the ReLU: the statistics, y, running_mean / running_var / num_batches_tracked, the sums and dx must be
+/// equal bit for bit (same chunks, same reduction order). The shapes include ResNet-152's largest (802,816 rows of
+/// 64 at batch 256 / 4: more chunks than resident blocks, so blocks loop) and a single chunk.
+#[test]
+fn cooperative_batchnorm_matches_the_three_launches() -> Result<()> {
+    use kernels::ops::batchnorm::{batch_norm_train, batch_norm_train_backward, batch_stats, BnApply, BnGrad, Running};
+    let gpu = cuda()?;
+    let _poison = poison_outputs();
+    let shapes: [&[usize]; 5] =
+        [&[64, 56, 56, 64], &[64, 14, 14, 1024], &[16, 7, 7, 2048], &[3, 7, 11, 64], &[8, 28, 28, 128]];
+    for dims in shapes {
+        let c = *dims.last().context("empty shape")?;
+        let x = (Tensor::randn(0f32, 2.0, dims, &Device::Cpu)? + 0.5)?;
+        let dy = Tensor::randn(0f32, 1.0, dims, &Device::Cpu)?;
+        let w = Tensor::randn(0f32, 1.0, c, &gpu)?;
+        let b = Tensor::randn(0f32, 0.5, c, &gpu)?;
+        let rm0 = Tensor::randn(0f32, 1.0, c, &gpu)?;
+        let rv0 = (Tensor::rand(0f32, 1.0, c, &gpu)? + 0.5)?;
+        for &dt in &DTYPES {
+            let (xd, gd) = (x.to_dtype(dt)?.to_device(&gpu)?, dy.to_dtype(dt)?.to_device(&gpu)?);
+            for relu in [false, true] {
+                let what = format!("cooperative batchnorm {dims:?} {dt:?} relu={relu}");
+                // (stats, y, running_mean, running_var, num_batches_tracked, sums, dx)
+                let run = |one: bool| -> Result<Vec<Vec<f32>>> {
+                    let (rm, rv) = (Var::from_tensor(&rm0.copy()?)?, Var::from_tensor(&rv0.copy()?)?);
+                    let nb = Var::from_tensor(&Tensor::new(3i64, &gpu)?)?;
+                    let r = Running { mean: &rm, var: &rv, num_batches_tracked: &nb, momentum: 0.1 };
+                    let (stats, y) = if one {
+                        batch_norm_train(&xd, &w, &b, 1e-5, &r, relu)?
+                    } else {
+                        let stats = batch_stats(&xd, 1e-5, &r)?;
+                        let y = xd.apply_op3_no_bwd(&w, &b, &BnApply { relu, stats: stats.clone() })?;
+                        (stats, y)
+                    };
+                    let op = BnGrad { relu, stats: stats.clone(), weight: w.clone(), bias: b.clone(), sums: None };
+                    let (sums, dx) = if one {
+                        batch_norm_train_backward(&xd, &gd, &op)?
+                    } else {
+                        let sums = xd.apply_op2_no_bwd(&gd, &op)?;
+                        let dx = xd.apply_op2_no_bwd(&gd, &BnGrad { sums: Some(sums.clone()), ..op })?;
+                        (sums, dx)
+                    };
+                    let nbt = nb.as_tensor().to_dtype(DType::F32)?;
+                    [&stats, &y, rm.as_tensor(), rv.as_tensor(), &nbt, &sums, &dx].iter().map(|t| host_f32(t)).collect()
+                };
+                let (one, three) = (run(true)?, run(false)?);
+                const NAMES: [&str; 7] =
+                    ["stats", "y", "running_mean", "running_var", "num_batches_tracked", "sums", "dx"];
+                for (k, (a, b)) in one.iter().zip(&three).enumerate() {
+                    ensure!(a.len() == b.len(), "{what}: {} lengths {} / {}", NAMES[k], a.len(), b.len());
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    let differ = bits(a).iter().zip(bits(b)).filter(|(p, q)| **p != *q).count();
+                    ensure!(differ == 0, "{what}: {} differs in {differ} of {} values", NAMES[k], a.len());
+                }
+                ensure!(one[4] == [4.0], "{what}: num_batches_tracked {:?}, expected 4", one[4]);
+                println!("{what}: bit for bit");
+            }
+        }
+    }
+    Ok(())
+}
+
 fn tiny_config(stem: Stem) -> ResNetConfig {
     ResNetConfig {
         arch: Arch::ResNet18,

@@ -380,6 +380,23 @@ fn fused_runner_matches_autograd_over_three_fp16_steps() -> Result<()> {
     Ok(())
 }
 
+/// Four batches of 16 CIFAR-sized images and [`graph_replay_matches_eager_steps`]'s ten-step script: the
+/// learning rate moving every step, the loss scale set to 1e9 from the host before step 4, step 7 a partial
+/// batch.
+#[allow(clippy::type_complexity)]
+fn graph_script(gpu: &Device) -> Result<(Vec<(Tensor, Tensor)>, Vec<ScriptStep>)> {
+    let mut batches = Vec::new();
+    for i in 0..4u32 {
+        let x = Tensor::randn(0f32, 1.0, (16, 3, 32, 32), &Device::Cpu)?.to_device(gpu)?;
+        let labels = Tensor::new((0..16u32).map(|j| (j * 3 + i) % 10).collect::<Vec<_>>().as_slice(), gpu)?;
+        batches.push((x, labels));
+    }
+    let script: Vec<ScriptStep> = (0..10)
+        .map(|i| ScriptStep { full: i != 7, lr: 0.02 + 0.01 * i as f64, set_scale: (i == 4).then_some(1e9) })
+        .collect();
+    Ok((batches, script))
+}
+
 /// One step of [`graph_replay_matches_eager_steps`]'s script: a full (16) or partial (10) batch, the learning
 /// rate, and a loss scale the host sets before it (with nothing in flight).
 struct ScriptStep {
@@ -439,15 +456,7 @@ fn drive(
 #[test]
 fn graph_replay_matches_eager_steps() -> Result<()> {
     let gpu = cuda()?;
-    let mut batches = Vec::new();
-    for i in 0..4u32 {
-        let x = Tensor::randn(0f32, 1.0, (16, 3, 32, 32), &Device::Cpu)?.to_device(&gpu)?;
-        let labels = Tensor::new((0..16u32).map(|j| (j * 3 + i) % 10).collect::<Vec<_>>().as_slice(), &gpu)?;
-        batches.push((x, labels));
-    }
-    let script: Vec<ScriptStep> = (0..10)
-        .map(|i| ScriptStep { full: i != 7, lr: 0.02 + 0.01 * i as f64, set_scale: (i == 4).then_some(1e9) })
-        .collect();
+    let (batches, script) = graph_script(&gpu)?;
     for optim in ["sgd", "adamw"] {
         let run = |graph: &str| -> Result<_> {
             let sets = [
@@ -778,6 +787,60 @@ fn auto_epilogue_choice_is_timed_once_and_followed() -> Result<()> {
         let (_, v) = c_bwd.iter().find(|(k, _)| k.contains(&key)).with_context(|| tag.clone())?;
         println!("{tag}: backward sums: {v} (launches took the epilogue: {took:?})");
         ensure!(took == vec![*v == "epilogue"; 2], "{tag}: launches {took:?} against the remembered `{v}`");
+    }
+    Ok(())
+}
+
+/// `kernels.bn_cooperative`: the fused step with one cooperative launch per BatchNorm pass (forward and
+/// backward) against the three launches, over [`graph_script`]'s ten fp16 SGD steps, eagerly and replayed from a
+/// CUDA graph (the cooperative launches captured as graph nodes): every step's report and every model tensor
+/// afterwards (parameters, running statistics, num_batches_tracked) equal bit for bit.
+#[test]
+fn cooperative_batchnorm_step_matches_and_replays() -> Result<()> {
+    let gpu = cuda()?;
+    let (batches, script) = graph_script(&gpu)?;
+    let run = |graph: &str, coop: bool| -> Result<_> {
+        let sets = [
+            "kernels.step=\"fused\"".to_string(),
+            format!("kernels.graph=\"{graph}\""),
+            format!("kernels.bn_cooperative={coop}"),
+            "amp.growth_interval=1".into(),
+            "amp.growth_factor=1000.0".into(),
+        ];
+        let cfg = trainer::config::Config::from_str_with(RUNNER_TOML, "gpu.toml", &sets)?;
+        let model = trainer::train::build_model(&cfg, &gpu)?;
+        let mut runner = trainer::train::StepRunner::new(&cfg, model)?;
+        let (outs, tensors) = drive(&mut runner, &batches, &script)?;
+        Ok((outs, tensors, runner.graphs.captures, runner.graphs.replayed, runner.graphs.nodes()))
+    };
+    let (base, base_t, ..) = run("off", false)?;
+    let (_, _, _, _, split_nodes) = run("on", false)?;
+    for graph in ["off", "on"] {
+        let (outs, tensors, captures, replayed, nodes) = run(graph, true)?;
+        let same = |a: f64, b: f64| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
+        for (i, (e, g)) in base.iter().zip(&outs).enumerate() {
+            ensure!(
+                same(e.0, g.0) && same(e.1, g.1) && e.2 == g.2 && same(e.3, g.3),
+                "graph {graph}, step {i}: three launches (loss, norm, skipped, scale) {e:?}, one {g:?}"
+            );
+        }
+        for ((name, e), (_, g)) in base_t.iter().zip(&tensors) {
+            let (a, b) = (
+                e.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?,
+                g.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?,
+            );
+            let differ = a.iter().zip(&b).filter(|(p, q)| p.to_bits() != q.to_bits()).count();
+            ensure!(differ == 0, "graph {graph}: {name} differs in {differ} of {} values", a.len());
+        }
+        if graph == "on" {
+            ensure!(captures == 2 && replayed == 5, "{captures} captures, {replayed} replays (want 2 and 5)");
+        }
+        println!(
+            "cooperative BatchNorm, graph {graph}: {} steps and {} tensors bit for bit with the three launches; \
+             {captures} captures ({nodes} nodes, {split_nodes} with three launches), {replayed} replays",
+            script.len(),
+            tensors.len()
+        );
     }
     Ok(())
 }

@@ -289,3 +289,42 @@ fn epilogue_statistics_fall_back_to_the_pass_on_the_cpu() {
         }
     }
 }
+
+/// `kernels.bn_cooperative` on the CPU: [`kernels::ops::batchnorm::batch_norm_train`] and its backward run the
+/// two ops each there, so the step must give the same loss, gradients, running statistics and
+/// num_batches_tracked bit for bit (the running update made once, not twice). ResNet-18 with the ImageNet stem
+/// (the stem's BatchNorm) and ResNet-50 (Bottleneck inner BatchNorms). The one-launch kernels themselves are
+/// compared with the three launches on the GPU: `cooperative_batchnorm_matches_the_three_launches`.
+#[test]
+fn cooperative_batchnorm_gives_the_same_step_on_the_cpu() {
+    let dev = Device::Cpu;
+    for (arch, stem, size) in [(Arch::ResNet18, Stem::ImageNet, 32), (Arch::ResNet50, Stem::Cifar, 8)] {
+        let x = Tensor::randn(0f32, 1., (3, 3, size, size), &dev).unwrap();
+        let labels = Tensor::new(&[3u32, 8, 0], &dev).unwrap();
+        let run = |coop: bool| {
+            let mut m = model(arch, stem);
+            m.config.kernels.bn_cooperative = coop;
+            let out = m.train_step_explicit(&x, &labels, 0.1, 8.0, Precision::F32).unwrap();
+            let mut vals: Vec<(String, Vec<f32>)> = m
+                .store()
+                .trainable()
+                .into_iter()
+                .map(|(n, v)| (n, integration_tests::flat(&out.grads[&v.as_tensor().id()])))
+                .collect();
+            for (n, e) in m.store().entries() {
+                if n.contains("running") || n.contains("num_batches_tracked") {
+                    let t = e.param.var().as_tensor().to_dtype(DType::F32).unwrap();
+                    vals.push((n, integration_tests::flat(&t)));
+                }
+            }
+            (out.loss.to_scalar::<f32>().unwrap(), vals)
+        };
+        let (a, b) = (run(true), run(false));
+        assert_eq!(a.0, b.0, "{arch}: loss");
+        assert_eq!(a.1.len(), b.1.len());
+        assert!(a.1.iter().any(|(n, v)| n.ends_with("bn1.num_batches_tracked") && v == &[1.0]), "{arch}");
+        for ((n, va), (_, vb)) in a.1.iter().zip(&b.1) {
+            assert_eq!(va, vb, "{arch}: {n}");
+        }
+    }
+}

@@ -137,6 +137,11 @@ pub struct KernelPolicy {
     /// is faster than the plain convolution and the pass, timed on first use under [`Tuning::Autotune`] and
     /// remembered by the autotuner (`kernels.bn_stats = "auto"`).
     pub bn_epilogue_by_timing: bool,
+    /// The explicit training step runs each BatchNorm whose statistics take the pass as one cooperative launch
+    /// forward (moments, finaliser, normalisation + ReLU) and one backward (sums, finaliser, grad-input), with
+    /// grid-wide barriers between the phases, instead of three launches each (CUDA; the results are the same bit
+    /// for bit; `kernels.bn_cooperative`).
+    pub bn_cooperative: bool,
 }
 
 impl Default for KernelPolicy {
@@ -151,6 +156,7 @@ impl Default for KernelPolicy {
             bn_stats_in_conv: false,
             bn_sums_in_backward: false,
             bn_epilogue_by_timing: false,
+            bn_cooperative: false,
         }
     }
 }
@@ -186,7 +192,8 @@ impl KernelPolicy {
         let stats = if self.bn_stats_in_conv { ", BatchNorm moments in the conv epilogues" } else { "" };
         let sums = if self.bn_sums_in_backward { ", BatchNorm backward sums fused" } else { "" };
         let timed = if self.bn_stats_in_conv || self.bn_sums_in_backward { timed } else { "" };
-        format!("conv {}, matmul {}, {tiles}{stats}{sums}{timed}", self.conv.name(), self.matmul.name())
+        let coop = if self.bn_cooperative { ", one cooperative launch a BatchNorm pass" } else { "" };
+        format!("conv {}, matmul {}, {tiles}{stats}{sums}{timed}{coop}", self.conv.name(), self.matmul.name())
     }
 }
 

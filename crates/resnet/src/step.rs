@@ -411,6 +411,22 @@ impl<'a> Engine<'a> {
         }
     }
 
+    /// A conv followed by its BatchNorm (training statistics) and ReLU: the saved state and relu(bn(conv(x))).
+    /// Under `policy.bn_cooperative`, a BatchNorm whose statistics take the pass (not frozen, not synchronised, no
+    /// epilogue moments) runs as one launch ([`kernels::ops::batchnorm::batch_norm_train`]); else
+    /// [`Self::conv_stats`] then [`Self::bn_apply`]. Same values either way.
+    fn conv_bn_relu(&self, x: &Tensor, cw: &ConvW, bn: &BatchNorm2d) -> Result<(BnSaved, Tensor)> {
+        if self.policy.bn_cooperative && !self.policy.bn_stats_in_conv && !frozen(bn) && self.sync.is_none() {
+            let z = self.conv(x, cw)?;
+            let (w, b) = (bn.weight.var().as_tensor().detach(), bn.bias.var().as_tensor().detach());
+            let (stats, y) = kernels::ops::batchnorm::batch_norm_train(&z, &w, &b, bn.eps, &bn.running(), true)?;
+            return Ok((BnSaved { z: Some(z), stats, global_rows: None }, y));
+        }
+        let saved = self.conv_stats(x, cw, bn)?;
+        let y = self.bn_apply(&saved, bn, true)?;
+        Ok((saved, y))
+    }
+
     /// relu(bn(z)) (or bn(z) without `relu`).
     fn bn_apply(&self, s: &BnSaved, bn: &BatchNorm2d, relu: bool) -> Result<Tensor> {
         let p = Self::bn_params(bn, &s.stats);
@@ -432,6 +448,13 @@ impl<'a> Engine<'a> {
         let p = Self::bn_params(bn, &s.stats);
         let op = BnGrad { relu, stats: p.stats, weight: p.weight, bias: p.bias, sums: None };
         let z = s.z()?;
+        if self.policy.bn_cooperative && pre.is_none() && !frozen(bn) && self.sync.is_none() {
+            // Sums and grad-input in one launch on CUDA (the same values as the two passes below).
+            let (sums, dz) = kernels::ops::batchnorm::batch_norm_train_backward(z, g, &op)?;
+            self.put(&bn.weight, || sums.get(1))?;
+            self.put(&bn.bias, || sums.get(0))?;
+            return Ok(dz);
+        }
         let sums = match pre {
             Some(sums) => sums,
             None => z.apply_op2_no_bwd(g, &op)?,
@@ -490,14 +513,17 @@ impl<'a> Engine<'a> {
         let mut inp = x.clone();
         for (i, (conv, bn)) in b.convs.iter().zip(&b.bns).enumerate() {
             let cw = self.weight(conv)?;
-            let saved = self.conv_stats(&inp, &cw, bn)?;
-            weights.push(cw.w);
-            if i != last {
-                inp = self.bn_apply(&saved, bn, true)?;
+            let saved = if i != last {
+                let (saved, y) = self.conv_bn_relu(&inp, &cw, bn)?;
+                inp = y;
                 if self.recompute == Recompute::None {
                     acts.push(inp.clone());
                 }
-            }
+                saved
+            } else {
+                self.conv_stats(&inp, &cw, bn)?
+            };
+            weights.push(cw.w);
             bns.push(saved);
         }
         let main = Self::bn_params(&b.bns[last], &bns[last].stats);
@@ -786,8 +812,7 @@ impl ResNet {
 
         // ----- forward
         let stem_w = e.weight(&m.conv1)?;
-        let stem = e.conv_stats(&input, &stem_w, &m.bn1)?;
-        let a0 = e.bn_apply(&stem, &m.bn1, true)?;
+        let (stem, a0) = e.conv_bn_relu(&input, &stem_w, &m.bn1)?;
         let pool = MaxPool2d { kernel: 3, stride: 2, padding: 1 };
         // The ImageNet stem's max-pool keeps its windows' argmax offsets (one byte per output element) for the
         // backward, and its input (4x the output, in the activation dtype) is freed here.

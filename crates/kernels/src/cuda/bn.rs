@@ -13,10 +13,12 @@
 
 use super::{alloc_out, ptx, suffix};
 use candle_core::backend::{BackendDevice, BackendStorage};
-use candle_core::cuda_backend::cudarc::driver::{CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
 use candle_core::{CudaStorage, Layout, Result, Storage, Tensor, WithDType};
 use half::{bf16, f16};
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
 
 /// Module name under which candle caches the BatchNorm PTX.
 const MODULE: &str = "batchnorm/01_nhwc";
@@ -586,4 +588,159 @@ pub fn grad(x: Arg, dy: Arg, op: &GradArgs, rows: usize, c: usize) -> Result<Cud
     }
     let sp = Split::new(rows, c, OP)?;
     cuda_float!(x.0.dtype(), OP, [F32: f32, BF16: bf16, F16: f16], |T| grad_t::<T>(x, dy, op, sp))
+}
+
+// ----- one cooperative launch a BatchNorm (`kernels.bn_cooperative`) ------------------------------------------
+
+/// Blocks of a cooperative launch of the 256-thread kernel `f` (`name`) with `chunks` row chunks to reduce: every
+/// block must be resident at once (the kernel waits at grid-wide barriers), so at most the occupancy (read once
+/// per device and kernel) times the SMs, and at most `chunks` (each block loops over its chunks).
+fn coop_blocks(dev: &CudaDevice, f: &CudaFunction, name: &str, chunks: usize) -> Result<u32> {
+    type Cache = HashMap<(usize, String), u32>;
+    static PER_SM: OnceLock<Mutex<Cache>> = OnceLock::new();
+    let key = (super::loader::dev_key(dev), name.to_string());
+    let map = PER_SM.get_or_init(Default::default);
+    let cached = map.lock().unwrap_or_else(|e| e.into_inner()).get(&key).copied();
+    let per_sm = match cached {
+        Some(v) => v,
+        None => {
+            let v = f.occupancy_max_active_blocks_per_multiprocessor(V8_THREADS as u32, 0, None).w()?;
+            map.lock().unwrap_or_else(|e| e.into_inner()).insert(key, v);
+            v
+        }
+    };
+    let resident = per_sm as usize * super::loader::sm_count(dev)?;
+    if resident == 0 {
+        candle_core::bail!("{name}: no block of {V8_THREADS} threads fits on an SM");
+    }
+    Ok(resident.min(chunks).max(1) as u32)
+}
+
+fn coop_cfg(blocks: u32) -> LaunchConfig {
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (V8_THREADS as u32, 1, 1), shared_mem_bytes: 0 }
+}
+
+fn train_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
+    (x, w, b): (Arg, Arg, Arg),
+    sp: Split,
+    eps: f64,
+    relu: bool,
+    running: Option<RunningAddrs>,
+) -> Result<(CudaStorage, CudaStorage)> {
+    const OP: &str = "batch_norm_nhwc_train";
+    let dev = &x.0.device;
+    let c = sp.c as usize;
+    let len = sp.rows as usize * c;
+    let xv = view::<T>(x, len, dev, OP, "x")?;
+    let wv = view::<f32>(w, c, dev, OP, "weight")?;
+    let bv = view::<f32>(b, c, dev, OP, "bias")?;
+    // SAFETY: phase 1 writes every (chunk, channel) element of both halves, chunk 0's block the shift.
+    let part = unsafe { dev.alloc::<f32>((2 * sp.chunks + 1) * c)? };
+    let stats = alloc_out::<f32>(dev, 3 * c)?;
+    let y = alloc_out::<T>(dev, len)?;
+    let name = format!("bn_nhwc_train_v8_{}", suffix(T::DTYPE, OP)?);
+    let f = dev.get_or_load_custom_func(&name, MODULE_V8, ptx::BATCHNORM_02_NHWC_VEC)?;
+    let blocks = coop_blocks(dev, &f, &name, sp.chunks)?;
+    let (chunks, eps, relu) = (sp.chunks as i32, eps as f32, relu as i32);
+    let (rm, rv, nb, momentum) = RunningAddrs::kernel_args(running);
+    let mut bld = f.builder();
+    bld.arg(&xv).arg(&part).arg(&stats).arg(&wv).arg(&bv).arg(&y);
+    bld.arg(&sp.rows).arg(&sp.c).arg(&sp.rows_per_chunk).arg(&chunks).arg(&eps);
+    bld.arg(&rm).arg(&rv).arg(&nb).arg(&momentum).arg(&relu);
+    // SAFETY: matches bn_nhwc_train_v8_* (x, part, stats, weight, bias, y, rows, c, rpc, chunks, eps,
+    // running_mean, running_var, num_batches_tracked, momentum, relu); x and y hold rows*c elements (c % 8 == 0,
+    // 256 % (c / 8) == 0, 16-byte aligned: v8_applies; y fresh), part (2 chunks + 1) c, stats 3 c, weight and bias
+    // c; the running addresses are null or c / c / 1 elements ([`RunningAddrs`]); every chunk has a row. A
+    // cooperative launch of at most the resident blocks ([`coop_blocks`]): the kernel's grid barriers need it.
+    unsafe { bld.launch_cooperative(coop_cfg(blocks)) }.w()?;
+    Ok((CudaStorage::wrap_cuda_slice(stats, dev.clone()), CudaStorage::wrap_cuda_slice(y, dev.clone())))
+}
+
+/// A training-mode BatchNorm forward in one cooperative launch (`bn_nhwc_train_v8_*`): x (rows, c), weight and
+/// bias (c) f32 -> (stats (3, c) f32 = [mean, biased var, invstd], y = [relu](bn(x)) like x), with the running
+/// statistics updated in place when `running` is given; bit for bit what [`stats`] and [`apply`] give. None where
+/// the 8-channel kernels do not apply ([`v8_applies`]): the caller runs those two.
+#[allow(clippy::too_many_arguments)]
+pub fn train(
+    x: Arg,
+    w: Arg,
+    b: Arg,
+    rows: usize,
+    c: usize,
+    eps: f64,
+    relu: bool,
+    running: Option<RunningAddrs>,
+) -> Result<Option<(CudaStorage, CudaStorage)>> {
+    const OP: &str = "batch_norm_nhwc_train";
+    if !v8_applies(c, &[x.1], &[w.1, b.1]) {
+        return Ok(None);
+    }
+    let sp = Split::v8(rows, c, OP)?;
+    let out = cuda_float!(x.0.dtype(), OP, [F32: f32, BF16: bf16, F16: f16], |T| train_t::<T>(
+        (x, w, b),
+        sp,
+        eps,
+        relu,
+        running
+    ))?;
+    Ok(Some(out))
+}
+
+fn train_bwd_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
+    x: Arg,
+    dy: Arg,
+    op: &GradArgs,
+    sp: Split,
+) -> Result<(CudaStorage, CudaStorage)> {
+    const OP: &str = "batch_norm_nhwc_train_backward";
+    let dev = &x.0.device;
+    let c = sp.c as usize;
+    let len = sp.rows as usize * c;
+    let (xv, gv) = (view::<T>(x, len, dev, OP, "x")?, view::<T>(dy, len, dev, OP, "dy")?);
+    let (st, sl) = held(op.stats);
+    let sv = held_view(&st, sl, 3 * c, dev, OP, "stats")?;
+    let (wt, wl) = held(op.weight);
+    let wv = held_view(&wt, wl, c, dev, OP, "weight")?;
+    let (bt, bl) = held(op.bias);
+    let bv = held_view(&bt, bl, c, dev, OP, "bias")?;
+    // SAFETY: phase 1 writes every (2, chunk, channel) element.
+    let part = unsafe { dev.alloc::<f32>(2 * sp.chunks * c)? };
+    let sums = alloc_out::<f32>(dev, 2 * c)?;
+    let dx = alloc_out::<T>(dev, len)?;
+    let name = format!("bn_nhwc_train_bwd_v8_{}", suffix(T::DTYPE, OP)?);
+    let f = dev.get_or_load_custom_func(&name, MODULE_V8, ptx::BATCHNORM_02_NHWC_VEC)?;
+    let blocks = coop_blocks(dev, &f, &name, sp.chunks)?;
+    let (chunks, count, relu) = (sp.chunks as i32, sp.count(), op.relu as i32);
+    let mut bld = f.builder();
+    bld.arg(&xv).arg(&gv).arg(&sv).arg(&wv).arg(&bv).arg(&part).arg(&sums).arg(&dx);
+    bld.arg(&sp.rows).arg(&sp.c).arg(&sp.rows_per_chunk).arg(&chunks).arg(&count).arg(&relu);
+    // SAFETY: matches bn_nhwc_train_bwd_v8_* (x, dy, stats, weight, bias, part, sums, dx, rows, c, rpc, chunks,
+    // count, relu); x, dy and dx hold rows*c elements (v8_applies: c % 8 == 0, 256 % (c / 8) == 0, 16-byte
+    // aligned; dx fresh), stats 3 c, weight and bias c, part 2 chunks c, sums 2 c. Cooperative, at most the
+    // resident blocks ([`coop_blocks`]).
+    unsafe { bld.launch_cooperative(coop_cfg(blocks)) }.w()?;
+    Ok((CudaStorage::wrap_cuda_slice(sums, dev.clone()), CudaStorage::wrap_cuda_slice(dx, dev.clone())))
+}
+
+/// The BatchNorm backward (`op.sums` None: from the forward's statistics, weight and bias) in one cooperative
+/// launch (`bn_nhwc_train_bwd_v8_*`): (sums (2, c) f32 = [dbias, dweight], dx like x); bit for bit what
+/// [`grad`] without and then with the sums gives. None where the 8-channel kernels do not apply.
+pub fn train_backward(
+    x: Arg,
+    dy: Arg,
+    op: &GradArgs,
+    rows: usize,
+    c: usize,
+) -> Result<Option<(CudaStorage, CudaStorage)>> {
+    const OP: &str = "batch_norm_nhwc_train_backward";
+    if op.sums.is_some() {
+        candle_core::bail!("{OP}: computes the sums itself (GradArgs::sums must be None)");
+    }
+    let (sl, wl, bl) = (op.stats.layout(), op.weight.layout(), op.bias.layout());
+    if !v8_applies(c, &[x.1, dy.1], &[sl, wl, bl]) {
+        return Ok(None);
+    }
+    let sp = Split::v8(rows, c, OP)?;
+    let out = cuda_float!(x.0.dtype(), OP, [F32: f32, BF16: bf16, F16: f16], |T| train_bwd_t::<T>(x, dy, op, sp))?;
+    Ok(Some(out))
 }

@@ -253,6 +253,93 @@ pub fn batch_stats(x: &Tensor, eps: f64, running: &Running) -> Result<Tensor> {
     Ok(stats)
 }
 
+/// A training-mode BatchNorm forward of x (.., c): (stats (3, c) f32 = [mean, biased var, invstd], y = bn(x) in x's
+/// dtype, then ReLU when `relu`), with `running` updated from the batch ([`batch_stats`]'s update). On CUDA, where
+/// the 8-channel kernels apply, in one cooperative launch (`bn_nhwc_train_v8_*`: the moments, their finaliser and
+/// the normalisation between grid-wide barriers) instead of three, with the same results bit for bit; elsewhere
+/// [`batch_stats`] then [`BnApply`]. `weight` and `bias` are (c) f32.
+pub fn batch_norm_train(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    eps: f64,
+    running: &Running,
+    relu: bool,
+) -> Result<(Tensor, Tensor)> {
+    let (rows, c) = rows_c(x.dims())?;
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() && rows >= 2 {
+        use crate::cuda::addr_of;
+        let addrs = crate::cuda::bn::RunningAddrs {
+            mean: addr_of::<f32>(running.mean.as_tensor(), c, "running_mean")?,
+            var: addr_of::<f32>(running.var.as_tensor(), c, "running_var")?,
+            num_batches_tracked: addr_of::<i64>(running.num_batches_tracked.as_tensor(), 1, "num_batches_tracked")?,
+            momentum: running.momentum as f32,
+        };
+        let out = {
+            let (xs, xl) = x.storage_and_layout();
+            let (ws, wl) = weight.storage_and_layout();
+            let (bs, bl) = bias.storage_and_layout();
+            match (&*xs, &*ws, &*bs) {
+                (candle_core::Storage::Cuda(xs), candle_core::Storage::Cuda(ws), candle_core::Storage::Cuda(bs)) => {
+                    crate::cuda::bn::train((xs, xl), (ws, wl), (bs, bl), rows, c, eps, relu, Some(addrs))?
+                }
+                _ => candle_core::bail!("batch_norm_train: x, weight and bias must all be on the CUDA device"),
+            }
+        };
+        if let Some((stats, y)) = out {
+            let none = candle_core::op::BackpropOp::none;
+            let stats = Tensor::from_storage(candle_core::Storage::Cuda(stats), (3, c), none(), false);
+            let y = Tensor::from_storage(candle_core::Storage::Cuda(y), x.shape().clone(), none(), false);
+            return Ok((stats, y));
+        }
+    }
+    let _ = (rows, c);
+    let stats = batch_stats(x, eps, running)?;
+    let y = x.apply_op3_no_bwd(weight, bias, &BnApply { relu, stats: stats.clone() })?;
+    Ok((stats, y))
+}
+
+/// The backward of a training-mode BatchNorm (+ ReLU when `grad.relu`) over (x, dy) from `grad`'s statistics,
+/// weight and bias (`grad.sums` None): (sums (2, c) f32 = [dbias, dweight], dx in x's dtype). On CUDA, where the
+/// 8-channel kernels apply, in one cooperative launch (`bn_nhwc_train_bwd_v8_*`) instead of three, with the same
+/// results bit for bit; elsewhere [`BnGrad`] without, then with, the sums.
+pub fn batch_norm_train_backward(x: &Tensor, dy: &Tensor, grad: &BnGrad) -> Result<(Tensor, Tensor)> {
+    if grad.sums.is_some() {
+        candle_core::bail!("batch_norm_train_backward: computes the sums itself (BnGrad::sums must be None)");
+    }
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() && x.dims() == dy.dims() {
+        let (rows, c) = rows_c(x.dims())?;
+        let args = crate::cuda::bn::GradArgs {
+            relu: grad.relu,
+            stats: &grad.stats,
+            weight: &grad.weight,
+            bias: &grad.bias,
+            sums: None,
+        };
+        let out = {
+            let (xs, xl) = x.storage_and_layout();
+            let (gs, gl) = dy.storage_and_layout();
+            match (&*xs, &*gs) {
+                (candle_core::Storage::Cuda(xs), candle_core::Storage::Cuda(gs)) => {
+                    crate::cuda::bn::train_backward((xs, xl), (gs, gl), &args, rows, c)?
+                }
+                _ => candle_core::bail!("batch_norm_train_backward: x and dy must both be on the CUDA device"),
+            }
+        };
+        if let Some((sums, dx)) = out {
+            let none = candle_core::op::BackpropOp::none;
+            let sums = Tensor::from_storage(candle_core::Storage::Cuda(sums), (2, c), none(), false);
+            let dx = Tensor::from_storage(candle_core::Storage::Cuda(dx), x.shape().clone(), none(), false);
+            return Ok((sums, dx));
+        }
+    }
+    let sums = x.apply_op2_no_bwd(dy, grad)?;
+    let dx = x.apply_op2_no_bwd(dy, &BnGrad { sums: Some(sums.clone()), ..grad.clone() })?;
+    Ok((sums, dx))
+}
+
 /// The gradient at a residual block's output and its last BatchNorm's backward sums, as one pass where it can:
 /// g = `a` (+ `b`) where the block's ReLU output `y` is positive (what [`crate::relu_grad`] /
 /// [`crate::add_relu_grad`] give) and the sums (2, c) = [sum g, sum g * xhat] of the BatchNorm `p` that made the
