@@ -7,7 +7,8 @@
 #      AMP channels-last in the same call; its "graph:" line says whether the steps replayed a CUDA graph), then
 #      the fused step without its graph (kernels.graph = "off", the first dtype; EAGER_COMPARE= skips it) and with
 #      the fused BatchNorm reductions (kernels.bn_stats = "fused", then "auto": per conv shape where timed faster;
-#      EPI_COMPARE= skips both; with EPI_HALVES=1 also "forward" and "backward" alone), then
+#      EPI_COMPARE= skips both; with EPI_HALVES=1 also "forward" and "backward" alone) and with one cooperative
+#      launch a BatchNorm pass (kernels.bn_cooperative = true; COOP_COMPARE= skips it), then
 #      autograd in AUTOGRAD_DTYPES (default bf16; empty skips it) -- figures first, as device time is short;
 #   3. gpu-step-tests: tests/tests/gpu_step.rs (residual kernels vs CPU, fused vs autograd loss and every gradient
 #      in bf16/fp16 on ResNet-18/50/152, three fp16 StepRunner steps with a skipped one, ten steps replayed from a
@@ -87,23 +88,28 @@ main() {
 
     local step dts graph stats
     # EPI_HALVES=1: also each half of the fused reductions alone (kernels.bn_stats = "forward" / "backward").
-    for step in fused ${EAGER_COMPARE-fused-eager} ${EPI_COMPARE-fused-epistats fused-epiauto} ${EPI_HALVES:+fused-epifwd fused-epibwd} autograd; do
+    local coop
+    for step in fused ${EAGER_COMPARE-fused-eager} ${COOP_COMPARE-fused-coop} ${EPI_COMPARE-fused-epistats fused-epiauto} ${EPI_HALVES:+fused-epifwd fused-epibwd} autograd; do
         dts="$dtypes"
         graph=auto
         stats=pass
+        coop=false
         [ "$step" = autograd ] && dts="${AUTOGRAD_DTYPES-bf16}"
         # fused-eager: the fused step without its CUDA graph (kernels.graph = "off"); fused-epistats: with the
         # fused BatchNorm reductions (kernels.bn_stats = "fused"); fused-epiauto: the same per conv shape where
         # timed faster ("auto"); all in the first dtype only.
         [ "$step" = fused-eager ] && { graph=off; dts="${dtypes%%,*}"; }
+        # fused-coop: one cooperative launch a BatchNorm pass (kernels.bn_cooperative = true).
+        [ "$step" = fused-coop ] && { coop=true; dts="${dtypes%%,*}"; }
         [ "$step" = fused-epistats ] && { stats=fused; dts="${dtypes%%,*}"; }
         [ "$step" = fused-epiauto ] && { stats=auto; dts="${dtypes%%,*}"; }
         [ "$step" = fused-epifwd ] && { stats=forward; dts="${dtypes%%,*}"; }
         [ "$step" = fused-epibwd ] && { stats=backward; dts="${dtypes%%,*}"; }
         [ -n "$dts" ] || continue
-        echo "== bench resnet152 b$batch $dts, kernels.step = ${step%%-*}, kernels.graph = $graph, kernels.bn_stats = $stats"
+        echo "== bench resnet152 b$batch $dts, kernels.step = ${step%%-*}, kernels.graph = $graph, kernels.bn_stats = $stats, kernels.bn_cooperative = $coop"
         timeout "${BENCH_TIMEOUT:-150}" "$bin/trainer" bench --config "$here/configs/resnet152.toml" \
             --set "kernels.step=\"${step%%-*}\"" --set "kernels.graph=\"$graph\"" --set "kernels.bn_stats=\"$stats\"" \
+            --set "kernels.bn_cooperative=$coop" \
             --dtypes "$dts" --batch-sizes "$batch" --warmup 3 --steps 10 > "$out/bench-$step.log" 2>&1 \
             || { echo "bench $step: FAILED"; fails=$((fails + 1)); }
         grep -vE "^\s*$" "$out/bench-$step.log" | tail -8

@@ -1152,6 +1152,19 @@ mod tests {
         }
     }
 
+    /// `kernels.bn_cooperative` reaches the policy (off by default), and its line in the policy's description.
+    #[test]
+    fn bn_cooperative_sets_the_policy() {
+        let off = super::Config::from_str_with("", "x.toml", &[]).unwrap().kernels.policy(true, super::Precision::Bf16);
+        let off = off.unwrap();
+        assert!(!off.bn_cooperative && !off.describe().contains("cooperative"));
+        let c = super::Config::from_str_with("", "x.toml", &["kernels.bn_cooperative=true".into()]).unwrap();
+        let on = c.kernels.policy(true, super::Precision::Bf16).unwrap();
+        assert!(on.bn_cooperative && on.describe().contains("one cooperative launch a BatchNorm pass"));
+        let e = super::Config::from_str_with("", "x.toml", &["kernels.bn_cooperative=\"yes\"".into()]).unwrap_err();
+        assert!(format!("{e:#}").contains("bn_cooperative"), "{e:#}");
+    }
+
     #[test]
     fn unknown_names_give_one_line_naming_key_and_choices() {
         for (key, allowed) in [
