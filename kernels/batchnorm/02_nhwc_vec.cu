@@ -144,6 +144,29 @@ __device__ void bnv_apply(const T* __restrict__ x, const float* __restrict__ sta
     }
 }
 
+// y = relu(bn(x) + r): bnv_apply with the identity shortcut r added before the ReLU, each element as
+// kernels/residual/01_fused.cu's bn_add_relu (raw) computes it (v = bn_pre(x), s = v + r, rounded once).
+template <typename T>
+__device__ void bnv_apply_add_relu(const T* __restrict__ x, const T* __restrict__ r, const float* __restrict__ stats,
+                                   const float* __restrict__ weight, const float* __restrict__ bias,
+                                   T* __restrict__ y, int64_t rows, int c) {
+    const int64_t groups = rows * (int64_t)(c >> 3);
+    const int64_t g0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const Consts k = load_consts(stats, weight, bias, c, (int)(g0 % (c >> 3)) * 8);
+    for (int64_t g = g0; g < groups; g += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t i = g * 8;
+        const Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(x + i);
+        const Vec8<T> rv = *reinterpret_cast<const Vec8<T>*>(r + i);
+        Vec8<T> o;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float f = bn_pre(to_f32(v.v[j]), k.mean[j], k.scale[j], k.shift[j]) + to_f32(rv.v[j]);
+            o.v[j] = from_f32<T>(f > 0.0f ? f : 0.0f);
+        }
+        *reinterpret_cast<Vec8<T>*>(y + i) = o;
+    }
+}
+
 // g (dy, masked by the ReLU recomputed from x when relu) and xhat of one element, as 01's bn_grad.
 __device__ __forceinline__ void grad_of(float xv, float dyv, const Consts& k, int j, int relu, float& g, float& xhat) {
     g = (relu && !(bn_pre(xv, k.mean[j], k.scale[j], k.shift[j]) >= 0.0f)) ? 0.0f : dyv;
@@ -411,7 +434,8 @@ extern "C" __global__ void __launch_bounds__(FX * FY)
 
 // ----- one cooperative launch per BatchNorm (kernels.bn_cooperative) ------------------------------------------
 // bn_nhwc_train_v8: the statistics and the normalisation of a training-mode BatchNorm (+ ReLU) in one launch,
-// equal bit for bit to bn_nhwc_moments_v8 + bn_nhwc_moments_final + bn_nhwc_apply_v8: phase 1 writes the same
+// equal bit for bit to bn_nhwc_moments_v8 + bn_nhwc_moments_final + bn_nhwc_apply_v8 (with res non-null:
+// + the residual kernels' bn_add_relu_raw_v8, y = relu(bn(x) + res), a block output): phase 1 writes the same
 // chunks' partials (each block loops over chunks blockIdx.x, + gridDim.x, ...), phase 2 runs the finaliser's
 // body over pairs of channels (2 columns x the same 128 lanes), phase 3 the element-wise pass. Between the phases
 // a grid-wide barrier (cooperative_groups, a cooperative launch: every block resident at once, so the grid is at
@@ -419,10 +443,11 @@ extern "C" __global__ void __launch_bounds__(FX * FY)
 // bn_nhwc_train_bwd_v8: the backward the same way, bn_nhwc_bwd_sum_v8 + bn_nhwc_bwd_final_v8 + bn_nhwc_bwd_dx_v8
 // in one launch, the sums (2, c) also written out (dbias, dweight).
 template <typename T>
-__device__ void bnv_train(const T* __restrict__ x, float* __restrict__ part, float* __restrict__ stats,
-                          const float* __restrict__ weight, const float* __restrict__ bias, T* __restrict__ y,
-                          int64_t rows, int c, int64_t rpc, int chunks, float eps, float* running_mean,
-                          float* running_var, long long* num_batches_tracked, float momentum, int relu) {
+__device__ void bnv_train(const T* __restrict__ x, const T* __restrict__ res, float* __restrict__ part,
+                          float* __restrict__ stats, const float* __restrict__ weight, const float* __restrict__ bias,
+                          T* __restrict__ y, int64_t rows, int c, int64_t rpc, int chunks, float eps,
+                          float* running_mean, float* running_var, long long* num_batches_tracked, float momentum,
+                          int relu) {
     cg::grid_group grid = cg::this_grid();
     for (int k = blockIdx.x; k < chunks; k += gridDim.x) bnv_moments<T>(x, part, rows, c, rpc, k, chunks);
     grid.sync();
@@ -434,7 +459,11 @@ __device__ void bnv_train(const T* __restrict__ x, float* __restrict__ part, flo
     }
     if (num_batches_tracked != nullptr && blockIdx.x == 0 && threadIdx.x == 0) num_batches_tracked[0] += 1;
     grid.sync();
-    bnv_apply<T>(x, stats, weight, bias, y, rows, c, relu);
+    if (res != nullptr) {
+        bnv_apply_add_relu<T>(x, res, stats, weight, bias, y, rows, c);
+    } else {
+        bnv_apply<T>(x, stats, weight, bias, y, rows, c, relu);
+    }
 }
 
 template <typename T>
@@ -456,10 +485,11 @@ __device__ void bnv_train_bwd(const T* __restrict__ x, const T* __restrict__ dy,
 
 #define BNV_TRAIN_EXPORT(T, NAME)                                                                                   \
     extern "C" __global__ void __launch_bounds__(VB, 4)                                                             \
-        bn_nhwc_train_v8_##NAME(const T* x, float* part, float* stats, const float* weight, const float* bias, T* y, \
-                                long long rows, int c, long long rpc, int chunks, float eps, float* running_mean,   \
-                                float* running_var, long long* num_batches_tracked, float momentum, int relu) {     \
-        bnv_train<T>(x, part, stats, weight, bias, y, rows, c, rpc, chunks, eps, running_mean, running_var,          \
+        bn_nhwc_train_v8_##NAME(const T* x, const T* res, float* part, float* stats, const float* weight,           \
+                                const float* bias, T* y, long long rows, int c, long long rpc, int chunks,          \
+                                float eps, float* running_mean, float* running_var,                                 \
+                                long long* num_batches_tracked, float momentum, int relu) {                         \
+        bnv_train<T>(x, res, part, stats, weight, bias, y, rows, c, rpc, chunks, eps, running_mean, running_var,     \
                      num_batches_tracked, momentum, relu);                                                          \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(VB, 3)                                                             \

@@ -413,12 +413,16 @@ fn batch_stats_with_running_update_cuda_matches_cpu() -> Result<()> {
 /// `kernels.bn_cooperative`'s kernels: `batch_norm_train` (one cooperative launch: moments, finaliser and
 /// normalisation between grid-wide barriers) against `batch_stats` + `BnApply` (three launches), and
 /// `batch_norm_train_backward` against `BnGrad` without then with the sums, on CUDA in f32 / bf16 / f16, with and
-/// without the ReLU: the statistics, y, running_mean / running_var / num_batches_tracked, the sums and dx must be
+/// without the ReLU, and `batch_norm_train_add_relu` (a block output: + the identity shortcut, then the ReLU)
+/// against `batch_stats` + `bn_add_relu`: the statistics, y, running_mean / running_var / num_batches_tracked, the sums and dx must be
 /// equal bit for bit (same chunks, same reduction order). The shapes include ResNet-152's largest (802,816 rows of
 /// 64 at batch 256 / 4: more chunks than resident blocks, so blocks loop) and a single chunk.
 #[test]
 fn cooperative_batchnorm_matches_the_three_launches() -> Result<()> {
-    use kernels::ops::batchnorm::{batch_norm_train, batch_norm_train_backward, batch_stats, BnApply, BnGrad, Running};
+    use kernels::ops::batchnorm::{
+        batch_norm_train, batch_norm_train_add_relu, batch_norm_train_backward, batch_stats, BnApply, BnGrad, Running,
+    };
+    use kernels::ops::residual::BnParams;
     let gpu = cuda()?;
     let _poison = poison_outputs();
     let shapes: [&[usize]; 5] =
@@ -427,25 +431,35 @@ fn cooperative_batchnorm_matches_the_three_launches() -> Result<()> {
         let c = *dims.last().context("empty shape")?;
         let x = (Tensor::randn(0f32, 2.0, dims, &Device::Cpu)? + 0.5)?;
         let dy = Tensor::randn(0f32, 1.0, dims, &Device::Cpu)?;
+        let r = Tensor::randn(0f32, 1.0, dims, &Device::Cpu)?;
         let w = Tensor::randn(0f32, 1.0, c, &gpu)?;
         let b = Tensor::randn(0f32, 0.5, c, &gpu)?;
         let rm0 = Tensor::randn(0f32, 1.0, c, &gpu)?;
         let rv0 = (Tensor::rand(0f32, 1.0, c, &gpu)? + 0.5)?;
         for &dt in &DTYPES {
             let (xd, gd) = (x.to_dtype(dt)?.to_device(&gpu)?, dy.to_dtype(dt)?.to_device(&gpu)?);
-            for relu in [false, true] {
-                let what = format!("cooperative batchnorm {dims:?} {dt:?} relu={relu}");
+            let rd = r.to_dtype(dt)?.to_device(&gpu)?;
+            // (relu, the identity shortcut added before the ReLU: a block output)
+            for (relu, residual) in [(false, false), (true, false), (true, true)] {
+                let what = format!("cooperative batchnorm {dims:?} {dt:?} relu={relu} residual={residual}");
                 // (stats, y, running_mean, running_var, num_batches_tracked, sums, dx)
                 let run = |one: bool| -> Result<Vec<Vec<f32>>> {
                     let (rm, rv) = (Var::from_tensor(&rm0.copy()?)?, Var::from_tensor(&rv0.copy()?)?);
                     let nb = Var::from_tensor(&Tensor::new(3i64, &gpu)?)?;
                     let r = Running { mean: &rm, var: &rv, num_batches_tracked: &nb, momentum: 0.1 };
-                    let (stats, y) = if one {
-                        batch_norm_train(&xd, &w, &b, 1e-5, &r, relu)?
-                    } else {
-                        let stats = batch_stats(&xd, 1e-5, &r)?;
-                        let y = xd.apply_op3_no_bwd(&w, &b, &BnApply { relu, stats: stats.clone() })?;
-                        (stats, y)
+                    let (stats, y) = match (one, residual) {
+                        (true, false) => batch_norm_train(&xd, &w, &b, 1e-5, &r, relu)?,
+                        (true, true) => batch_norm_train_add_relu(&xd, &rd, &w, &b, 1e-5, &r)?,
+                        (false, _) => {
+                            let stats = batch_stats(&xd, 1e-5, &r)?;
+                            let y = if residual {
+                                let p = BnParams { stats: stats.clone(), weight: w.clone(), bias: b.clone() };
+                                kernels::bn_add_relu(&xd, &rd, &p, None)?
+                            } else {
+                                xd.apply_op3_no_bwd(&w, &b, &BnApply { relu, stats: stats.clone() })?
+                            };
+                            (stats, y)
+                        }
                     };
                     let op = BnGrad { relu, stats: stats.clone(), weight: w.clone(), bias: b.clone(), sums: None };
                     let (sums, dx) = if one {

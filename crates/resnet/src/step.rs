@@ -416,7 +416,7 @@ impl<'a> Engine<'a> {
     /// epilogue moments) runs as one launch ([`kernels::ops::batchnorm::batch_norm_train`]); else
     /// [`Self::conv_stats`] then [`Self::bn_apply`]. Same values either way.
     fn conv_bn_relu(&self, x: &Tensor, cw: &ConvW, bn: &BatchNorm2d) -> Result<(BnSaved, Tensor)> {
-        if self.policy.bn_cooperative && !self.policy.bn_stats_in_conv && !frozen(bn) && self.sync.is_none() {
+        if self.cooperative(bn) {
             let z = self.conv(x, cw)?;
             let (w, b) = (bn.weight.var().as_tensor().detach(), bn.bias.var().as_tensor().detach());
             let (stats, y) = kernels::ops::batchnorm::batch_norm_train(&z, &w, &b, bn.eps, &bn.running(), true)?;
@@ -425,6 +425,12 @@ impl<'a> Engine<'a> {
         let saved = self.conv_stats(x, cw, bn)?;
         let y = self.bn_apply(&saved, bn, true)?;
         Ok((saved, y))
+    }
+
+    /// Whether BatchNorm `bn`'s forward runs as one launch (`policy.bn_cooperative`; its statistics take the pass:
+    /// not frozen, not synchronised, no epilogue moments).
+    fn cooperative(&self, bn: &BatchNorm2d) -> bool {
+        self.policy.bn_cooperative && !self.policy.bn_stats_in_conv && !frozen(bn) && self.sync.is_none()
     }
 
     /// relu(bn(z)) (or bn(z) without `relu`).
@@ -511,6 +517,8 @@ impl<'a> Engine<'a> {
         let last = b.convs.len() - 1;
         let (mut bns, mut acts, mut weights) = (Vec::new(), Vec::new(), Vec::new());
         let mut inp = x.clone();
+        // The block output made with its last BatchNorm's statistics in one launch (identity shortcut).
+        let mut joined = None;
         for (i, (conv, bn)) in b.convs.iter().zip(&b.bns).enumerate() {
             let cw = self.weight(conv)?;
             let saved = if i != last {
@@ -520,6 +528,13 @@ impl<'a> Engine<'a> {
                     acts.push(inp.clone());
                 }
                 saved
+            } else if b.downsample.is_none() && self.cooperative(bn) {
+                let z = self.conv(&inp, &cw)?;
+                let (w, bb) = (bn.weight.var().as_tensor().detach(), bn.bias.var().as_tensor().detach());
+                let (stats, out) =
+                    kernels::ops::batchnorm::batch_norm_train_add_relu(&z, &x, &w, &bb, bn.eps, &bn.running())?;
+                joined = Some(out);
+                BnSaved { z: Some(z), stats, global_rows: None }
             } else {
                 self.conv_stats(&inp, &cw, bn)?
             };
@@ -534,7 +549,10 @@ impl<'a> Engine<'a> {
                 let res = Self::bn_params(&d.bn, &saved.stats);
                 (kernels::bn_add_relu(bns[last].z()?, saved.z()?, &main, Some(&res))?, Some(saved), Some(cw.w))
             }
-            None => (kernels::bn_add_relu(bns[last].z()?, &x, &main, None)?, None, None),
+            None => match joined {
+                Some(out) => (out, None, None),
+                None => (kernels::bn_add_relu(bns[last].z()?, &x, &main, None)?, None, None),
+            },
         };
         if self.recompute == Recompute::ReluConv {
             // The backward runs these two convs again (block_backward).

@@ -621,7 +621,7 @@ fn coop_cfg(blocks: u32) -> LaunchConfig {
 }
 
 fn train_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
-    (x, w, b): (Arg, Arg, Arg),
+    (x, w, b, res): (Arg, Arg, Arg, Option<Arg>),
     sp: Split,
     eps: f64,
     relu: bool,
@@ -634,6 +634,7 @@ fn train_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     let xv = view::<T>(x, len, dev, OP, "x")?;
     let wv = view::<f32>(w, c, dev, OP, "weight")?;
     let bv = view::<f32>(b, c, dev, OP, "bias")?;
+    let rv = res.map(|r| view::<T>(r, len, dev, OP, "residual")).transpose()?;
     // SAFETY: phase 1 writes every (chunk, channel) element of both halves, chunk 0's block the shift.
     let part = unsafe { dev.alloc::<f32>((2 * sp.chunks + 1) * c)? };
     let stats = alloc_out::<f32>(dev, 3 * c)?;
@@ -642,27 +643,35 @@ fn train_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     let f = dev.get_or_load_custom_func(&name, MODULE_V8, ptx::BATCHNORM_02_NHWC_VEC)?;
     let blocks = coop_blocks(dev, &f, &name, sp.chunks)?;
     let (chunks, eps, relu) = (sp.chunks as i32, eps as f32, relu as i32);
-    let (rm, rv, nb, momentum) = RunningAddrs::kernel_args(running);
+    let (rm, rv_addr, nb, momentum) = RunningAddrs::kernel_args(running);
+    let null = 0u64;
     let mut bld = f.builder();
-    bld.arg(&xv).arg(&part).arg(&stats).arg(&wv).arg(&bv).arg(&y);
+    bld.arg(&xv);
+    match &rv {
+        Some(r) => bld.arg(r),
+        None => bld.arg(&null),
+    };
+    bld.arg(&part).arg(&stats).arg(&wv).arg(&bv).arg(&y);
     bld.arg(&sp.rows).arg(&sp.c).arg(&sp.rows_per_chunk).arg(&chunks).arg(&eps);
-    bld.arg(&rm).arg(&rv).arg(&nb).arg(&momentum).arg(&relu);
-    // SAFETY: matches bn_nhwc_train_v8_* (x, part, stats, weight, bias, y, rows, c, rpc, chunks, eps,
-    // running_mean, running_var, num_batches_tracked, momentum, relu); x and y hold rows*c elements (c % 8 == 0,
-    // 256 % (c / 8) == 0, 16-byte aligned: v8_applies; y fresh), part (2 chunks + 1) c, stats 3 c, weight and bias
-    // c; the running addresses are null or c / c / 1 elements ([`RunningAddrs`]); every chunk has a row. A
-    // cooperative launch of at most the resident blocks ([`coop_blocks`]): the kernel's grid barriers need it.
+    bld.arg(&rm).arg(&rv_addr).arg(&nb).arg(&momentum).arg(&relu);
+    // SAFETY: matches bn_nhwc_train_v8_* (x, res, part, stats, weight, bias, y, rows, c, rpc, chunks, eps,
+    // running_mean, running_var, num_batches_tracked, momentum, relu); x, res (or null) and y hold rows*c elements
+    // (c % 8 == 0, 256 % (c / 8) == 0, 16-byte aligned: v8_applies; y fresh), part (2 chunks + 1) c, stats 3 c,
+    // weight and bias c; the running addresses are null or c / c / 1 elements ([`RunningAddrs`]); every chunk has
+    // a row. A cooperative launch of at most the resident blocks ([`coop_blocks`]): the grid barriers need it.
     unsafe { bld.launch_cooperative(coop_cfg(blocks)) }.w()?;
     Ok((CudaStorage::wrap_cuda_slice(stats, dev.clone()), CudaStorage::wrap_cuda_slice(y, dev.clone())))
 }
 
 /// A training-mode BatchNorm forward in one cooperative launch (`bn_nhwc_train_v8_*`): x (rows, c), weight and
-/// bias (c) f32 -> (stats (3, c) f32 = [mean, biased var, invstd], y = [relu](bn(x)) like x), with the running
-/// statistics updated in place when `running` is given; bit for bit what [`stats`] and [`apply`] give. None where
-/// the 8-channel kernels do not apply ([`v8_applies`]): the caller runs those two.
+/// bias (c) f32 -> (stats (3, c) f32 = [mean, biased var, invstd], y = [relu](bn(x)) like x, or with `res` (like
+/// x) y = relu(bn(x) + res)), with the running statistics updated in place when `running` is given; bit for bit
+/// what [`stats`] and [`apply`] (or the residual kernels' `bn_add_relu`) give. None where the 8-channel kernels do
+/// not apply ([`v8_applies`]): the caller runs those.
 #[allow(clippy::too_many_arguments)]
 pub fn train(
     x: Arg,
+    res: Option<Arg>,
     w: Arg,
     b: Arg,
     rows: usize,
@@ -672,12 +681,13 @@ pub fn train(
     running: Option<RunningAddrs>,
 ) -> Result<Option<(CudaStorage, CudaStorage)>> {
     const OP: &str = "batch_norm_nhwc_train";
-    if !v8_applies(c, &[x.1], &[w.1, b.1]) {
+    let elems: Vec<&Layout> = std::iter::once(x.1).chain(res.map(|r| r.1)).collect();
+    if !v8_applies(c, &elems, &[w.1, b.1]) || res.is_some_and(|r| r.0.dtype() != x.0.dtype()) {
         return Ok(None);
     }
     let sp = Split::v8(rows, c, OP)?;
     let out = cuda_float!(x.0.dtype(), OP, [F32: f32, BF16: bf16, F16: f16], |T| train_t::<T>(
-        (x, w, b),
+        (x, w, b, res),
         sp,
         eps,
         relu,

@@ -266,6 +266,37 @@ pub fn batch_norm_train(
     running: &Running,
     relu: bool,
 ) -> Result<(Tensor, Tensor)> {
+    batch_norm_train_impl(x, None, weight, bias, eps, running, relu)
+}
+
+/// [`batch_norm_train`] of a residual block's last BatchNorm with the identity shortcut `res` (like x):
+/// (stats, y = relu(bn(x) + res)), in one launch on CUDA, else [`batch_stats`] then [`crate::bn_add_relu`]; the
+/// same values bit for bit.
+pub fn batch_norm_train_add_relu(
+    x: &Tensor,
+    res: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    eps: f64,
+    running: &Running,
+) -> Result<(Tensor, Tensor)> {
+    batch_norm_train_impl(x, Some(res), weight, bias, eps, running, true)
+}
+
+fn batch_norm_train_impl(
+    x: &Tensor,
+    res: Option<&Tensor>,
+    weight: &Tensor,
+    bias: &Tensor,
+    eps: f64,
+    running: &Running,
+    relu: bool,
+) -> Result<(Tensor, Tensor)> {
+    if let Some(r) = res {
+        if r.dims() != x.dims() {
+            candle_core::bail!("batch_norm_train: residual {:?} and x {:?} differ", r.dims(), x.dims());
+        }
+    }
     let (rows, c) = rows_c(x.dims())?;
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() && rows >= 2 {
@@ -280,9 +311,17 @@ pub fn batch_norm_train(
             let (xs, xl) = x.storage_and_layout();
             let (ws, wl) = weight.storage_and_layout();
             let (bs, bl) = bias.storage_and_layout();
+            let rs = res.map(|r| r.storage_and_layout());
+            let ra = match &rs {
+                Some((st, l)) => match &**st {
+                    candle_core::Storage::Cuda(cs) => Some((cs, *l)),
+                    _ => candle_core::bail!("batch_norm_train: the residual must be on the CUDA device"),
+                },
+                None => None,
+            };
             match (&*xs, &*ws, &*bs) {
                 (candle_core::Storage::Cuda(xs), candle_core::Storage::Cuda(ws), candle_core::Storage::Cuda(bs)) => {
-                    crate::cuda::bn::train((xs, xl), (ws, wl), (bs, bl), rows, c, eps, relu, Some(addrs))?
+                    crate::cuda::bn::train((xs, xl), ra, (ws, wl), (bs, bl), rows, c, eps, relu, Some(addrs))?
                 }
                 _ => candle_core::bail!("batch_norm_train: x, weight and bias must all be on the CUDA device"),
             }
@@ -296,7 +335,13 @@ pub fn batch_norm_train(
     }
     let _ = (rows, c);
     let stats = batch_stats(x, eps, running)?;
-    let y = x.apply_op3_no_bwd(weight, bias, &BnApply { relu, stats: stats.clone() })?;
+    let y = match res {
+        Some(r) => {
+            let p = crate::ops::residual::BnParams { stats: stats.clone(), weight: weight.clone(), bias: bias.clone() };
+            crate::ops::residual::bn_add_relu(x, r, &p, None)?
+        }
+        None => x.apply_op3_no_bwd(weight, bias, &BnApply { relu, stats: stats.clone() })?,
+    };
     Ok((stats, y))
 }
 
