@@ -231,10 +231,10 @@ template <typename T, bool TWO>
 __device__ void bnv_join_partial(const T* __restrict__ a, const T* __restrict__ b, const T* __restrict__ y,
                                  T* __restrict__ gout, const T* __restrict__ x, const float* __restrict__ stats,
                                  const float* __restrict__ weight, const float* __restrict__ bias,
-                                 float* __restrict__ part, int64_t rows, int c, int64_t rpc) {
+                                 float* __restrict__ part, int64_t rows, int c, int64_t rpc, int chunk, int chunks) {
     __shared__ float sh[8 * VB];
     const int G = c >> 3, t = threadIdx.x, cg = t % G, rstep = VB / G, ch0 = cg * 8;
-    const int64_t r0 = (int64_t)blockIdx.x * rpc, r1 = min(rows, r0 + rpc);
+    const int64_t r0 = (int64_t)chunk * rpc, r1 = min(rows, r0 + rpc);
     const Consts k = load_consts(stats, weight, bias, c, ch0);
     float ag[8] = {0, 0, 0, 0, 0, 0, 0, 0}, agx[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #pragma unroll 4
@@ -254,7 +254,7 @@ __device__ void bnv_join_partial(const T* __restrict__ a, const T* __restrict__ 
         *reinterpret_cast<Vec8<T>*>(gout + i) = gv;
         add_grad_row(xv, gv, k, 0, ag, agx);
     }
-    write_grad_partials(ag, agx, sh, G, part, c, ch0, blockIdx.x, gridDim.x);
+    write_grad_partials(ag, agx, sh, G, part, c, ch0, chunk, chunks);
 }
 
 template <typename T>
@@ -319,13 +319,13 @@ __device__ void bnv_bwd_dx(const T* __restrict__ x, const T* __restrict__ dy, co
                                                             const float* stats, const float* weight,                \
                                                             const float* bias, float* part, long long rows, int c,  \
                                                             long long rpc) {                                        \
-        bnv_join_partial<T, false>(a, b, y, g, x, stats, weight, bias, part, rows, c, rpc);                         \
+        bnv_join_partial<T, false>(a, b, y, g, x, stats, weight, bias, part, rows, c, rpc, blockIdx.x, gridDim.x);  \
     }                                                                                                               \
     extern "C" __global__ void bn_nhwc_join_sum_2_v8_##NAME(const T* a, const T* b, const T* y, T* g, const T* x,   \
                                                             const float* stats, const float* weight,                \
                                                             const float* bias, float* part, long long rows, int c,  \
                                                             long long rpc) {                                        \
-        bnv_join_partial<T, true>(a, b, y, g, x, stats, weight, bias, part, rows, c, rpc);                          \
+        bnv_join_partial<T, true>(a, b, y, g, x, stats, weight, bias, part, rows, c, rpc, blockIdx.x, gridDim.x);   \
     }
 
 BNV_EXPORT(float, f32)
@@ -483,6 +483,28 @@ __device__ void bnv_train_bwd(const T* __restrict__ x, const T* __restrict__ dy,
     bnv_bwd_dx<T>(x, dy, stats, weight, bias, sums, dx, rows, c, count, relu);
 }
 
+// bn_nhwc_train_join_bwd_{1,2}_v8: a block output's ReLU gradient (joined with the shortcut's gradient b for
+// _2) and its last BatchNorm's backward in one launch, bit for bit bn_nhwc_join_sum_{1,2}_v8 +
+// bn_nhwc_bwd_final_v8 + bn_nhwc_bwd_dx_v8 (relu = 0): phase 1 writes g (the gradient at the pre-ReLU block output)
+// and the sums' partials, phase 3 dx from (x, g).
+template <typename T, bool TWO>
+__device__ void bnv_train_join_bwd(const T* __restrict__ a, const T* __restrict__ b, const T* __restrict__ y,
+                                   T* __restrict__ gout, const T* __restrict__ x, const float* __restrict__ stats,
+                                   const float* __restrict__ weight, const float* __restrict__ bias,
+                                   float* __restrict__ part, float* __restrict__ sums, T* __restrict__ dx,
+                                   int64_t rows, int c, int64_t rpc, int chunks, float count) {
+    cg::grid_group grid = cg::this_grid();
+    for (int k = blockIdx.x; k < chunks; k += gridDim.x) {
+        bnv_join_partial<T, TWO>(a, b, y, gout, x, stats, weight, bias, part, rows, c, rpc, k, chunks);
+    }
+    grid.sync();
+    __shared__ float sh[FY][2];
+    const int tx = threadIdx.x & 1, ty = threadIdx.x >> 1;
+    for (int p = blockIdx.x; p < (c >> 1); p += gridDim.x) bwd_final_cols<2>(part, sums, chunks, c, 2 * p + tx, tx, ty, sh);
+    grid.sync();
+    bnv_bwd_dx<T>(x, gout, stats, weight, bias, sums, dx, rows, c, count, 0);
+}
+
 #define BNV_TRAIN_EXPORT(T, NAME)                                                                                   \
     extern "C" __global__ void __launch_bounds__(VB, 4)                                                             \
         bn_nhwc_train_v8_##NAME(const T* x, const T* res, float* part, float* stats, const float* weight,           \
@@ -497,6 +519,20 @@ __device__ void bnv_train_bwd(const T* __restrict__ x, const T* __restrict__ dy,
                                     const float* bias, float* part, float* sums, T* dx, long long rows, int c,      \
                                     long long rpc, int chunks, float count, int relu) {                             \
         bnv_train_bwd<T>(x, dy, stats, weight, bias, part, sums, dx, rows, c, rpc, chunks, count, relu);            \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(VB, 3) bn_nhwc_train_join_bwd_1_v8_##NAME(                         \
+        const T* a, const T* b, const T* y, T* g, const T* x, const float* stats, const float* weight,              \
+        const float* bias, float* part, float* sums, T* dx, long long rows, int c, long long rpc, int chunks,       \
+        float count) {                                                                                              \
+        bnv_train_join_bwd<T, false>(a, b, y, g, x, stats, weight, bias, part, sums, dx, rows, c, rpc, chunks,      \
+                                     count);                                                                        \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(VB, 3) bn_nhwc_train_join_bwd_2_v8_##NAME(                         \
+        const T* a, const T* b, const T* y, T* g, const T* x, const float* stats, const float* weight,              \
+        const float* bias, float* part, float* sums, T* dx, long long rows, int c, long long rpc, int chunks,       \
+        float count) {                                                                                              \
+        bnv_train_join_bwd<T, true>(a, b, y, g, x, stats, weight, bias, part, sums, dx, rows, c, rpc, chunks,       \
+                                    count);                                                                         \
     }
 
 BNV_TRAIN_EXPORT(float, f32)

@@ -414,13 +414,15 @@ fn batch_stats_with_running_update_cuda_matches_cpu() -> Result<()> {
 /// normalisation between grid-wide barriers) against `batch_stats` + `BnApply` (three launches), and
 /// `batch_norm_train_backward` against `BnGrad` without then with the sums, on CUDA in f32 / bf16 / f16, with and
 /// without the ReLU, and `batch_norm_train_add_relu` (a block output: + the identity shortcut, then the ReLU)
-/// against `batch_stats` + `bn_add_relu`: the statistics, y, running_mean / running_var / num_batches_tracked, the sums and dx must be
+/// against `batch_stats` + `bn_add_relu`, and `join_grad_backward` (a block output's ReLU gradient with its last
+/// BatchNorm's backward) against `join_grad_sums` + `BnGrad` with the sums: the statistics, y, running_mean / running_var / num_batches_tracked, the sums and dx must be
 /// equal bit for bit (same chunks, same reduction order). The shapes include ResNet-152's largest (802,816 rows of
 /// 64 at batch 256 / 4: more chunks than resident blocks, so blocks loop) and a single chunk.
 #[test]
 fn cooperative_batchnorm_matches_the_three_launches() -> Result<()> {
     use kernels::ops::batchnorm::{
-        batch_norm_train, batch_norm_train_add_relu, batch_norm_train_backward, batch_stats, BnApply, BnGrad, Running,
+        batch_norm_train, batch_norm_train_add_relu, batch_norm_train_backward, batch_stats, join_grad_backward,
+        join_grad_sums, BnApply, BnGrad, Running,
     };
     use kernels::ops::residual::BnParams;
     let gpu = cuda()?;
@@ -483,6 +485,34 @@ fn cooperative_batchnorm_matches_the_three_launches() -> Result<()> {
                 }
                 ensure!(one[4] == [4.0], "{what}: num_batches_tracked {:?}, expected 4", one[4]);
                 println!("{what}: bit for bit");
+            }
+            // A block output's ReLU gradient joined with its last BatchNorm's backward (one and two incoming
+            // gradients): join_grad_backward against join_grad_sums + BnGrad with the sums.
+            let stats = xd.apply_op1_no_bwd(&kernels::ops::batchnorm::BnStats { eps: 1e-5 })?;
+            let p = BnParams { stats, weight: w.clone(), bias: b.clone() };
+            let yo = rd.relu()?;
+            for two in [false, true] {
+                let b2 = two.then_some(&rd);
+                let (g1, s1, d1) = join_grad_backward(&gd, b2, &yo, &xd, &p)?;
+                let (g3, s3) = join_grad_sums(&gd, b2, &yo, &xd, &p)?;
+                let op = BnGrad {
+                    relu: false,
+                    stats: p.stats.clone(),
+                    weight: w.clone(),
+                    bias: b.clone(),
+                    sums: Some(s3.clone()),
+                };
+                let d3 = xd.apply_op2_no_bwd(&g3, &op)?;
+                for (name, a, bb) in [("g", &g1, &g3), ("sums", &s1, &s3), ("dz", &d1, &d3)] {
+                    let (a, bb) = (host_f32(a)?, host_f32(bb)?);
+                    let differ = a.iter().zip(&bb).filter(|(p, q)| p.to_bits() != q.to_bits()).count();
+                    ensure!(
+                        differ == 0 && a.len() == bb.len(),
+                        "cooperative join {dims:?} {dt:?} two={two}: {name} differs in {differ} of {} values",
+                        a.len()
+                    );
+                }
+                println!("cooperative join backward {dims:?} {dt:?} two={two}: bit for bit");
             }
         }
     }

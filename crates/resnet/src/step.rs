@@ -299,6 +299,15 @@ struct Engine<'a> {
     weights: HashMap<TensorId, Tensor>,
 }
 
+/// What the kernel that made a BatchNorm's output gradient already computed of that BatchNorm's backward.
+enum Pre {
+    /// Its sums (2, c) = [dbias, dweight] ([`Engine::block_output_grad`] under `bn_sums_in_backward`, the grad-input
+    /// epilogue of [`Engine::conv_backward_sums`]).
+    Sums(Tensor),
+    /// Its sums and its grad-input ([`Engine::block_output_grad`] under `bn_cooperative`: one launch).
+    Done { sums: Tensor, dz: Tensor },
+}
+
 impl<'a> Engine<'a> {
     fn weight(&self, conv: &'a Conv2d) -> Result<ConvW<'a>> {
         let w =
@@ -358,13 +367,23 @@ impl<'a> Engine<'a> {
         s: &BlockSaved,
         a: &Tensor,
         b2: Option<&Tensor>,
-    ) -> Result<(Tensor, Option<Tensor>)> {
+    ) -> Result<(Tensor, Option<Pre>)> {
+        if self.policy.bn_cooperative && self.sync.is_none() {
+            if let (Some(saved), Some(bn)) = (s.bns.last(), b.bns.last()) {
+                if let (Some(z), false) = (&saved.z, frozen(bn)) {
+                    // The ReLU gradient and the BatchNorm's whole backward in one launch on CUDA.
+                    let p = Self::bn_params(bn, &saved.stats);
+                    let (g, sums, dz) = kernels::ops::batchnorm::join_grad_backward(a, b2, &s.out, z, &p)?;
+                    return Ok((g, Some(Pre::Done { sums, dz })));
+                }
+            }
+        }
         if self.policy.bn_sums_in_backward {
             if let (Some(saved), Some(bn)) = (s.bns.last(), b.bns.last()) {
                 if let Some(z) = &saved.z {
                     let p = Self::bn_params(bn, &saved.stats);
                     let (g, sums) = kernels::ops::batchnorm::join_grad_sums(a, b2, &s.out, z, &p)?;
-                    return Ok((g, Some(sums)));
+                    return Ok((g, Some(Pre::Sums(sums))));
                 }
             }
         }
@@ -449,8 +468,17 @@ impl<'a> Engine<'a> {
         g: &Tensor,
         bn: &BatchNorm2d,
         relu: bool,
-        pre: Option<Tensor>,
+        pre: Option<Pre>,
     ) -> Result<Tensor> {
+        let pre = match pre {
+            Some(Pre::Done { sums, dz }) => {
+                self.put(&bn.weight, || sums.get(1))?;
+                self.put(&bn.bias, || sums.get(0))?;
+                return Ok(dz);
+            }
+            Some(Pre::Sums(sums)) => Some(sums),
+            None => None,
+        };
         let p = Self::bn_params(bn, &s.stats);
         let op = BnGrad { relu, stats: p.stats, weight: p.weight, bias: p.bias, sums: None };
         let z = s.z()?;
@@ -572,7 +600,7 @@ impl<'a> Engine<'a> {
         b: &'a Block,
         s: BlockSaved,
         gp: &Tensor,
-        mut pre: Option<Tensor>,
+        mut pre: Option<Pre>,
     ) -> Result<(Tensor, Tensor)> {
         let BlockSaved { x, mut bns, mut acts, down, out, mut weights, down_weight } = s;
         drop(out);
@@ -601,7 +629,7 @@ impl<'a> Engine<'a> {
                 // The conv's input is relu(bn(z)) of the conv before: its sums come with the grad-input.
                 Some(prev) if self.policy.bn_sums_in_backward => {
                     let (dx, sums) = self.conv_backward_sums(&cw, &input, &dz, prev, &b.bns[i - 1])?;
-                    pre = Some(sums);
+                    pre = Some(Pre::Sums(sums));
                     dx
                 }
                 _ => self.conv_backward(&cw, &input, &dz, true)?.expect("grad-input requested"),

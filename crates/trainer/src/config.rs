@@ -446,9 +446,11 @@ pub struct KernelsSection {
     /// The fused step on CUDA runs each BatchNorm whose statistics take a pass (`kernels.bn_stats = "pass"`, and
     /// the backward of any BatchNorm whose sums are not fused) as one cooperative launch forward (moments,
     /// finaliser, normalisation + ReLU) and one backward (sums, finaliser, grad-input), with grid-wide barriers
-    /// between the phases, instead of three launches each: about 600 launches fewer a ResNet-152 step, the same
-    /// results bit for bit. Frozen and synchronised BatchNorms, and the block outputs' (normalised with the
-    /// residual add), keep the separate launches. Off by default until its GPU test has run (not yet: written
+    /// between the phases, instead of three launches each; a block's last BatchNorm with an identity shortcut
+    /// also makes the block output relu(bn(z) + x) in its forward launch, and every block's last BatchNorm takes
+    /// the block output's ReLU gradient into its backward launch: about 650 launches fewer a ResNet-152 step, the
+    /// same results bit for bit. Frozen and synchronised BatchNorms, and the downsample blocks' forward, keep the
+    /// separate launches. Off by default until its GPU test has run (not yet: written
     /// 2026-12-05 with no GPU lent)
     pub bn_cooperative: bool,
 }

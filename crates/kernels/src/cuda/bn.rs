@@ -754,3 +754,71 @@ pub fn train_backward(
     let out = cuda_float!(x.0.dtype(), OP, [F32: f32, BF16: bf16, F16: f16], |T| train_bwd_t::<T>(x, dy, op, sp))?;
     Ok(Some(out))
 }
+
+fn train_join_bwd_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
+    (a, b, y, x): (Arg, Option<Arg>, Arg, Arg),
+    op: &GradArgs,
+    sp: Split,
+) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
+    const OP: &str = "batch_norm_nhwc_train_join_backward";
+    let dev = &a.0.device;
+    let c = sp.c as usize;
+    let len = sp.rows as usize * c;
+    let av = view::<T>(a, len, dev, OP, "a")?;
+    let bv = view::<T>(b.unwrap_or(a), len, dev, OP, "b")?;
+    let yv = view::<T>(y, len, dev, OP, "y")?;
+    let xv = view::<T>(x, len, dev, OP, "z")?;
+    let (st, sl) = held(op.stats);
+    let sv = held_view(&st, sl, 3 * c, dev, OP, "stats")?;
+    let (wt, wl) = held(op.weight);
+    let wv = held_view(&wt, wl, c, dev, OP, "weight")?;
+    let (bt, bl) = held(op.bias);
+    let bnv = held_view(&bt, bl, c, dev, OP, "bias")?;
+    let g = alloc_out::<T>(dev, len)?;
+    // SAFETY: phase 1 writes every (2, chunk, channel) element.
+    let part = unsafe { dev.alloc::<f32>(2 * sp.chunks * c)? };
+    let sums = alloc_out::<f32>(dev, 2 * c)?;
+    let dx = alloc_out::<T>(dev, len)?;
+    let name = format!("bn_nhwc_train_join_bwd_{}_v8_{}", if b.is_some() { 2 } else { 1 }, suffix(T::DTYPE, OP)?);
+    let f = dev.get_or_load_custom_func(&name, MODULE_V8, ptx::BATCHNORM_02_NHWC_VEC)?;
+    let blocks = coop_blocks(dev, &f, &name, sp.chunks)?;
+    let (chunks, count) = (sp.chunks as i32, sp.count());
+    let mut bld = f.builder();
+    bld.arg(&av).arg(&bv).arg(&yv).arg(&g).arg(&xv).arg(&sv).arg(&wv).arg(&bnv).arg(&part).arg(&sums).arg(&dx);
+    bld.arg(&sp.rows).arg(&sp.c).arg(&sp.rows_per_chunk).arg(&chunks).arg(&count);
+    // SAFETY: matches bn_nhwc_train_join_bwd_{1,2}_v8_* (a, b, y, g, x, stats, weight, bias, part, sums, dx, rows, c,
+    // rpc, chunks, count); a, b, y, x, g and dx hold rows*c elements (g and dx fresh), stats 3 c, weight and bias c,
+    // all 16-byte aligned with c % 8 == 0 and 256 % (c / 8) == 0 (checked by the caller, v8_applies); part
+    // 2 chunks c, sums 2 c. Cooperative, at most the resident blocks ([`coop_blocks`]).
+    unsafe { bld.launch_cooperative(coop_cfg(blocks)) }.w()?;
+    let wrap = |s| CudaStorage::wrap_cuda_slice(s, dev.clone());
+    Ok((wrap(g), CudaStorage::wrap_cuda_slice(sums, dev.clone()), wrap(dx)))
+}
+
+/// A block output's ReLU gradient and its last BatchNorm's backward in one cooperative launch
+/// (`bn_nhwc_train_join_bwd_{1,2}_v8_*`): g = a (+ b) where the block's ReLU output y is positive, then the sums
+/// (2, c) and dx of the BatchNorm `op` (no ReLU of its own, `op.sums` None) over (x, g): (g, sums, dx), bit for bit
+/// what [`join_sums`] and [`grad`] with the sums give. None where the 8-channel kernels do not apply.
+pub fn train_join_backward(
+    (a, b, y, x): (Arg, Option<Arg>, Arg, Arg),
+    op: &GradArgs,
+    rows: usize,
+    c: usize,
+) -> Result<Option<(CudaStorage, CudaStorage, CudaStorage)>> {
+    const OP: &str = "batch_norm_nhwc_train_join_backward";
+    let dts = [Some(a.0.dtype()), b.map(|b| b.0.dtype()), Some(y.0.dtype()), Some(x.0.dtype())];
+    if op.sums.is_some() || op.relu || dts.iter().flatten().any(|d| *d != a.0.dtype()) {
+        return Ok(None);
+    }
+    let elems = [a.1, b.map_or(a.1, |b| b.1), y.1, x.1];
+    if !v8_applies(c, &elems, &[op.stats.layout(), op.weight.layout(), op.bias.layout()]) {
+        return Ok(None);
+    }
+    let sp = Split::v8(rows, c, OP)?;
+    let out = cuda_float!(a.0.dtype(), OP, [F32: f32, BF16: bf16, F16: f16], |T| train_join_bwd_t::<T>(
+        (a, b, y, x),
+        op,
+        sp
+    ))?;
+    Ok(Some(out))
+}

@@ -385,6 +385,63 @@ pub fn batch_norm_train_backward(x: &Tensor, dy: &Tensor, grad: &BnGrad) -> Resu
     Ok((sums, dx))
 }
 
+/// A residual block's output gradient joined with its last BatchNorm's whole backward: g = `a` (+ `b`) where the
+/// block's ReLU output `y` is positive ([`join_grad_sums`]'s g), then that BatchNorm's (`p`, over its input `z`, no
+/// ReLU of its own) sums (2, c) and grad-input: (g, sums, dz). On CUDA, where the 8-channel kernels apply, in one
+/// cooperative launch (`bn_nhwc_train_join_bwd_*`) instead of four (the ReLU gradient, the sums, their finaliser,
+/// dz); elsewhere [`join_grad_sums`] then [`BnGrad`] with the sums. The same values bit for bit.
+pub fn join_grad_backward(
+    a: &Tensor,
+    b: Option<&Tensor>,
+    y: &Tensor,
+    z: &Tensor,
+    p: &crate::ops::residual::BnParams,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if a.device().is_cuda()
+        && [Some(a), Some(y), Some(z), b].iter().flatten().all(|t| t.dims() == a.dims() && t.is_contiguous())
+    {
+        let (rows, c) = rows_c(a.dims())?;
+        let args =
+            crate::cuda::bn::GradArgs { relu: false, stats: &p.stats, weight: &p.weight, bias: &p.bias, sums: None };
+        let out = {
+            let guards: Vec<_> =
+                [Some(a), b, Some(y), Some(z)].into_iter().flatten().map(|t| t.storage_and_layout()).collect();
+            let mut args_cuda = Vec::with_capacity(guards.len());
+            for (st, l) in &guards {
+                match &**st {
+                    candle_core::Storage::Cuda(cs) => args_cuda.push((cs, *l)),
+                    _ => candle_core::bail!("join_grad_backward: every operand must be on the CUDA device"),
+                }
+            }
+            let (av, bv, yv, zv) = match args_cuda.as_slice() {
+                [a, y, z] => (*a, None, *y, *z),
+                [a, b, y, z] => (*a, Some(*b), *y, *z),
+                _ => candle_core::bail!("join_grad_backward: operand count"),
+            };
+            crate::cuda::bn::train_join_backward((av, bv, yv, zv), &args, rows, c)?
+        };
+        if let Some((g, sums, dz)) = out {
+            let none = candle_core::op::BackpropOp::none;
+            let shape = a.shape().clone();
+            let g = Tensor::from_storage(candle_core::Storage::Cuda(g), shape.clone(), none(), false);
+            let sums = Tensor::from_storage(candle_core::Storage::Cuda(sums), (2, c), none(), false);
+            let dz = Tensor::from_storage(candle_core::Storage::Cuda(dz), shape, none(), false);
+            return Ok((g, sums, dz));
+        }
+    }
+    let (g, sums) = join_grad_sums(a, b, y, z, p)?;
+    let op = BnGrad {
+        relu: false,
+        stats: p.stats.clone(),
+        weight: p.weight.clone(),
+        bias: p.bias.clone(),
+        sums: Some(sums.clone()),
+    };
+    let dz = z.apply_op2_no_bwd(&g, &op)?;
+    Ok((g, sums, dz))
+}
+
 /// The gradient at a residual block's output and its last BatchNorm's backward sums, as one pass where it can:
 /// g = `a` (+ `b`) where the block's ReLU output `y` is positive (what [`crate::relu_grad`] /
 /// [`crate::add_relu_grad`] give) and the sums (2, c) = [sum g, sum g * xhat] of the BatchNorm `p` that made the
