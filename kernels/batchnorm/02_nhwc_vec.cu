@@ -466,6 +466,64 @@ __device__ void bnv_train(const T* __restrict__ x, const T* __restrict__ res, fl
     }
 }
 
+// A downsample block's output in one launch: the statistics of its last conv output x and of the downsample conv
+// output r (same rows and channels), then y = relu(bn(x) + bn_r(r)), bit for bit bn_nhwc_moments_v8 +
+// bn_nhwc_moments_final twice + the residual kernels' bn_add_relu_bn_v8 (v = bn(x), res = bn_r(r), s = v + res).
+// Phase 1 runs both tensors' chunks (work items 0 .. 2 chunks), phase 2 both finalisers (2 x c / 2 channel pairs).
+template <typename T>
+__device__ void bnv_train2(const T* __restrict__ x, const T* __restrict__ r, float* __restrict__ part,
+                           float* __restrict__ part_r, float* __restrict__ stats, float* __restrict__ stats_r,
+                           const float* __restrict__ weight, const float* __restrict__ bias,
+                           const float* __restrict__ weight_r, const float* __restrict__ bias_r, T* __restrict__ y,
+                           int64_t rows, int c, int64_t rpc, int chunks, float eps, float eps_r, float* running_mean,
+                           float* running_var, long long* num_batches_tracked, float* running_mean_r,
+                           float* running_var_r, long long* num_batches_tracked_r, float momentum, float momentum_r) {
+    cg::grid_group grid = cg::this_grid();
+    for (int k = blockIdx.x; k < 2 * chunks; k += gridDim.x) {
+        if (k < chunks) {
+            bnv_moments<T>(x, part, rows, c, rpc, k, chunks);
+        } else {
+            bnv_moments<T>(r, part_r, rows, c, rpc, k - chunks, chunks);
+        }
+    }
+    grid.sync();
+    __shared__ float sh[FY][2];
+    const int tx = threadIdx.x & 1, ty = threadIdx.x >> 1, pairs = c >> 1;
+    for (int p = blockIdx.x; p < 2 * pairs; p += gridDim.x) {
+        if (p < pairs) {
+            moments_final_cols<2>(part, stats, chunks, c, rows, rpc, eps, running_mean, running_var, momentum,
+                                  2 * p + tx, tx, ty, sh);
+        } else {
+            moments_final_cols<2>(part_r, stats_r, chunks, c, rows, rpc, eps_r, running_mean_r, running_var_r,
+                                  momentum_r, 2 * (p - pairs) + tx, tx, ty, sh);
+        }
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        if (num_batches_tracked != nullptr) num_batches_tracked[0] += 1;
+        if (num_batches_tracked_r != nullptr) num_batches_tracked_r[0] += 1;
+    }
+    grid.sync();
+    const int64_t groups = rows * (int64_t)(c >> 3);
+    const int64_t g0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int ch0 = (int)(g0 % (c >> 3)) * 8;
+    const Consts k = load_consts(stats, weight, bias, c, ch0);
+    const Consts kr = load_consts(stats_r, weight_r, bias_r, c, ch0);
+    for (int64_t g = g0; g < groups; g += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t i = g * 8;
+        const Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(x + i);
+        const Vec8<T> rv = *reinterpret_cast<const Vec8<T>*>(r + i);
+        Vec8<T> o;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float a = bn_pre(to_f32(v.v[j]), k.mean[j], k.scale[j], k.shift[j]);
+            const float b = bn_pre(to_f32(rv.v[j]), kr.mean[j], kr.scale[j], kr.shift[j]);
+            const float f = a + b;
+            o.v[j] = from_f32<T>(f > 0.0f ? f : 0.0f);
+        }
+        *reinterpret_cast<Vec8<T>*>(y + i) = o;
+    }
+}
+
 template <typename T>
 __device__ void bnv_train_bwd(const T* __restrict__ x, const T* __restrict__ dy, const float* __restrict__ stats,
                               const float* __restrict__ weight, const float* __restrict__ bias,
@@ -519,6 +577,16 @@ __device__ void bnv_train_join_bwd(const T* __restrict__ a, const T* __restrict_
                                     const float* bias, float* part, float* sums, T* dx, long long rows, int c,      \
                                     long long rpc, int chunks, float count, int relu) {                             \
         bnv_train_bwd<T>(x, dy, stats, weight, bias, part, sums, dx, rows, c, rpc, chunks, count, relu);            \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(VB, 3) bn_nhwc_train2_v8_##NAME(                                   \
+        const T* x, const T* r, float* part, float* part_r, float* stats, float* stats_r, const float* weight,      \
+        const float* bias, const float* weight_r, const float* bias_r, T* y, long long rows, int c, long long rpc,  \
+        int chunks, float eps, float eps_r, float* running_mean, float* running_var, long long* num_batches_tracked,\
+        float* running_mean_r, float* running_var_r, long long* num_batches_tracked_r, float momentum,              \
+        float momentum_r) {                                                                                         \
+        bnv_train2<T>(x, r, part, part_r, stats, stats_r, weight, bias, weight_r, bias_r, y, rows, c, rpc, chunks,   \
+                      eps, eps_r, running_mean, running_var, num_batches_tracked, running_mean_r, running_var_r,     \
+                      num_batches_tracked_r, momentum, momentum_r);                                                 \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(VB, 3) bn_nhwc_train_join_bwd_1_v8_##NAME(                         \
         const T* a, const T* b, const T* y, T* g, const T* x, const float* stats, const float* weight,              \

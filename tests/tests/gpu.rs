@@ -415,14 +415,15 @@ fn batch_stats_with_running_update_cuda_matches_cpu() -> Result<()> {
 /// `batch_norm_train_backward` against `BnGrad` without then with the sums, on CUDA in f32 / bf16 / f16, with and
 /// without the ReLU, and `batch_norm_train_add_relu` (a block output: + the identity shortcut, then the ReLU)
 /// against `batch_stats` + `bn_add_relu`, and `join_grad_backward` (a block output's ReLU gradient with its last
-/// BatchNorm's backward) against `join_grad_sums` + `BnGrad` with the sums: the statistics, y, running_mean / running_var / num_batches_tracked, the sums and dx must be
+/// BatchNorm's backward) against `join_grad_sums` + `BnGrad` with the sums, and `batch_norm_train2_add_relu` (a
+/// downsample block's output) against two `batch_stats` + `bn_add_relu` with the normalised shortcut: the statistics, y, running_mean / running_var / num_batches_tracked, the sums and dx must be
 /// equal bit for bit (same chunks, same reduction order). The shapes include ResNet-152's largest (802,816 rows of
 /// 64 at batch 256 / 4: more chunks than resident blocks, so blocks loop) and a single chunk.
 #[test]
 fn cooperative_batchnorm_matches_the_three_launches() -> Result<()> {
     use kernels::ops::batchnorm::{
-        batch_norm_train, batch_norm_train_add_relu, batch_norm_train_backward, batch_stats, join_grad_backward,
-        join_grad_sums, BnApply, BnGrad, Running,
+        batch_norm_train, batch_norm_train2_add_relu, batch_norm_train_add_relu, batch_norm_train_backward,
+        batch_stats, join_grad_backward, join_grad_sums, BnApply, BnGrad, Running, TrainBn,
     };
     use kernels::ops::residual::BnParams;
     let gpu = cuda()?;
@@ -485,6 +486,48 @@ fn cooperative_batchnorm_matches_the_three_launches() -> Result<()> {
                 }
                 ensure!(one[4] == [4.0], "{what}: num_batches_tracked {:?}, expected 4", one[4]);
                 println!("{what}: bit for bit");
+            }
+            // A downsample block's output: both statistics and relu(bn(x) + bn_r(r)) in one launch against two
+            // batch_stats and bn_add_relu with the normalised shortcut (running statistics of both included).
+            {
+                let (w2, b2) = (Tensor::randn(0f32, 1.0, c, &gpu)?, Tensor::randn(0f32, 0.5, c, &gpu)?);
+                let run2 = |one: bool| -> Result<Vec<Vec<f32>>> {
+                    let fresh = || -> Result<(Var, Var, Var)> {
+                        let nb = Var::from_tensor(&Tensor::new(3i64, &gpu)?)?;
+                        Ok((Var::from_tensor(&rm0.copy()?)?, Var::from_tensor(&rv0.copy()?)?, nb))
+                    };
+                    let ((m1, v1, n1), (m2, v2, n2)) = (fresh()?, fresh()?);
+                    let r1 = Running { mean: &m1, var: &v1, num_batches_tracked: &n1, momentum: 0.1 };
+                    let r2 = Running { mean: &m2, var: &v2, num_batches_tracked: &n2, momentum: 0.2 };
+                    let (s1, s2, y) = if one {
+                        let main = TrainBn { weight: &w, bias: &b, eps: 1e-5, running: &r1 };
+                        let short = TrainBn { weight: &w2, bias: &b2, eps: 1e-3, running: &r2 };
+                        batch_norm_train2_add_relu(&xd, &rd, main, short)?
+                    } else {
+                        let s1 = batch_stats(&xd, 1e-5, &r1)?;
+                        let s2 = batch_stats(&rd, 1e-3, &r2)?;
+                        let p1 = BnParams { stats: s1.clone(), weight: w.clone(), bias: b.clone() };
+                        let p2 = BnParams { stats: s2.clone(), weight: w2.clone(), bias: b2.clone() };
+                        let y = kernels::bn_add_relu(&xd, &rd, &p1, Some(&p2))?;
+                        (s1, s2, y)
+                    };
+                    let (n1, n2) = (n1.as_tensor().to_dtype(DType::F32)?, n2.as_tensor().to_dtype(DType::F32)?);
+                    [&s1, &s2, &y, m1.as_tensor(), v1.as_tensor(), &n1, m2.as_tensor(), v2.as_tensor(), &n2]
+                        .iter()
+                        .map(|t| host_f32(t))
+                        .collect()
+                };
+                let (one, five) = (run2(true)?, run2(false)?);
+                for (k, (a, bb)) in one.iter().zip(&five).enumerate() {
+                    let differ = a.iter().zip(bb).filter(|(p, q)| p.to_bits() != q.to_bits()).count();
+                    ensure!(
+                        differ == 0 && a.len() == bb.len(),
+                        "cooperative downsample output {dims:?} {dt:?}: output {k} differs in {differ} of {} values",
+                        a.len()
+                    );
+                }
+                ensure!(one[5] == [4.0] && one[8] == [4.0], "num_batches_tracked {:?} {:?}", one[5], one[8]);
+                println!("cooperative downsample output {dims:?} {dt:?}: bit for bit");
             }
             // A block output's ReLU gradient joined with its last BatchNorm's backward (one and two incoming
             // gradients): join_grad_backward against join_grad_sums + BnGrad with the sums.

@@ -561,7 +561,22 @@ impl<'a> Engine<'a> {
                 let (w, bb) = (bn.weight.var().as_tensor().detach(), bn.bias.var().as_tensor().detach());
                 let (stats, out) =
                     kernels::ops::batchnorm::batch_norm_train_add_relu(&z, &x, &w, &bb, bn.eps, &bn.running())?;
-                joined = Some(out);
+                joined = Some((out, None));
+                BnSaved { z: Some(z), stats, global_rows: None }
+            } else if let Some(d) = b.downsample.as_ref().filter(|d| self.cooperative(bn) && self.cooperative(&d.bn)) {
+                // Both BatchNorms' statistics and the block output in one launch.
+                let z = self.conv(&inp, &cw)?;
+                let dcw = self.weight(&d.conv)?;
+                let zd = self.conv(&x, &dcw)?;
+                let param =
+                    |bn: &BatchNorm2d| (bn.weight.var().as_tensor().detach(), bn.bias.var().as_tensor().detach());
+                let ((w, bb), (wd, bd)) = (param(bn), param(&d.bn));
+                let (run, run_d) = (bn.running(), d.bn.running());
+                use kernels::ops::batchnorm::TrainBn;
+                let main = TrainBn { weight: &w, bias: &bb, eps: bn.eps, running: &run };
+                let short = TrainBn { weight: &wd, bias: &bd, eps: d.bn.eps, running: &run_d };
+                let (stats, stats_d, out) = kernels::ops::batchnorm::batch_norm_train2_add_relu(&z, &zd, main, short)?;
+                joined = Some((out, Some((BnSaved { z: Some(zd), stats: stats_d, global_rows: None }, dcw.w))));
                 BnSaved { z: Some(z), stats, global_rows: None }
             } else {
                 self.conv_stats(&inp, &cw, bn)?
@@ -570,17 +585,16 @@ impl<'a> Engine<'a> {
             bns.push(saved);
         }
         let main = Self::bn_params(&b.bns[last], &bns[last].stats);
-        let (out, mut down, down_weight) = match &b.downsample {
-            Some(d) => {
+        let (out, mut down, down_weight) = match (&b.downsample, joined) {
+            (_, Some((out, Some((saved, w))))) => (out, Some(saved), Some(w)),
+            (None, Some((out, None))) => (out, None, None),
+            (Some(d), _) => {
                 let cw = self.weight(&d.conv)?;
                 let saved = self.conv_stats(&x, &cw, &d.bn)?;
                 let res = Self::bn_params(&d.bn, &saved.stats);
                 (kernels::bn_add_relu(bns[last].z()?, saved.z()?, &main, Some(&res))?, Some(saved), Some(cw.w))
             }
-            None => match joined {
-                Some(out) => (out, None, None),
-                None => (kernels::bn_add_relu(bns[last].z()?, &x, &main, None)?, None, None),
-            },
+            (None, _) => (kernels::bn_add_relu(bns[last].z()?, &x, &main, None)?, None, None),
         };
         if self.recompute == Recompute::ReluConv {
             // The backward runs these two convs again (block_backward).

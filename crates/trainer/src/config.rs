@@ -448,9 +448,9 @@ pub struct KernelsSection {
     /// finaliser, normalisation + ReLU) and one backward (sums, finaliser, grad-input), with grid-wide barriers
     /// between the phases, instead of three launches each; a block's last BatchNorm with an identity shortcut
     /// also makes the block output relu(bn(z) + x) in its forward launch, and every block's last BatchNorm takes
-    /// the block output's ReLU gradient into its backward launch: about 650 launches fewer a ResNet-152 step, the
-    /// same results bit for bit. Frozen and synchronised BatchNorms, and the downsample blocks' forward, keep the
-    /// separate launches. Off by default until its GPU test has run (not yet: written
+    /// the block output's ReLU gradient into its backward launch, and a downsample block's two BatchNorms make
+    /// the block output in one forward launch: about 670 launches fewer a ResNet-152 step, the same results bit
+    /// for bit. Frozen and synchronised BatchNorms keep the separate launches. Off by default until its GPU test has run (not yet: written
     /// 2026-12-05 with no GPU lent)
     pub bn_cooperative: bool,
 }

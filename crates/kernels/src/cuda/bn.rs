@@ -822,3 +822,74 @@ pub fn train_join_backward(
     ))?;
     Ok(Some(out))
 }
+
+/// One BatchNorm of [`train2`]: its weight and bias (c) f32, eps and running statistics.
+#[derive(Clone, Copy)]
+pub struct TrainBn<'a> {
+    pub weight: Arg<'a>,
+    pub bias: Arg<'a>,
+    pub eps: f64,
+    pub running: Option<RunningAddrs>,
+}
+
+fn train2_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
+    (x, r): (Arg, Arg),
+    (bn, bn_r): (TrainBn, TrainBn),
+    sp: Split,
+) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
+    const OP: &str = "batch_norm_nhwc_train2";
+    let dev = &x.0.device;
+    let c = sp.c as usize;
+    let len = sp.rows as usize * c;
+    let (xv, rv) = (view::<T>(x, len, dev, OP, "x")?, view::<T>(r, len, dev, OP, "residual")?);
+    let (wv, bv) = (view::<f32>(bn.weight, c, dev, OP, "weight")?, view::<f32>(bn.bias, c, dev, OP, "bias")?);
+    let wrv = view::<f32>(bn_r.weight, c, dev, OP, "residual weight")?;
+    let brv = view::<f32>(bn_r.bias, c, dev, OP, "residual bias")?;
+    // SAFETY: phase 1 writes every (chunk, channel) element of both halves of both, chunk 0 the shifts.
+    let (part, part_r) =
+        unsafe { (dev.alloc::<f32>((2 * sp.chunks + 1) * c)?, dev.alloc::<f32>((2 * sp.chunks + 1) * c)?) };
+    let (stats, stats_r) = (alloc_out::<f32>(dev, 3 * c)?, alloc_out::<f32>(dev, 3 * c)?);
+    let y = alloc_out::<T>(dev, len)?;
+    let name = format!("bn_nhwc_train2_v8_{}", suffix(T::DTYPE, OP)?);
+    let f = dev.get_or_load_custom_func(&name, MODULE_V8, ptx::BATCHNORM_02_NHWC_VEC)?;
+    let blocks = coop_blocks(dev, &f, &name, 2 * sp.chunks)?;
+    let (chunks, eps, eps_r) = (sp.chunks as i32, bn.eps as f32, bn_r.eps as f32);
+    let (rm, rvar, nb, momentum) = RunningAddrs::kernel_args(bn.running);
+    let (rm_r, rvar_r, nb_r, momentum_r) = RunningAddrs::kernel_args(bn_r.running);
+    let mut bld = f.builder();
+    bld.arg(&xv).arg(&rv).arg(&part).arg(&part_r).arg(&stats).arg(&stats_r);
+    bld.arg(&wv).arg(&bv).arg(&wrv).arg(&brv).arg(&y);
+    bld.arg(&sp.rows).arg(&sp.c).arg(&sp.rows_per_chunk).arg(&chunks).arg(&eps).arg(&eps_r);
+    bld.arg(&rm).arg(&rvar).arg(&nb).arg(&rm_r).arg(&rvar_r).arg(&nb_r).arg(&momentum).arg(&momentum_r);
+    // SAFETY: matches bn_nhwc_train2_v8_* (x, r, part, part_r, stats, stats_r, weight, bias, weight_r, bias_r, y,
+    // rows, c, rpc, chunks, eps, eps_r, running_mean, running_var, num_batches_tracked, running_mean_r,
+    // running_var_r, num_batches_tracked_r, momentum, momentum_r); x, r and y hold rows*c elements (16-byte aligned,
+    // c % 8 == 0, 256 % (c / 8) == 0: v8_applies; y fresh), the partials (2 chunks + 1) c each, the statistics 3 c
+    // each, weights and biases c; running addresses null or c / c / 1 elements. Cooperative, at most the resident
+    // blocks ([`coop_blocks`]).
+    unsafe { bld.launch_cooperative(coop_cfg(blocks)) }.w()?;
+    let wrap = |s| CudaStorage::wrap_cuda_slice(s, dev.clone());
+    Ok((wrap(stats), wrap(stats_r), CudaStorage::wrap_cuda_slice(y, dev.clone())))
+}
+
+/// A downsample block's output in one cooperative launch (`bn_nhwc_train2_v8_*`): the statistics of its last conv
+/// output x and of the downsample conv output r (both (rows, c), one dtype), each BatchNorm's running statistics
+/// updated, and y = relu(bn(x) + bn_r(r)): (stats, stats_r, y), bit for bit two [`stats`] and the residual
+/// kernels' `bn_add_relu` with the normalised shortcut. None where the 8-channel kernels do not apply.
+pub fn train2(
+    (x, r): (Arg, Arg),
+    bn: TrainBn,
+    bn_r: TrainBn,
+    rows: usize,
+    c: usize,
+) -> Result<Option<(CudaStorage, CudaStorage, CudaStorage)>> {
+    const OP: &str = "batch_norm_nhwc_train2";
+    let chans = [bn.weight.1, bn.bias.1, bn_r.weight.1, bn_r.bias.1];
+    if !v8_applies(c, &[x.1, r.1], &chans) || r.0.dtype() != x.0.dtype() {
+        return Ok(None);
+    }
+    let sp = Split::v8(rows, c, OP)?;
+    let out =
+        cuda_float!(x.0.dtype(), OP, [F32: f32, BF16: bf16, F16: f16], |T| train2_t::<T>((x, r), (bn, bn_r), sp))?;
+    Ok(Some(out))
+}

@@ -212,6 +212,18 @@ pub struct Running<'a> {
     pub momentum: f64,
 }
 
+/// The device addresses of `running`'s buffers (c channels), for the launches that update them in place.
+#[cfg(feature = "cuda")]
+fn running_addrs(running: &Running, c: usize) -> Result<crate::cuda::bn::RunningAddrs> {
+    use crate::cuda::addr_of;
+    Ok(crate::cuda::bn::RunningAddrs {
+        mean: addr_of::<f32>(running.mean.as_tensor(), c, "running_mean")?,
+        var: addr_of::<f32>(running.var.as_tensor(), c, "running_var")?,
+        num_batches_tracked: addr_of::<i64>(running.num_batches_tracked.as_tensor(), 1, "num_batches_tracked")?,
+        momentum: running.momentum as f32,
+    })
+}
+
 /// PyTorch's running update from a batch's per-channel mean and biased variance over `count` values each:
 /// running = (1 - momentum) running + momentum batch, with the variance made unbiased (count / (count - 1)), and
 /// num_batches_tracked + 1. Composed of candle ops (the autograd path and the CPU).
@@ -238,14 +250,8 @@ pub fn batch_stats(x: &Tensor, eps: f64, running: &Running) -> Result<Tensor> {
     }
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() {
-        use crate::cuda::addr_of;
         let c = x.dims()[x.rank() - 1];
-        let addrs = crate::cuda::bn::RunningAddrs {
-            mean: addr_of::<f32>(running.mean.as_tensor(), c, "running_mean")?,
-            var: addr_of::<f32>(running.var.as_tensor(), c, "running_var")?,
-            num_batches_tracked: addr_of::<i64>(running.num_batches_tracked.as_tensor(), 1, "num_batches_tracked")?,
-            momentum: running.momentum as f32,
-        };
+        let addrs = running_addrs(running, c)?;
         return x.apply_op1_no_bwd(&BnStatsRunning { eps, running: addrs });
     }
     let stats = x.apply_op1_no_bwd(&BnStats { eps })?;
@@ -300,13 +306,7 @@ fn batch_norm_train_impl(
     let (rows, c) = rows_c(x.dims())?;
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() && rows >= 2 {
-        use crate::cuda::addr_of;
-        let addrs = crate::cuda::bn::RunningAddrs {
-            mean: addr_of::<f32>(running.mean.as_tensor(), c, "running_mean")?,
-            var: addr_of::<f32>(running.var.as_tensor(), c, "running_var")?,
-            num_batches_tracked: addr_of::<i64>(running.num_batches_tracked.as_tensor(), 1, "num_batches_tracked")?,
-            momentum: running.momentum as f32,
-        };
+        let addrs = running_addrs(running, c)?;
         let out = {
             let (xs, xl) = x.storage_and_layout();
             let (ws, wl) = weight.storage_and_layout();
@@ -343,6 +343,63 @@ fn batch_norm_train_impl(
         None => x.apply_op3_no_bwd(weight, bias, &BnApply { relu, stats: stats.clone() })?,
     };
     Ok((stats, y))
+}
+
+/// One training-mode BatchNorm of [`batch_norm_train2_add_relu`]: weight and bias (c) f32, eps, running statistics.
+#[derive(Clone, Copy)]
+pub struct TrainBn<'a> {
+    pub weight: &'a Tensor,
+    pub bias: &'a Tensor,
+    pub eps: f64,
+    pub running: &'a Running<'a>,
+}
+
+/// A downsample block's output: the batch statistics of its last conv output `x` and of the downsample conv
+/// output `r` (each BatchNorm's running statistics updated), and y = relu(bn(x) + bn_r(r)): (stats, stats_r, y).
+/// On CUDA, where the 8-channel kernels apply, in one cooperative launch (`bn_nhwc_train2_v8_*`) instead of five;
+/// elsewhere two [`batch_stats`] and [`crate::ops::residual::bn_add_relu`]. The same values bit for bit.
+pub fn batch_norm_train2_add_relu(
+    x: &Tensor,
+    r: &Tensor,
+    bn: TrainBn,
+    bn_r: TrainBn,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    if r.dims() != x.dims() {
+        candle_core::bail!("batch_norm_train2_add_relu: x {:?} and the shortcut {:?} differ", x.dims(), r.dims());
+    }
+    let (rows, c) = rows_c(x.dims())?;
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() && rows >= 2 {
+        let (ra, rb) = (running_addrs(bn.running, c)?, running_addrs(bn_r.running, c)?);
+        let out = {
+            let ts = [x, r, bn.weight, bn.bias, bn_r.weight, bn_r.bias];
+            let guards: Vec<_> = ts.iter().map(|t| t.storage_and_layout()).collect();
+            let mut a = Vec::with_capacity(guards.len());
+            for (st, l) in &guards {
+                match &**st {
+                    candle_core::Storage::Cuda(cs) => a.push((cs, *l)),
+                    _ => candle_core::bail!("batch_norm_train2_add_relu: every operand must be on the CUDA device"),
+                }
+            }
+            let one = crate::cuda::bn::TrainBn { weight: a[2], bias: a[3], eps: bn.eps, running: Some(ra) };
+            let two = crate::cuda::bn::TrainBn { weight: a[4], bias: a[5], eps: bn_r.eps, running: Some(rb) };
+            crate::cuda::bn::train2((a[0], a[1]), one, two, rows, c)?
+        };
+        if let Some((s1, s2, y)) = out {
+            let none = candle_core::op::BackpropOp::none;
+            let s1 = Tensor::from_storage(candle_core::Storage::Cuda(s1), (3, c), none(), false);
+            let s2 = Tensor::from_storage(candle_core::Storage::Cuda(s2), (3, c), none(), false);
+            let y = Tensor::from_storage(candle_core::Storage::Cuda(y), x.shape().clone(), none(), false);
+            return Ok((s1, s2, y));
+        }
+    }
+    let _ = (rows, c);
+    let s1 = batch_stats(x, bn.eps, bn.running)?;
+    let s2 = batch_stats(r, bn_r.eps, bn_r.running)?;
+    let p1 = crate::ops::residual::BnParams { stats: s1.clone(), weight: bn.weight.clone(), bias: bn.bias.clone() };
+    let p2 = crate::ops::residual::BnParams { stats: s2.clone(), weight: bn_r.weight.clone(), bias: bn_r.bias.clone() };
+    let y = crate::ops::residual::bn_add_relu(x, r, &p1, Some(&p2))?;
+    Ok((s1, s2, y))
 }
 
 /// The backward of a training-mode BatchNorm (+ ReLU when `grad.relu`) over (x, dy) from `grad`'s statistics,
@@ -593,13 +650,7 @@ pub fn batch_stats_from_partials(part: &Tensor, rows: usize, c: usize, eps: f64,
     }
     #[cfg(feature = "cuda")]
     if part.device().is_cuda() {
-        use crate::cuda::addr_of;
-        let addrs = crate::cuda::bn::RunningAddrs {
-            mean: addr_of::<f32>(running.mean.as_tensor(), c, "running_mean")?,
-            var: addr_of::<f32>(running.var.as_tensor(), c, "running_var")?,
-            num_batches_tracked: addr_of::<i64>(running.num_batches_tracked.as_tensor(), 1, "num_batches_tracked")?,
-            momentum: running.momentum as f32,
-        };
+        let addrs = running_addrs(running, c)?;
         return part.apply_op1_no_bwd(&BnStatsFromPartials { rows, c, eps, running: Some(addrs) });
     }
     let _ = (part, eps, running);
