@@ -20,7 +20,9 @@
 //
 // Exported: bn_nhwc_{moments,apply,bwd_sum,bwd_dx}_v8_{f32,bf16,f16}, bn_nhwc_join_sum_{1,2}_v8_{f32,bf16,f16}
 // (the block output's ReLU gradient with its BatchNorm's backward sums), bn_nhwc_moments_final,
-// bn_nhwc_bwd_final_v8, bn_nhwc_running_update.
+// bn_nhwc_bwd_final_v8, bn_nhwc_running_update; the cooperative one-launch kernels (kernels.bn_cooperative, at the
+// end): bn_nhwc_train_v8, bn_nhwc_train2_v8, bn_nhwc_train_bwd_v8, bn_nhwc_train_join_bwd_{1,2}_v8, each
+// _{f32,bf16,f16}.
 
 #include "common.cuh"
 
@@ -110,7 +112,8 @@ struct Consts {
     float mean[8], invstd[8], scale[8], shift[8];
 };
 
-__device__ __forceinline__ Consts load_consts(const float* __restrict__ stats, const float* __restrict__ weight,
+// (stats is not __restrict__: the cooperative kernels read it after writing it in an earlier phase.)
+__device__ __forceinline__ Consts load_consts(const float* stats, const float* __restrict__ weight,
                                               const float* __restrict__ bias, int c, int ch0) {
     Consts k;
     float w[8];
@@ -124,7 +127,7 @@ __device__ __forceinline__ Consts load_consts(const float* __restrict__ stats, c
 }
 
 template <typename T>
-__device__ void bnv_apply(const T* __restrict__ x, const float* __restrict__ stats, const float* __restrict__ weight,
+__device__ void bnv_apply(const T* __restrict__ x, const float* stats, const float* __restrict__ weight,
                           const float* __restrict__ bias, T* __restrict__ y, int64_t rows, int c, int relu) {
     const int64_t groups = rows * (int64_t)(c >> 3);
     const int64_t g0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -147,7 +150,7 @@ __device__ void bnv_apply(const T* __restrict__ x, const float* __restrict__ sta
 // y = relu(bn(x) + r): bnv_apply with the identity shortcut r added before the ReLU, each element as
 // kernels/residual/01_fused.cu's bn_add_relu (raw) computes it (v = bn_pre(x), s = v + r, rounded once).
 template <typename T>
-__device__ void bnv_apply_add_relu(const T* __restrict__ x, const T* __restrict__ r, const float* __restrict__ stats,
+__device__ void bnv_apply_add_relu(const T* __restrict__ x, const T* __restrict__ r, const float* stats,
                                    const float* __restrict__ weight, const float* __restrict__ bias,
                                    T* __restrict__ y, int64_t rows, int c) {
     const int64_t groups = rows * (int64_t)(c >> 3);
@@ -258,9 +261,9 @@ __device__ void bnv_join_partial(const T* __restrict__ a, const T* __restrict__ 
 }
 
 template <typename T>
-__device__ void bnv_bwd_dx(const T* __restrict__ x, const T* __restrict__ dy, const float* __restrict__ stats,
+__device__ void bnv_bwd_dx(const T* __restrict__ x, const T* dy, const float* stats,
                            const float* __restrict__ weight, const float* __restrict__ bias,
-                           const float* __restrict__ sums, T* __restrict__ dx, int64_t rows, int c, float count,
+                           const float* sums, T* __restrict__ dx, int64_t rows, int c, float count,
                            int relu) {
     const int64_t groups = rows * (int64_t)(c >> 3);
     const int64_t g0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -290,7 +293,9 @@ __device__ void bnv_bwd_dx(const T* __restrict__ x, const T* __restrict__ dy, co
         for (int j = 0; j < 8; ++j) {
             float gr, xhat;
             grad_of(to_f32(xv.v[j]), to_f32(gv.v[j]), k, j, relu, gr, xhat);
-            o.v[j] = from_f32<T>(a[j] * (gr - k1[j] - xhat * k2[j]));
+            // (gr - k1) - xhat k2 as one explicit FMA: the form ptxas chose for the plain expression, written out
+            // so that every kernel that inlines this (the cooperative ones too) rounds the same way.
+            o.v[j] = from_f32<T>(a[j] * fmaf(-xhat, k2[j], gr - k1[j]));
         }
         *reinterpret_cast<Vec8<T>*>(dx + i) = o;
     }
@@ -358,7 +363,7 @@ __device__ __forceinline__ float lane_sum(float acc, float (&sh)[FY][NX], int tx
 
 // Channel ch (column tx, lane ty) of bn_nhwc_moments_final; every thread of the block calls it (barriers).
 template <int NX>
-__device__ __forceinline__ void moments_final_cols(const float* __restrict__ part, float* __restrict__ stats,
+__device__ __forceinline__ void moments_final_cols(const float* part, float* __restrict__ stats,
                                                    int chunks, int c, long long rows, long long rpc, float eps,
                                                    float* running_mean, float* running_var, float momentum, int ch,
                                                    int tx, int ty, float (&sh)[FY][NX]) {
@@ -393,7 +398,7 @@ __device__ __forceinline__ void moments_final_cols(const float* __restrict__ par
 
 // Channel ch (column tx, lane ty) of bn_nhwc_bwd_final_v8; every thread of the block calls it (barriers).
 template <int NX>
-__device__ __forceinline__ void bwd_final_cols(const float* __restrict__ part, float* __restrict__ sums, int chunks,
+__device__ __forceinline__ void bwd_final_cols(const float* part, float* __restrict__ sums, int chunks,
                                                int c, int ch, int tx, int ty, float (&sh)[FY][NX]) {
     float ag = 0.0f, agx = 0.0f;
     if (ch < c) {

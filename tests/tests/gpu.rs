@@ -475,7 +475,11 @@ fn cooperative_batchnorm_matches_the_three_launches() -> Result<()> {
                     let nbt = nb.as_tensor().to_dtype(DType::F32)?;
                     [&stats, &y, rm.as_tensor(), rv.as_tensor(), &nbt, &sums, &dx].iter().map(|t| host_f32(t)).collect()
                 };
-                let (one, three) = (run(true)?, run(false)?);
+                let before = kernels::cuda::bn::cooperative_launches();
+                let one = run(true)?;
+                let launched = kernels::cuda::bn::cooperative_launches() - before;
+                ensure!(launched == 2, "{what}: {launched} cooperative launches, expected 2 (the path fell back)");
+                let three = run(false)?;
                 const NAMES: [&str; 7] =
                     ["stats", "y", "running_mean", "running_var", "num_batches_tracked", "sums", "dx"];
                 for (k, (a, b)) in one.iter().zip(&three).enumerate() {
@@ -517,7 +521,14 @@ fn cooperative_batchnorm_matches_the_three_launches() -> Result<()> {
                         .map(|t| host_f32(t))
                         .collect()
                 };
-                let (one, five) = (run2(true)?, run2(false)?);
+                let before = kernels::cuda::bn::cooperative_launches();
+                let one = run2(true)?;
+                let launched = kernels::cuda::bn::cooperative_launches() - before;
+                ensure!(
+                    launched == 1,
+                    "downsample output {dims:?} {dt:?}: {launched} cooperative launches, expected 1"
+                );
+                let five = run2(false)?;
                 for (k, (a, bb)) in one.iter().zip(&five).enumerate() {
                     let differ = a.iter().zip(bb).filter(|(p, q)| p.to_bits() != q.to_bits()).count();
                     ensure!(
@@ -536,7 +547,10 @@ fn cooperative_batchnorm_matches_the_three_launches() -> Result<()> {
             let yo = rd.relu()?;
             for two in [false, true] {
                 let b2 = two.then_some(&rd);
+                let before = kernels::cuda::bn::cooperative_launches();
                 let (g1, s1, d1) = join_grad_backward(&gd, b2, &yo, &xd, &p)?;
+                let launched = kernels::cuda::bn::cooperative_launches() - before;
+                ensure!(launched == 1, "join {dims:?} {dt:?} two={two}: {launched} cooperative launches, expected 1");
                 let (g3, s3) = join_grad_sums(&gd, b2, &yo, &xd, &p)?;
                 let op = BnGrad {
                     relu: false,

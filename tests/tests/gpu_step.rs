@@ -816,7 +816,10 @@ fn cooperative_batchnorm_step_matches_and_replays() -> Result<()> {
     let (base, base_t, ..) = run("off", false)?;
     let (_, _, _, _, split_nodes) = run("on", false)?;
     for graph in ["off", "on"] {
+        let before = kernels::cuda::bn::cooperative_launches();
         let (outs, tensors, captures, replayed, nodes) = run(graph, true)?;
+        let launched = kernels::cuda::bn::cooperative_launches() - before;
+        ensure!(launched > 0, "graph {graph}: no cooperative launch (the one-launch path was not taken)");
         let same = |a: f64, b: f64| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
         for (i, (e, g)) in base.iter().zip(&outs).enumerate() {
             ensure!(
@@ -837,7 +840,8 @@ fn cooperative_batchnorm_step_matches_and_replays() -> Result<()> {
         }
         println!(
             "cooperative BatchNorm, graph {graph}: {} steps and {} tensors bit for bit with the three launches; \
-             {captures} captures ({nodes} nodes, {split_nodes} with three launches), {replayed} replays",
+             {captures} captures ({nodes} nodes, {split_nodes} with three launches), {replayed} replays, {launched} \
+             cooperative launches queued from the host",
             script.len(),
             tensors.len()
         );

@@ -368,7 +368,7 @@ impl<'a> Engine<'a> {
         a: &Tensor,
         b2: Option<&Tensor>,
     ) -> Result<(Tensor, Option<Pre>)> {
-        if self.policy.bn_cooperative && self.sync.is_none() {
+        if self.cooperative_backward() {
             if let (Some(saved), Some(bn)) = (s.bns.last(), b.bns.last()) {
                 if let (Some(z), false) = (&saved.z, frozen(bn)) {
                     // The ReLU gradient and the BatchNorm's whole backward in one launch on CUDA.
@@ -452,6 +452,13 @@ impl<'a> Engine<'a> {
         self.policy.bn_cooperative && !self.policy.bn_stats_in_conv && !frozen(bn) && self.sync.is_none()
     }
 
+    /// Whether the backward of a (not frozen) BatchNorm runs as one launch: `policy.bn_cooperative`, no
+    /// synchronised statistics, and no gradient buckets handed on during the backward (a cooperative grid
+    /// takes every SM, so it could not start beside the buckets' all-reduces and would serialise with them).
+    fn cooperative_backward(&self) -> bool {
+        self.policy.bn_cooperative && self.sync.is_none() && self.buckets.sink.is_none()
+    }
+
     /// relu(bn(z)) (or bn(z) without `relu`).
     fn bn_apply(&self, s: &BnSaved, bn: &BatchNorm2d, relu: bool) -> Result<Tensor> {
         let p = Self::bn_params(bn, &s.stats);
@@ -482,7 +489,7 @@ impl<'a> Engine<'a> {
         let p = Self::bn_params(bn, &s.stats);
         let op = BnGrad { relu, stats: p.stats, weight: p.weight, bias: p.bias, sums: None };
         let z = s.z()?;
-        if self.policy.bn_cooperative && pre.is_none() && !frozen(bn) && self.sync.is_none() {
+        if self.cooperative_backward() && pre.is_none() && !frozen(bn) {
             // Sums and grad-input in one launch on CUDA (the same values as the two passes below).
             let (sums, dz) = kernels::ops::batchnorm::batch_norm_train_backward(z, g, &op)?;
             self.put(&bn.weight, || sums.get(1))?;

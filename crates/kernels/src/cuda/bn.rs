@@ -616,7 +616,17 @@ fn coop_blocks(dev: &CudaDevice, f: &CudaFunction, name: &str, chunks: usize) ->
     Ok(resident.min(chunks).max(1) as u32)
 }
 
+/// Cooperative launches made so far by this process (every device): tests check that the one-launch path ran.
+static COOP_LAUNCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many cooperative BatchNorm launches ([`train`], [`train2`], [`train_backward`], [`train_join_backward`])
+/// this process has made.
+pub fn cooperative_launches() -> u64 {
+    COOP_LAUNCHES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 fn coop_cfg(blocks: u32) -> LaunchConfig {
+    COOP_LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (V8_THREADS as u32, 1, 1), shared_mem_bytes: 0 }
 }
 
