@@ -159,6 +159,24 @@ pub(crate) fn held_view<'a>(
     }
 }
 
+/// Binds views of a backward op's per-channel f32 tensors ([`GradArgs`]: stats (3, c), weight and bias (c)) as
+/// `$sv`, `$wv`, `$bv`; their storage guards stay alive to the end of the caller's scope.
+macro_rules! chan_views {
+    ($op:expr, $c:expr, $dev:expr, $name:expr => $sv:ident, $wv:ident, $bv:ident) => {
+        let (st, sl) = held($op.stats);
+        let (wt, wl) = held($op.weight);
+        let (bt, bl) = held($op.bias);
+        let $sv = held_view(&st, sl, 3 * $c, $dev, $name, "stats")?;
+        let $wv = held_view(&wt, wl, $c, $dev, $name, "weight")?;
+        let $bv = held_view(&bt, bl, $c, $dev, $name, "bias")?;
+    };
+}
+
+/// The layouts of a backward op's per-channel tensors (stats, weight, bias), for [`v8_applies`].
+fn chan_layouts<'a>(op: &'a GradArgs) -> [&'a Layout; 3] {
+    [op.stats.layout(), op.weight.layout(), op.bias.layout()]
+}
+
 // ----- forward statistics ------------------------------------------------------------------------------------
 
 /// Device addresses of a BatchNorm's running statistics, updated in place by the statistics launch (PyTorch's
@@ -412,15 +430,10 @@ fn grad_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     let c = sp.c as usize;
     let len = sp.rows as usize * c;
     let (xv, gv) = (view::<T>(x, len, dev, name, "x")?, view::<T>(dy, len, dev, name, "dy")?);
-    let (st, sl) = held(op.stats);
-    let sv = held_view(&st, sl, 3 * c, dev, name, "stats")?;
-    let (wt, wl) = held(op.weight);
-    let wv = held_view(&wt, wl, c, dev, name, "weight")?;
-    let (bt, bl) = held(op.bias);
-    let bv = held_view(&bt, bl, c, dev, name, "bias")?;
+    chan_views!(op, c, dev, name => sv, wv, bv);
     let (relu, sfx) = (op.relu as i32, suffix(T::DTYPE, name)?);
     let sums_layout = op.sums.map(|t| t.layout());
-    let v8 = v8_applies(c, &[x.1, dy.1], &[sl, wl, bl]) && sums_layout.is_none_or(|l| l.start_offset() % 4 == 0);
+    let v8 = v8_applies(c, &[x.1, dy.1], &chan_layouts(op)) && sums_layout.is_none_or(|l| l.start_offset() % 4 == 0);
     let sp = if v8 { Split::v8(sp.rows as usize, c, name)? } else { sp };
     match op.sums {
         None if v8 => {
@@ -521,14 +534,9 @@ fn join_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     let (xs, xl) = held(x);
     let Storage::Cuda(xc) = &*xs else { candle_core::bail!("{OP} (cuda): z is not on a CUDA device") };
     let xv = view::<T>((xc, xl), len, dev, OP, "z")?;
-    let (st, sl) = held(op.stats);
-    let sv = held_view(&st, sl, 3 * c, dev, OP, "stats")?;
-    let (wt, wl) = held(op.weight);
-    let wv = held_view(&wt, wl, c, dev, OP, "weight")?;
-    let (bt, bl) = held(op.bias);
-    let bnv = held_view(&bt, bl, c, dev, OP, "bias")?;
+    chan_views!(op, c, dev, OP => sv, wv, bnv);
     let elems = [a.1, b.map_or(a.1, |b| b.1), y.1, xl];
-    if !v8_applies(c, &elems, &[sl, wl, bl]) {
+    if !v8_applies(c, &elems, &chan_layouts(op)) {
         candle_core::bail!("{OP} (cuda): the 8-channel path does not apply (c = {c})");
     }
     // The chunks of the sums pass it replaces (grad_t), so that the sums are the same bit for bit.
@@ -717,12 +725,7 @@ fn train_bwd_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     let c = sp.c as usize;
     let len = sp.rows as usize * c;
     let (xv, gv) = (view::<T>(x, len, dev, OP, "x")?, view::<T>(dy, len, dev, OP, "dy")?);
-    let (st, sl) = held(op.stats);
-    let sv = held_view(&st, sl, 3 * c, dev, OP, "stats")?;
-    let (wt, wl) = held(op.weight);
-    let wv = held_view(&wt, wl, c, dev, OP, "weight")?;
-    let (bt, bl) = held(op.bias);
-    let bv = held_view(&bt, bl, c, dev, OP, "bias")?;
+    chan_views!(op, c, dev, OP => sv, wv, bv);
     // SAFETY: phase 1 writes every (2, chunk, channel) element.
     let part = unsafe { dev.alloc::<f32>(2 * sp.chunks * c)? };
     let sums = alloc_out::<f32>(dev, 2 * c)?;
@@ -756,8 +759,7 @@ pub fn train_backward(
     if op.sums.is_some() {
         candle_core::bail!("{OP}: computes the sums itself (GradArgs::sums must be None)");
     }
-    let (sl, wl, bl) = (op.stats.layout(), op.weight.layout(), op.bias.layout());
-    if !v8_applies(c, &[x.1, dy.1], &[sl, wl, bl]) {
+    if !v8_applies(c, &[x.1, dy.1], &chan_layouts(op)) {
         return Ok(None);
     }
     let sp = Split::v8(rows, c, OP)?;
@@ -778,12 +780,7 @@ fn train_join_bwd_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     let bv = view::<T>(b.unwrap_or(a), len, dev, OP, "b")?;
     let yv = view::<T>(y, len, dev, OP, "y")?;
     let xv = view::<T>(x, len, dev, OP, "z")?;
-    let (st, sl) = held(op.stats);
-    let sv = held_view(&st, sl, 3 * c, dev, OP, "stats")?;
-    let (wt, wl) = held(op.weight);
-    let wv = held_view(&wt, wl, c, dev, OP, "weight")?;
-    let (bt, bl) = held(op.bias);
-    let bnv = held_view(&bt, bl, c, dev, OP, "bias")?;
+    chan_views!(op, c, dev, OP => sv, wv, bnv);
     let g = alloc_out::<T>(dev, len)?;
     // SAFETY: phase 1 writes every (2, chunk, channel) element.
     let part = unsafe { dev.alloc::<f32>(2 * sp.chunks * c)? };
@@ -821,7 +818,7 @@ pub fn train_join_backward(
         return Ok(None);
     }
     let elems = [a.1, b.map_or(a.1, |b| b.1), y.1, x.1];
-    if !v8_applies(c, &elems, &[op.stats.layout(), op.weight.layout(), op.bias.layout()]) {
+    if !v8_applies(c, &elems, &chan_layouts(op)) {
         return Ok(None);
     }
     let sp = Split::v8(rows, c, OP)?;

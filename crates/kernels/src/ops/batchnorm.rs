@@ -224,6 +224,31 @@ fn running_addrs(running: &Running, c: usize) -> Result<crate::cuda::bn::Running
     })
 }
 
+/// Runs `f` over the CUDA storages and layouts of `ts` (their guards held meanwhile); an operand elsewhere is an
+/// error naming `op`.
+#[cfg(feature = "cuda")]
+fn with_cuda<R>(
+    ts: &[&Tensor],
+    op: &str,
+    f: impl FnOnce(&[(&candle_core::CudaStorage, &Layout)]) -> Result<R>,
+) -> Result<R> {
+    let guards: Vec<_> = ts.iter().map(|t| t.storage_and_layout()).collect();
+    let mut args = Vec::with_capacity(guards.len());
+    for (st, l) in &guards {
+        match &**st {
+            candle_core::Storage::Cuda(cs) => args.push((cs, *l)),
+            _ => candle_core::bail!("{op}: every operand must be on the CUDA device"),
+        }
+    }
+    f(&args)
+}
+
+/// A tensor over the fresh CUDA storage `s` (contiguous, no backward).
+#[cfg(feature = "cuda")]
+fn from_cuda(s: candle_core::CudaStorage, shape: impl Into<Shape>) -> Tensor {
+    Tensor::from_storage(candle_core::Storage::Cuda(s), shape, candle_core::op::BackpropOp::none(), false)
+}
+
 /// PyTorch's running update from a batch's per-channel mean and biased variance over `count` values each:
 /// running = (1 - momentum) running + momentum batch, with the variance made unbiased (count / (count - 1)), and
 /// num_batches_tracked + 1. Composed of candle ops (the autograd path and the CPU).
@@ -307,30 +332,12 @@ fn batch_norm_train_impl(
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() && rows >= 2 {
         let addrs = running_addrs(running, c)?;
-        let out = {
-            let (xs, xl) = x.storage_and_layout();
-            let (ws, wl) = weight.storage_and_layout();
-            let (bs, bl) = bias.storage_and_layout();
-            let rs = res.map(|r| r.storage_and_layout());
-            let ra = match &rs {
-                Some((st, l)) => match &**st {
-                    candle_core::Storage::Cuda(cs) => Some((cs, *l)),
-                    _ => candle_core::bail!("batch_norm_train: the residual must be on the CUDA device"),
-                },
-                None => None,
-            };
-            match (&*xs, &*ws, &*bs) {
-                (candle_core::Storage::Cuda(xs), candle_core::Storage::Cuda(ws), candle_core::Storage::Cuda(bs)) => {
-                    crate::cuda::bn::train((xs, xl), ra, (ws, wl), (bs, bl), rows, c, eps, relu, Some(addrs))?
-                }
-                _ => candle_core::bail!("batch_norm_train: x, weight and bias must all be on the CUDA device"),
-            }
-        };
+        let ts: Vec<&Tensor> = [Some(x), Some(weight), Some(bias), res].into_iter().flatten().collect();
+        let out = with_cuda(&ts, "batch_norm_train", |a| {
+            crate::cuda::bn::train(a[0], a.get(3).copied(), a[1], a[2], rows, c, eps, relu, Some(addrs))
+        })?;
         if let Some((stats, y)) = out {
-            let none = candle_core::op::BackpropOp::none;
-            let stats = Tensor::from_storage(candle_core::Storage::Cuda(stats), (3, c), none(), false);
-            let y = Tensor::from_storage(candle_core::Storage::Cuda(y), x.shape().clone(), none(), false);
-            return Ok((stats, y));
+            return Ok((from_cuda(stats, (3, c)), from_cuda(y, x.shape().clone())));
         }
     }
     let _ = (rows, c);
@@ -371,26 +378,14 @@ pub fn batch_norm_train2_add_relu(
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() && rows >= 2 {
         let (ra, rb) = (running_addrs(bn.running, c)?, running_addrs(bn_r.running, c)?);
-        let out = {
-            let ts = [x, r, bn.weight, bn.bias, bn_r.weight, bn_r.bias];
-            let guards: Vec<_> = ts.iter().map(|t| t.storage_and_layout()).collect();
-            let mut a = Vec::with_capacity(guards.len());
-            for (st, l) in &guards {
-                match &**st {
-                    candle_core::Storage::Cuda(cs) => a.push((cs, *l)),
-                    _ => candle_core::bail!("batch_norm_train2_add_relu: every operand must be on the CUDA device"),
-                }
-            }
+        let ts = [x, r, bn.weight, bn.bias, bn_r.weight, bn_r.bias];
+        let out = with_cuda(&ts, "batch_norm_train2_add_relu", |a| {
             let one = crate::cuda::bn::TrainBn { weight: a[2], bias: a[3], eps: bn.eps, running: Some(ra) };
             let two = crate::cuda::bn::TrainBn { weight: a[4], bias: a[5], eps: bn_r.eps, running: Some(rb) };
-            crate::cuda::bn::train2((a[0], a[1]), one, two, rows, c)?
-        };
+            crate::cuda::bn::train2((a[0], a[1]), one, two, rows, c)
+        })?;
         if let Some((s1, s2, y)) = out {
-            let none = candle_core::op::BackpropOp::none;
-            let s1 = Tensor::from_storage(candle_core::Storage::Cuda(s1), (3, c), none(), false);
-            let s2 = Tensor::from_storage(candle_core::Storage::Cuda(s2), (3, c), none(), false);
-            let y = Tensor::from_storage(candle_core::Storage::Cuda(y), x.shape().clone(), none(), false);
-            return Ok((s1, s2, y));
+            return Ok((from_cuda(s1, (3, c)), from_cuda(s2, (3, c)), from_cuda(y, x.shape().clone())));
         }
     }
     let _ = (rows, c);
@@ -420,21 +415,11 @@ pub fn batch_norm_train_backward(x: &Tensor, dy: &Tensor, grad: &BnGrad) -> Resu
             bias: &grad.bias,
             sums: None,
         };
-        let out = {
-            let (xs, xl) = x.storage_and_layout();
-            let (gs, gl) = dy.storage_and_layout();
-            match (&*xs, &*gs) {
-                (candle_core::Storage::Cuda(xs), candle_core::Storage::Cuda(gs)) => {
-                    crate::cuda::bn::train_backward((xs, xl), (gs, gl), &args, rows, c)?
-                }
-                _ => candle_core::bail!("batch_norm_train_backward: x and dy must both be on the CUDA device"),
-            }
-        };
+        let out = with_cuda(&[x, dy], "batch_norm_train_backward", |a| {
+            crate::cuda::bn::train_backward(a[0], a[1], &args, rows, c)
+        })?;
         if let Some((sums, dx)) = out {
-            let none = candle_core::op::BackpropOp::none;
-            let sums = Tensor::from_storage(candle_core::Storage::Cuda(sums), (2, c), none(), false);
-            let dx = Tensor::from_storage(candle_core::Storage::Cuda(dx), x.shape().clone(), none(), false);
-            return Ok((sums, dx));
+            return Ok((from_cuda(sums, (2, c)), from_cuda(dx, x.shape().clone())));
         }
     }
     let sums = x.apply_op2_no_bwd(dy, grad)?;
@@ -461,30 +446,13 @@ pub fn join_grad_backward(
         let (rows, c) = rows_c(a.dims())?;
         let args =
             crate::cuda::bn::GradArgs { relu: false, stats: &p.stats, weight: &p.weight, bias: &p.bias, sums: None };
-        let out = {
-            let guards: Vec<_> =
-                [Some(a), b, Some(y), Some(z)].into_iter().flatten().map(|t| t.storage_and_layout()).collect();
-            let mut args_cuda = Vec::with_capacity(guards.len());
-            for (st, l) in &guards {
-                match &**st {
-                    candle_core::Storage::Cuda(cs) => args_cuda.push((cs, *l)),
-                    _ => candle_core::bail!("join_grad_backward: every operand must be on the CUDA device"),
-                }
-            }
-            let (av, bv, yv, zv) = match args_cuda.as_slice() {
-                [a, y, z] => (*a, None, *y, *z),
-                [a, b, y, z] => (*a, Some(*b), *y, *z),
-                _ => candle_core::bail!("join_grad_backward: operand count"),
-            };
-            crate::cuda::bn::train_join_backward((av, bv, yv, zv), &args, rows, c)?
-        };
+        let ts: Vec<&Tensor> = [Some(a), Some(y), Some(z), b].into_iter().flatten().collect();
+        let out = with_cuda(&ts, "join_grad_backward", |t| {
+            crate::cuda::bn::train_join_backward((t[0], t.get(3).copied(), t[1], t[2]), &args, rows, c)
+        })?;
         if let Some((g, sums, dz)) = out {
-            let none = candle_core::op::BackpropOp::none;
             let shape = a.shape().clone();
-            let g = Tensor::from_storage(candle_core::Storage::Cuda(g), shape.clone(), none(), false);
-            let sums = Tensor::from_storage(candle_core::Storage::Cuda(sums), (2, c), none(), false);
-            let dz = Tensor::from_storage(candle_core::Storage::Cuda(dz), shape, none(), false);
-            return Ok((g, sums, dz));
+            return Ok((from_cuda(g, shape.clone()), from_cuda(sums, (2, c)), from_cuda(dz, shape)));
         }
     }
     let (g, sums) = join_grad_sums(a, b, y, z, p)?;
