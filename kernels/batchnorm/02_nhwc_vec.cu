@@ -126,48 +126,49 @@ __device__ __forceinline__ Consts load_consts(const float* stats, const float* _
     return k;
 }
 
-template <typename T>
-__device__ void bnv_apply(const T* __restrict__ x, const float* stats, const float* __restrict__ weight,
-                          const float* __restrict__ bias, T* __restrict__ y, int64_t rows, int c, int relu) {
+// What a normalisation pass adds before its ReLU: nothing (RES_NONE), the identity shortcut r (RES_RAW: a
+// block output), or the shortcut normalised by its own BatchNorm (RES_BN: a downsample block's output); with a
+// shortcut the ReLU always follows. Each element as kernels/residual/01_fused.cu's bn_add_relu computes it
+// (v = bn_pre(x), res = r or bn_pre_r(r), s = v + res, rounded once).
+#define RES_NONE 0
+#define RES_RAW 1
+#define RES_BN 2
+
+// y = [relu](bn(x) [+ shortcut]): one thread per 8 consecutive elements, grid-stride. The stride (gridDim.x * 256)
+// is a multiple of G = c / 8 (G divides 256): a thread keeps its channel group, so its constants load once.
+template <typename T, int RES>
+__device__ void bnv_apply_res(const T* __restrict__ x, const T* __restrict__ r, const float* stats,
+                              const float* __restrict__ weight, const float* __restrict__ bias, const float* stats_r,
+                              const float* __restrict__ weight_r, const float* __restrict__ bias_r,
+                              T* __restrict__ y, int64_t rows, int c, int relu) {
     const int64_t groups = rows * (int64_t)(c >> 3);
     const int64_t g0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    // The stride (gridDim.x * 256) is a multiple of G = c / 8 (G divides 256): a thread keeps its channel group.
-    const Consts k = load_consts(stats, weight, bias, c, (int)(g0 % (c >> 3)) * 8);
+    const int ch0 = (int)(g0 % (c >> 3)) * 8;
+    const Consts k = load_consts(stats, weight, bias, c, ch0);
+    Consts kr;
+    if (RES == RES_BN) kr = load_consts(stats_r, weight_r, bias_r, c, ch0);
     for (int64_t g = g0; g < groups; g += (int64_t)gridDim.x * blockDim.x) {
         const int64_t i = g * 8;
         const Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(x + i);
+        Vec8<T> rv;
+        if (RES != RES_NONE) rv = *reinterpret_cast<const Vec8<T>*>(r + i);
         Vec8<T> o;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             float f = bn_pre(to_f32(v.v[j]), k.mean[j], k.scale[j], k.shift[j]);
-            if (relu) f = f > 0.0f ? f : 0.0f;
+            if (RES == RES_RAW) f = f + to_f32(rv.v[j]);
+            if (RES == RES_BN) f = f + bn_pre(to_f32(rv.v[j]), kr.mean[j], kr.scale[j], kr.shift[j]);
+            if (RES != RES_NONE || relu) f = f > 0.0f ? f : 0.0f;
             o.v[j] = from_f32<T>(f);
         }
         *reinterpret_cast<Vec8<T>*>(y + i) = o;
     }
 }
 
-// y = relu(bn(x) + r): bnv_apply with the identity shortcut r added before the ReLU, each element as
-// kernels/residual/01_fused.cu's bn_add_relu (raw) computes it (v = bn_pre(x), s = v + r, rounded once).
 template <typename T>
-__device__ void bnv_apply_add_relu(const T* __restrict__ x, const T* __restrict__ r, const float* stats,
-                                   const float* __restrict__ weight, const float* __restrict__ bias,
-                                   T* __restrict__ y, int64_t rows, int c) {
-    const int64_t groups = rows * (int64_t)(c >> 3);
-    const int64_t g0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    const Consts k = load_consts(stats, weight, bias, c, (int)(g0 % (c >> 3)) * 8);
-    for (int64_t g = g0; g < groups; g += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t i = g * 8;
-        const Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(x + i);
-        const Vec8<T> rv = *reinterpret_cast<const Vec8<T>*>(r + i);
-        Vec8<T> o;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const float f = bn_pre(to_f32(v.v[j]), k.mean[j], k.scale[j], k.shift[j]) + to_f32(rv.v[j]);
-            o.v[j] = from_f32<T>(f > 0.0f ? f : 0.0f);
-        }
-        *reinterpret_cast<Vec8<T>*>(y + i) = o;
-    }
+__device__ void bnv_apply(const T* __restrict__ x, const float* stats, const float* __restrict__ weight,
+                          const float* __restrict__ bias, T* __restrict__ y, int64_t rows, int c, int relu) {
+    bnv_apply_res<T, RES_NONE>(x, nullptr, stats, weight, bias, nullptr, nullptr, nullptr, y, rows, c, relu);
 }
 
 // g (dy, masked by the ReLU recomputed from x when relu) and xhat of one element, as 01's bn_grad.
@@ -465,7 +466,7 @@ __device__ void bnv_train(const T* __restrict__ x, const T* __restrict__ res, fl
     if (num_batches_tracked != nullptr && blockIdx.x == 0 && threadIdx.x == 0) num_batches_tracked[0] += 1;
     grid.sync();
     if (res != nullptr) {
-        bnv_apply_add_relu<T>(x, res, stats, weight, bias, y, rows, c);
+        bnv_apply_res<T, RES_RAW>(x, res, stats, weight, bias, nullptr, nullptr, nullptr, y, rows, c, 1);
     } else {
         bnv_apply<T>(x, stats, weight, bias, y, rows, c, relu);
     }
@@ -508,25 +509,7 @@ __device__ void bnv_train2(const T* __restrict__ x, const T* __restrict__ r, flo
         if (num_batches_tracked_r != nullptr) num_batches_tracked_r[0] += 1;
     }
     grid.sync();
-    const int64_t groups = rows * (int64_t)(c >> 3);
-    const int64_t g0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    const int ch0 = (int)(g0 % (c >> 3)) * 8;
-    const Consts k = load_consts(stats, weight, bias, c, ch0);
-    const Consts kr = load_consts(stats_r, weight_r, bias_r, c, ch0);
-    for (int64_t g = g0; g < groups; g += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t i = g * 8;
-        const Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(x + i);
-        const Vec8<T> rv = *reinterpret_cast<const Vec8<T>*>(r + i);
-        Vec8<T> o;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const float a = bn_pre(to_f32(v.v[j]), k.mean[j], k.scale[j], k.shift[j]);
-            const float b = bn_pre(to_f32(rv.v[j]), kr.mean[j], kr.scale[j], kr.shift[j]);
-            const float f = a + b;
-            o.v[j] = from_f32<T>(f > 0.0f ? f : 0.0f);
-        }
-        *reinterpret_cast<Vec8<T>*>(y + i) = o;
-    }
+    bnv_apply_res<T, RES_BN>(x, r, stats, weight, bias, stats_r, weight_r, bias_r, y, rows, c, 1);
 }
 
 template <typename T>

@@ -450,9 +450,10 @@ fn cooperative_batchnorm_matches_the_three_launches() -> Result<()> {
                     let (rm, rv) = (Var::from_tensor(&rm0.copy()?)?, Var::from_tensor(&rv0.copy()?)?);
                     let nb = Var::from_tensor(&Tensor::new(3i64, &gpu)?)?;
                     let r = Running { mean: &rm, var: &rv, num_batches_tracked: &nb, momentum: 0.1 };
+                    let bn_of = |running| TrainBn { weight: w.clone(), bias: b.clone(), eps: 1e-5, running };
                     let (stats, y) = match (one, residual) {
-                        (true, false) => batch_norm_train(&xd, &w, &b, 1e-5, &r, relu)?,
-                        (true, true) => batch_norm_train_add_relu(&xd, &rd, &w, &b, 1e-5, &r)?,
+                        (true, false) => batch_norm_train(&xd, &bn_of(r), relu)?,
+                        (true, true) => batch_norm_train_add_relu(&xd, &rd, &bn_of(r))?,
                         (false, _) => {
                             let stats = batch_stats(&xd, 1e-5, &r)?;
                             let y = if residual {
@@ -504,9 +505,9 @@ fn cooperative_batchnorm_matches_the_three_launches() -> Result<()> {
                     let r1 = Running { mean: &m1, var: &v1, num_batches_tracked: &n1, momentum: 0.1 };
                     let r2 = Running { mean: &m2, var: &v2, num_batches_tracked: &n2, momentum: 0.2 };
                     let (s1, s2, y) = if one {
-                        let main = TrainBn { weight: &w, bias: &b, eps: 1e-5, running: &r1 };
-                        let short = TrainBn { weight: &w2, bias: &b2, eps: 1e-3, running: &r2 };
-                        batch_norm_train2_add_relu(&xd, &rd, main, short)?
+                        let main = TrainBn { weight: w.clone(), bias: b.clone(), eps: 1e-5, running: r1 };
+                        let short = TrainBn { weight: w2.clone(), bias: b2.clone(), eps: 1e-3, running: r2 };
+                        batch_norm_train2_add_relu(&xd, &rd, &main, &short)?
                     } else {
                         let s1 = batch_stats(&xd, 1e-5, &r1)?;
                         let s2 = batch_stats(&rd, 1e-3, &r2)?;

@@ -446,6 +446,31 @@ fn drive(
     Ok((outs, tensors))
 }
 
+/// [`drive`] over a fresh fp16 StepRunner of [`RUNNER_TOML`] with the fused step, `kernels.graph = graph`, the loss
+/// scale growing every step (x1000) and one more `--set` (`extra`): the reports, the model tensors afterwards, and
+/// the runner's graph captures, replays and node counts (by kind).
+#[allow(clippy::type_complexity)]
+fn run_script(
+    gpu: &Device,
+    batches: &[(Tensor, Tensor)],
+    script: &[ScriptStep],
+    graph: &str,
+    extra: &str,
+) -> Result<(Vec<(f64, f64, bool, f64)>, Vec<(String, Tensor)>, u64, u64, String)> {
+    let sets = [
+        "kernels.step=\"fused\"".to_string(),
+        format!("kernels.graph=\"{graph}\""),
+        extra.to_string(),
+        "amp.growth_interval=1".into(),
+        "amp.growth_factor=1000.0".into(),
+    ];
+    let cfg = trainer::config::Config::from_str_with(RUNNER_TOML, "gpu.toml", &sets)?;
+    let model = trainer::train::build_model(&cfg, gpu)?;
+    let mut runner = trainer::train::StepRunner::new(&cfg, model)?;
+    let (outs, tensors) = drive(&mut runner, batches, script)?;
+    Ok((outs, tensors, runner.graphs.captures, runner.graphs.replayed, runner.graphs.nodes()))
+}
+
 /// `kernels.graph`: the fused step captured as a CUDA graph and replayed against the same steps run eagerly, for
 /// SGD and AdamW in fp16 with dynamic loss scaling, over a script that changes the learning rate every step,
 /// grows the loss scale every step until fp16 overflows (skips decided on the device inside replays), resets the
@@ -458,20 +483,7 @@ fn graph_replay_matches_eager_steps() -> Result<()> {
     let gpu = cuda()?;
     let (batches, script) = graph_script(&gpu)?;
     for optim in ["sgd", "adamw"] {
-        let run = |graph: &str| -> Result<_> {
-            let sets = [
-                "kernels.step=\"fused\"".to_string(),
-                format!("kernels.graph=\"{graph}\""),
-                format!("optim.name=\"{optim}\""),
-                "amp.growth_interval=1".into(),
-                "amp.growth_factor=1000.0".into(),
-            ];
-            let cfg = trainer::config::Config::from_str_with(RUNNER_TOML, "gpu.toml", &sets)?;
-            let model = trainer::train::build_model(&cfg, &gpu)?;
-            let mut runner = trainer::train::StepRunner::new(&cfg, model)?;
-            let (outs, tensors) = drive(&mut runner, &batches, &script)?;
-            Ok((outs, tensors, runner.graphs.captures, runner.graphs.replayed, runner.graphs.nodes()))
-        };
+        let run = |graph: &str| run_script(&gpu, &batches, &script, graph, &format!("optim.name=\"{optim}\""));
         let (eager, eager_t, c0, r0, _) = run("off")?;
         let (graphed, graphed_t, captures, replayed, nodes) = run("on")?;
         ensure!(c0 == 0 && r0 == 0, "kernels.graph = off captured {c0} and replayed {r0}");
@@ -799,20 +811,8 @@ fn auto_epilogue_choice_is_timed_once_and_followed() -> Result<()> {
 fn cooperative_batchnorm_step_matches_and_replays() -> Result<()> {
     let gpu = cuda()?;
     let (batches, script) = graph_script(&gpu)?;
-    let run = |graph: &str, coop: bool| -> Result<_> {
-        let sets = [
-            "kernels.step=\"fused\"".to_string(),
-            format!("kernels.graph=\"{graph}\""),
-            format!("kernels.bn_cooperative={coop}"),
-            "amp.growth_interval=1".into(),
-            "amp.growth_factor=1000.0".into(),
-        ];
-        let cfg = trainer::config::Config::from_str_with(RUNNER_TOML, "gpu.toml", &sets)?;
-        let model = trainer::train::build_model(&cfg, &gpu)?;
-        let mut runner = trainer::train::StepRunner::new(&cfg, model)?;
-        let (outs, tensors) = drive(&mut runner, &batches, &script)?;
-        Ok((outs, tensors, runner.graphs.captures, runner.graphs.replayed, runner.graphs.nodes()))
-    };
+    let run =
+        |graph: &str, coop: bool| run_script(&gpu, &batches, &script, graph, &format!("kernels.bn_cooperative={coop}"));
     let (base, base_t, ..) = run("off", false)?;
     let (_, _, _, _, split_nodes) = run("on", false)?;
     for graph in ["off", "on"] {

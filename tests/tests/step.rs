@@ -244,6 +244,25 @@ fn recomputed_activations_give_the_same_step_with_less_memory() {
     }
 }
 
+/// One FP32 explicit step of `m` on (x, labels): the loss, every trainable gradient by name, then the buffers whose
+/// names `keep` accepts (as f32), after the step.
+fn step_values(m: &ResNet, x: &Tensor, labels: &Tensor, keep: impl Fn(&str) -> bool) -> (f32, Vec<(String, Vec<f32>)>) {
+    let out = m.train_step_explicit(x, labels, 0.1, 8.0, Precision::F32).unwrap();
+    let mut vals: Vec<(String, Vec<f32>)> = m
+        .store()
+        .trainable()
+        .into_iter()
+        .map(|(n, v)| (n, integration_tests::flat(&out.grads[&v.as_tensor().id()])))
+        .collect();
+    for (n, e) in m.store().entries() {
+        if keep(&n) {
+            let t = e.param.var().as_tensor().to_dtype(DType::F32).unwrap();
+            vals.push((n, integration_tests::flat(&t)));
+        }
+    }
+    (out.loss.to_scalar::<f32>().unwrap(), vals)
+}
+
 /// `kernels.bn_stats = "fused"` on the CPU: there is no epilogue there (`conv2d_nhwc_forward_stats` returns no
 /// moments), so the step takes the statistics pass, and the joined backward sums (`join_grad_sums`) run as the
 /// two ops; the step gives the same loss, gradients and running statistics bit for bit. (The fused kernels are
@@ -265,19 +284,7 @@ fn epilogue_statistics_fall_back_to_the_pass_on_the_cpu() {
         let mut m = model(Arch::ResNet18, Stem::Cifar);
         m.config.kernels.bn_stats_in_conv = fwd;
         m.config.kernels.bn_sums_in_backward = bwd;
-        let out = m.train_step_explicit(&x, &labels, 0.1, 8.0, Precision::F32).unwrap();
-        let mut grads: Vec<(String, Vec<f32>)> = m
-            .store()
-            .trainable()
-            .into_iter()
-            .map(|(n, v)| (n, integration_tests::flat(&out.grads[&v.as_tensor().id()])))
-            .collect();
-        for (n, e) in m.store().entries() {
-            if n.contains("running") {
-                grads.push((n, integration_tests::flat(e.param.var().as_tensor())));
-            }
-        }
-        (out.loss.to_scalar::<f32>().unwrap(), grads)
+        step_values(&m, &x, &labels, |n| n.contains("running"))
     };
     // Every setting of `kernels.bn_stats`: "fused", "forward", "backward" against "pass".
     let b = run((false, false));
@@ -304,20 +311,7 @@ fn cooperative_batchnorm_gives_the_same_step_on_the_cpu() {
         let run = |coop: bool| {
             let mut m = model(arch, stem);
             m.config.kernels.bn_cooperative = coop;
-            let out = m.train_step_explicit(&x, &labels, 0.1, 8.0, Precision::F32).unwrap();
-            let mut vals: Vec<(String, Vec<f32>)> = m
-                .store()
-                .trainable()
-                .into_iter()
-                .map(|(n, v)| (n, integration_tests::flat(&out.grads[&v.as_tensor().id()])))
-                .collect();
-            for (n, e) in m.store().entries() {
-                if n.contains("running") || n.contains("num_batches_tracked") {
-                    let t = e.param.var().as_tensor().to_dtype(DType::F32).unwrap();
-                    vals.push((n, integration_tests::flat(&t)));
-                }
-            }
-            (out.loss.to_scalar::<f32>().unwrap(), vals)
+            step_values(&m, &x, &labels, |n| n.contains("running") || n.contains("num_batches_tracked"))
         };
         let (a, b) = (run(true), run(false));
         assert_eq!(a.0, b.0, "{arch}: loss");

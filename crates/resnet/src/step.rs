@@ -299,6 +299,16 @@ struct Engine<'a> {
     weights: HashMap<TensorId, Tensor>,
 }
 
+/// A BatchNorm's parameters (detached) and running statistics, as the one-launch ops take them.
+fn train_bn(bn: &BatchNorm2d) -> kernels::ops::batchnorm::TrainBn<'_> {
+    kernels::ops::batchnorm::TrainBn {
+        weight: bn.weight.var().as_tensor().detach(),
+        bias: bn.bias.var().as_tensor().detach(),
+        eps: bn.eps,
+        running: bn.running(),
+    }
+}
+
 /// What the kernel that made a BatchNorm's output gradient already computed of that BatchNorm's backward.
 enum Pre {
     /// Its sums (2, c) = [dbias, dweight] ([`Engine::block_output_grad`] under `bn_sums_in_backward`, the grad-input
@@ -423,11 +433,8 @@ impl<'a> Engine<'a> {
     }
 
     fn bn_params(bn: &BatchNorm2d, stats: &Tensor) -> BnParams {
-        BnParams {
-            stats: stats.clone(),
-            weight: bn.weight.var().as_tensor().detach(),
-            bias: bn.bias.var().as_tensor().detach(),
-        }
+        let t = train_bn(bn);
+        BnParams { stats: stats.clone(), weight: t.weight, bias: t.bias }
     }
 
     /// A conv followed by its BatchNorm (training statistics) and ReLU: the saved state and relu(bn(conv(x))).
@@ -437,8 +444,7 @@ impl<'a> Engine<'a> {
     fn conv_bn_relu(&self, x: &Tensor, cw: &ConvW, bn: &BatchNorm2d) -> Result<(BnSaved, Tensor)> {
         if self.cooperative(bn) {
             let z = self.conv(x, cw)?;
-            let (w, b) = (bn.weight.var().as_tensor().detach(), bn.bias.var().as_tensor().detach());
-            let (stats, y) = kernels::ops::batchnorm::batch_norm_train(&z, &w, &b, bn.eps, &bn.running(), true)?;
+            let (stats, y) = kernels::ops::batchnorm::batch_norm_train(&z, &train_bn(bn), true)?;
             return Ok((BnSaved { z: Some(z), stats, global_rows: None }, y));
         }
         let saved = self.conv_stats(x, cw, bn)?;
@@ -565,9 +571,7 @@ impl<'a> Engine<'a> {
                 saved
             } else if b.downsample.is_none() && self.cooperative(bn) {
                 let z = self.conv(&inp, &cw)?;
-                let (w, bb) = (bn.weight.var().as_tensor().detach(), bn.bias.var().as_tensor().detach());
-                let (stats, out) =
-                    kernels::ops::batchnorm::batch_norm_train_add_relu(&z, &x, &w, &bb, bn.eps, &bn.running())?;
+                let (stats, out) = kernels::ops::batchnorm::batch_norm_train_add_relu(&z, &x, &train_bn(bn))?;
                 joined = Some((out, None));
                 BnSaved { z: Some(z), stats, global_rows: None }
             } else if let Some(d) = b.downsample.as_ref().filter(|d| self.cooperative(bn) && self.cooperative(&d.bn)) {
@@ -575,14 +579,8 @@ impl<'a> Engine<'a> {
                 let z = self.conv(&inp, &cw)?;
                 let dcw = self.weight(&d.conv)?;
                 let zd = self.conv(&x, &dcw)?;
-                let param =
-                    |bn: &BatchNorm2d| (bn.weight.var().as_tensor().detach(), bn.bias.var().as_tensor().detach());
-                let ((w, bb), (wd, bd)) = (param(bn), param(&d.bn));
-                let (run, run_d) = (bn.running(), d.bn.running());
-                use kernels::ops::batchnorm::TrainBn;
-                let main = TrainBn { weight: &w, bias: &bb, eps: bn.eps, running: &run };
-                let short = TrainBn { weight: &wd, bias: &bd, eps: d.bn.eps, running: &run_d };
-                let (stats, stats_d, out) = kernels::ops::batchnorm::batch_norm_train2_add_relu(&z, &zd, main, short)?;
+                let (stats, stats_d, out) =
+                    kernels::ops::batchnorm::batch_norm_train2_add_relu(&z, &zd, &train_bn(bn), &train_bn(&d.bn))?;
                 joined = Some((out, Some((BnSaved { z: Some(zd), stats: stats_d, global_rows: None }, dcw.w))));
                 BnSaved { z: Some(z), stats, global_rows: None }
             } else {

@@ -112,38 +112,16 @@ fn best_only_runs_are_protected_and_resumable() {
     assert_error(&out, &["best.safetensors", "resnet18", "resnet34"]);
     assert!(std::fs::read(run.join("config.toml")).unwrap() == config_before, "a refused resume rewrote config.toml");
     // Resuming continues from the best checkpoint (two epochs now: one more to train).
-    let out = Command::new(BIN)
-        .args([
-            "--config",
-            &cfg,
-            "--run-dir",
-            r,
-            "--resume",
-            "--set",
-            "checkpoint.every_epochs=0",
-            "--set",
-            "train.epochs=2",
-        ])
-        .output()
-        .unwrap();
+    let resume_two_epochs = || {
+        let sets = ["--set", "checkpoint.every_epochs=0", "--set", "train.epochs=2"];
+        Command::new(BIN).args(["--config", &cfg, "--run-dir", r, "--resume"]).args(sets).output().unwrap()
+    };
+    let out = resume_two_epochs();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
     assert!(err.contains("resuming from the best one") && err.contains("(epoch 2, step 4)"), "{err}");
     // Resumed again, the finished run takes no step and says so.
-    let out = Command::new(BIN)
-        .args([
-            "--config",
-            &cfg,
-            "--run-dir",
-            r,
-            "--resume",
-            "--set",
-            "checkpoint.every_epochs=0",
-            "--set",
-            "train.epochs=2",
-        ])
-        .output()
-        .unwrap();
+    let out = resume_two_epochs();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         out.status.success() && err.contains("has finished this run") && err.contains("none taken by this process"),

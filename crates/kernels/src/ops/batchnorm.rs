@@ -284,45 +284,32 @@ pub fn batch_stats(x: &Tensor, eps: f64, running: &Running) -> Result<Tensor> {
     Ok(stats)
 }
 
-/// A training-mode BatchNorm forward of x (.., c): (stats (3, c) f32 = [mean, biased var, invstd], y = bn(x) in x's
-/// dtype, then ReLU when `relu`), with `running` updated from the batch ([`batch_stats`]'s update). On CUDA, where
-/// the 8-channel kernels apply, in one cooperative launch (`bn_nhwc_train_v8_*`: the moments, their finaliser and
-/// the normalisation between grid-wide barriers) instead of three, with the same results bit for bit; elsewhere
-/// [`batch_stats`] then [`BnApply`]. `weight` and `bias` are (c) f32.
-pub fn batch_norm_train(
-    x: &Tensor,
-    weight: &Tensor,
-    bias: &Tensor,
-    eps: f64,
-    running: &Running,
-    relu: bool,
-) -> Result<(Tensor, Tensor)> {
-    batch_norm_train_impl(x, None, weight, bias, eps, running, relu)
+/// A training-mode BatchNorm as the one-launch ops take it: weight and bias (c) f32, eps, running statistics.
+#[derive(Clone)]
+pub struct TrainBn<'a> {
+    pub weight: Tensor,
+    pub bias: Tensor,
+    pub eps: f64,
+    pub running: Running<'a>,
+}
+
+/// A training-mode BatchNorm `bn` forward of x (.., c): (stats (3, c) f32 = [mean, biased var, invstd], y = bn(x) in
+/// x's dtype, then ReLU when `relu`), with its running statistics updated from the batch ([`batch_stats`]'s
+/// update). On CUDA, where the 8-channel kernels apply, in one cooperative launch (`bn_nhwc_train_v8_*`: the
+/// moments, their finaliser and the normalisation between grid-wide barriers) instead of three, with the same
+/// results bit for bit; elsewhere [`batch_stats`] then [`BnApply`].
+pub fn batch_norm_train(x: &Tensor, bn: &TrainBn, relu: bool) -> Result<(Tensor, Tensor)> {
+    batch_norm_train_impl(x, None, bn, relu)
 }
 
 /// [`batch_norm_train`] of a residual block's last BatchNorm with the identity shortcut `res` (like x):
 /// (stats, y = relu(bn(x) + res)), in one launch on CUDA, else [`batch_stats`] then [`crate::bn_add_relu`]; the
 /// same values bit for bit.
-pub fn batch_norm_train_add_relu(
-    x: &Tensor,
-    res: &Tensor,
-    weight: &Tensor,
-    bias: &Tensor,
-    eps: f64,
-    running: &Running,
-) -> Result<(Tensor, Tensor)> {
-    batch_norm_train_impl(x, Some(res), weight, bias, eps, running, true)
+pub fn batch_norm_train_add_relu(x: &Tensor, res: &Tensor, bn: &TrainBn) -> Result<(Tensor, Tensor)> {
+    batch_norm_train_impl(x, Some(res), bn, true)
 }
 
-fn batch_norm_train_impl(
-    x: &Tensor,
-    res: Option<&Tensor>,
-    weight: &Tensor,
-    bias: &Tensor,
-    eps: f64,
-    running: &Running,
-    relu: bool,
-) -> Result<(Tensor, Tensor)> {
+fn batch_norm_train_impl(x: &Tensor, res: Option<&Tensor>, bn: &TrainBn, relu: bool) -> Result<(Tensor, Tensor)> {
     if let Some(r) = res {
         if r.dims() != x.dims() {
             candle_core::bail!("batch_norm_train: residual {:?} and x {:?} differ", r.dims(), x.dims());
@@ -331,34 +318,29 @@ fn batch_norm_train_impl(
     let (rows, c) = rows_c(x.dims())?;
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() && rows >= 2 {
-        let addrs = running_addrs(running, c)?;
-        let ts: Vec<&Tensor> = [Some(x), Some(weight), Some(bias), res].into_iter().flatten().collect();
+        let addrs = running_addrs(&bn.running, c)?;
+        let ts: Vec<&Tensor> = [Some(x), Some(&bn.weight), Some(&bn.bias), res].into_iter().flatten().collect();
         let out = with_cuda(&ts, "batch_norm_train", |a| {
-            crate::cuda::bn::train(a[0], a.get(3).copied(), a[1], a[2], rows, c, eps, relu, Some(addrs))
+            crate::cuda::bn::train(a[0], a.get(3).copied(), a[1], a[2], rows, c, bn.eps, relu, Some(addrs))
         })?;
         if let Some((stats, y)) = out {
             return Ok((from_cuda(stats, (3, c)), from_cuda(y, x.shape().clone())));
         }
     }
     let _ = (rows, c);
-    let stats = batch_stats(x, eps, running)?;
+    let stats = batch_stats(x, bn.eps, &bn.running)?;
     let y = match res {
-        Some(r) => {
-            let p = crate::ops::residual::BnParams { stats: stats.clone(), weight: weight.clone(), bias: bias.clone() };
-            crate::ops::residual::bn_add_relu(x, r, &p, None)?
-        }
-        None => x.apply_op3_no_bwd(weight, bias, &BnApply { relu, stats: stats.clone() })?,
+        Some(r) => crate::ops::residual::bn_add_relu(x, r, &bn.params(&stats), None)?,
+        None => x.apply_op3_no_bwd(&bn.weight, &bn.bias, &BnApply { relu, stats: stats.clone() })?,
     };
     Ok((stats, y))
 }
 
-/// One training-mode BatchNorm of [`batch_norm_train2_add_relu`]: weight and bias (c) f32, eps, running statistics.
-#[derive(Clone, Copy)]
-pub struct TrainBn<'a> {
-    pub weight: &'a Tensor,
-    pub bias: &'a Tensor,
-    pub eps: f64,
-    pub running: &'a Running<'a>,
+impl TrainBn<'_> {
+    /// The normalisation's parameters with the batch statistics `stats`.
+    fn params(&self, stats: &Tensor) -> crate::ops::residual::BnParams {
+        crate::ops::residual::BnParams { stats: stats.clone(), weight: self.weight.clone(), bias: self.bias.clone() }
+    }
 }
 
 /// A downsample block's output: the batch statistics of its last conv output `x` and of the downsample conv
@@ -368,8 +350,8 @@ pub struct TrainBn<'a> {
 pub fn batch_norm_train2_add_relu(
     x: &Tensor,
     r: &Tensor,
-    bn: TrainBn,
-    bn_r: TrainBn,
+    bn: &TrainBn,
+    bn_r: &TrainBn,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     if r.dims() != x.dims() {
         candle_core::bail!("batch_norm_train2_add_relu: x {:?} and the shortcut {:?} differ", x.dims(), r.dims());
@@ -377,8 +359,8 @@ pub fn batch_norm_train2_add_relu(
     let (rows, c) = rows_c(x.dims())?;
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() && rows >= 2 {
-        let (ra, rb) = (running_addrs(bn.running, c)?, running_addrs(bn_r.running, c)?);
-        let ts = [x, r, bn.weight, bn.bias, bn_r.weight, bn_r.bias];
+        let (ra, rb) = (running_addrs(&bn.running, c)?, running_addrs(&bn_r.running, c)?);
+        let ts = [x, r, &bn.weight, &bn.bias, &bn_r.weight, &bn_r.bias];
         let out = with_cuda(&ts, "batch_norm_train2_add_relu", |a| {
             let one = crate::cuda::bn::TrainBn { weight: a[2], bias: a[3], eps: bn.eps, running: Some(ra) };
             let two = crate::cuda::bn::TrainBn { weight: a[4], bias: a[5], eps: bn_r.eps, running: Some(rb) };
@@ -389,11 +371,9 @@ pub fn batch_norm_train2_add_relu(
         }
     }
     let _ = (rows, c);
-    let s1 = batch_stats(x, bn.eps, bn.running)?;
-    let s2 = batch_stats(r, bn_r.eps, bn_r.running)?;
-    let p1 = crate::ops::residual::BnParams { stats: s1.clone(), weight: bn.weight.clone(), bias: bn.bias.clone() };
-    let p2 = crate::ops::residual::BnParams { stats: s2.clone(), weight: bn_r.weight.clone(), bias: bn_r.bias.clone() };
-    let y = crate::ops::residual::bn_add_relu(x, r, &p1, Some(&p2))?;
+    let s1 = batch_stats(x, bn.eps, &bn.running)?;
+    let s2 = batch_stats(r, bn_r.eps, &bn_r.running)?;
+    let y = crate::ops::residual::bn_add_relu(x, r, &bn.params(&s1), Some(&bn_r.params(&s2)))?;
     Ok((s1, s2, y))
 }
 
