@@ -9,7 +9,7 @@
 #   bash scripts/data-bench-gpu.sh TRAINER_BIN OUT_DIR      (LD_LIBRARY_PATH set for the CUDA libraries)
 #
 # Env: THREADS (16), COUNT (3072), MAX_SIDE (packed, 320), STEPS_EPOCHS (3), SKIP_TRAIN=1 to leave out step 3,
-# ONLY_TRAIN=1 to leave out steps 1 and 2.
+# ONLY_TRAIN=1 to leave out steps 1 and 2, TRAIN_TIMEOUT (300 s) and TRAIN_SET ('key=value': one --set) for step 3.
 set -euo pipefail
 
 BIN=${1:?usage: data-bench-gpu.sh TRAINER_BIN OUT_DIR}
@@ -107,7 +107,21 @@ fi
 if [ "${SKIP_TRAIN:-0}" != 1 ]; then
     say "## 3. ResNet-152 bf16 training from the JPEG folder, batch 256, $EPOCHS epochs"
     rm -rf "$RUN"
-    run timeout 300 "$BIN" --config "$CFG" --set device=cuda --set "train.epochs=$EPOCHS" --run-dir "$RUN"
+    # The GPU's memory every 250 ms while it trains ($OUT/data-bench-mem.csv: time, MiB used), and the backtrace of
+    # a failure (RUST_BACKTRACE): where memory grows across steps, validation and the epoch boundaries.
+    MEMLOG="$OUT/data-bench-mem.csv"
+    MEMPID=""
+    if command -v nvidia-smi >/dev/null; then
+        nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 250 >"$MEMLOG" 2>/dev/null &
+        MEMPID=$!
+    fi
+    run env RUST_BACKTRACE=1 timeout "${TRAIN_TIMEOUT:-300}" "$BIN" --config "$CFG" --set device=cuda \
+        --set "train.epochs=$EPOCHS" --run-dir "$RUN" ${TRAIN_SET:+--set "$TRAIN_SET"}
+    if [ -n "$MEMPID" ]; then
+        kill "$MEMPID" 2>/dev/null || true
+        wait "$MEMPID" 2>/dev/null || true
+        say "# GPU memory while training (MiB used): $(awk -F', ' '{ if ($2 > m) m = $2; n++ } END { print "max " m " over " n " samples" }' "$MEMLOG")"
+    fi
     if [ -f "$RUN/metrics.jsonl" ]; then
         cp "$RUN/metrics.jsonl" "$OUT/train-metrics.jsonl"
         say "# step rate (img/s, steps 4 onwards: the first steps autotune and warm up) and loader rate:"

@@ -8,7 +8,8 @@
 #      the fused step without its graph (kernels.graph = "off", the first dtype; EAGER_COMPARE= skips it) and with
 #      the fused BatchNorm reductions (kernels.bn_stats = "fused", then "auto": per conv shape where timed faster;
 #      EPI_COMPARE= skips both; with EPI_HALVES=1 also "forward" and "backward" alone) and with one cooperative
-#      launch a BatchNorm pass (kernels.bn_cooperative = true; COOP_COMPARE= skips it), then
+#      launch a BatchNorm pass (kernels.bn_cooperative = true; COOP_COMPARE= skips it, COOP_COMPARE="fused-coop
+#      fused-coopauto" adds both settings at once), then
 #      autograd in AUTOGRAD_DTYPES (default bf16; empty skips it) -- figures first, as device time is short;
 #   3. gpu-step-tests: tests/tests/gpu_step.rs (residual kernels vs CPU, fused vs autograd loss and every gradient
 #      in bf16/fp16 on ResNet-18/50/152, three fp16 StepRunner steps with a skipped one, ten steps replayed from a
@@ -101,6 +102,8 @@ main() {
         [ "$step" = fused-eager ] && { graph=off; dts="${dtypes%%,*}"; }
         # fused-coop: one cooperative launch a BatchNorm pass (kernels.bn_cooperative = true).
         [ "$step" = fused-coop ] && { coop=true; dts="${dtypes%%,*}"; }
+        # fused-coopauto: both, the cooperative passes where the epilogue does not take the reduction.
+        [ "$step" = fused-coopauto ] && { coop=true; stats=auto; dts="${dtypes%%,*}"; }
         [ "$step" = fused-epistats ] && { stats=fused; dts="${dtypes%%,*}"; }
         [ "$step" = fused-epiauto ] && { stats=auto; dts="${dtypes%%,*}"; }
         [ "$step" = fused-epifwd ] && { stats=forward; dts="${dtypes%%,*}"; }
@@ -190,7 +193,7 @@ PYEOF
         echo "== ResNet-152 bf16 training from a generated JPEG folder (scripts/data-bench-gpu.sh, ONLY_TRAIN=1)"
         ONLY_TRAIN=1 timeout "${DATA_TIMEOUT:-300}" bash "$here/scripts/data-bench-gpu.sh" "$bin/trainer" "$out" \
             > /dev/null 2>&1 || { echo "data-bench-gpu: FAILED"; fails=$((fails + 1)); }
-        grep -E "step rate|waits for data|epoch [0-9]+:|FAILED|^# [0-9]+ training" "$out/data-bench.log" 2>/dev/null
+        grep -E "step rate|waits for data|epoch [0-9]+:|FAILED|^# [0-9]+ training|GPU memory while|^error" "$out/data-bench.log" 2>/dev/null
     fi
     rm -rf "$bin"
     echo "== gpu-step: $fails failure(s)"

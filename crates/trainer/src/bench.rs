@@ -70,10 +70,7 @@ impl PeakMemory {
     }
 }
 
-fn is_oom(e: &anyhow::Error) -> bool {
-    let s = format!("{e:#}").to_lowercase();
-    s.contains("out of memory") || s.contains("out_of_memory")
-}
+use crate::train::is_oom;
 
 /// Builds the model, runs `warmup` then `steps` timed training steps at batch `bs` in `dtype`.
 ///

@@ -200,6 +200,11 @@ fn main() {
     if let Err(e) = run() {
         // One line: the chain of contexts, outermost first.
         eprintln!("error: {}", trainer::one_line(&e));
+        // With RUST_BACKTRACE or RUST_LIB_BACKTRACE set: every cause in full, with the backtrace where one was
+        // captured (where on the device a failure came from).
+        if ["RUST_BACKTRACE", "RUST_LIB_BACKTRACE"].iter().any(|v| std::env::var(v).is_ok_and(|s| s != "0")) {
+            eprintln!("{e:?}");
+        }
         // 75 when this rank stopped because another failed (trainer launch then names the other).
         std::process::exit(trainer::dist::exit_code(&e));
     }
@@ -438,7 +443,11 @@ fn eval(c: ConfigArgs, ckpt: PathBuf) -> Result<()> {
         resnet::weights::load_into(&model, &ckpt, false)?;
     }
     let val = trainer::data::open(&cfg.data, trainer::data::Split::Val, cfg.seed, cfg.model.num_classes)?;
-    let r = trainer::train::validate(&model, val, &cfg, trainer::train::precision(&cfg))?;
+    let (bs, key) = trainer::train::eval_batch(&cfg);
+    let r = trainer::train::validate(&model, val, &cfg, trainer::train::precision(&cfg)).map_err(|e| {
+        let what = format!("{key} = {bs}");
+        trainer::train::device_failure(e, "evaluation", &what, trainer::train::HostPass::Eval, &cfg)
+    })?;
     println!(
         "{}: {} images, loss {:.4}, top1 {:.2}%, top5 {:.2}%, {:.1} img/s",
         ckpt.display(),

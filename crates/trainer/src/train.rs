@@ -971,7 +971,7 @@ pub const HOST_VALUES_PER_CONV_OUTPUT: u128 = 8;
 /// px, FP32, 2026-12-05).
 pub const HOST_EVAL_VALUES_PER_MAX_CONV_OUTPUT: u128 = 4;
 
-/// Which CPU pass a batch is checked for by [`check_host_batch`].
+/// Which pass a batch is for: the CPU check of [`check_host_batch`], the advice of [`device_failure`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HostPass {
     /// A training step: every conv output is kept for the backward.
@@ -1012,6 +1012,36 @@ pub fn check_host_batch(model: &ResNet, cfg: &Config, batch: usize, what: &str, 
         );
     }
     Ok(())
+}
+
+/// Whether `e` is a device allocation that failed (CUDA's `CUDA_ERROR_OUT_OF_MEMORY` through candle or cudarc).
+pub fn is_oom(e: &anyhow::Error) -> bool {
+    let s = format!("{e:#}").to_lowercase();
+    s.contains("out of memory") || s.contains("out_of_memory")
+}
+
+/// The error of a training step or a validation that failed: `e` under `doing` ("training step 13 (epoch 2)",
+/// "validation after epoch 1"); a device allocation that failed instead becomes one line naming the batch setting
+/// that asked for the memory (`what`, e.g. "train.batch_size = 256"; for `pass` = Train also the settings that fit
+/// the same batch in less) and `trainer sweep --max`.
+pub fn device_failure(e: anyhow::Error, doing: &str, what: &str, pass: HostPass, cfg: &Config) -> anyhow::Error {
+    if !is_oom(&e) {
+        return e.context(doing.to_string());
+    }
+    let less = match pass {
+        HostPass::Train => {
+            "a smaller batch (train.grad_accum keeps the global batch) or kernels.recompute = \"relu\" / \"relu+conv\" \
+             fits in less"
+        }
+        HostPass::Eval => "a smaller batch fits in less",
+    };
+    anyhow::anyhow!(
+        "out of GPU memory in {doing} at {what} ({}, {}): {less}; `trainer sweep --max` finds the largest training \
+         batch that fits ({})",
+        cfg.model.arch,
+        cfg.amp.dtype,
+        crate::one_line(&e)
+    )
 }
 
 /// The evaluation batch size: `train.eval_batch_size`, or `train.batch_size` when that is 0, with the key that
@@ -1202,7 +1232,13 @@ pub fn train_ranks(cfg: &Config, run_dir: &Path, resume: bool, ranks: Option<Ran
         let input = input_format(&runner.model, runner.precision);
         let mut loader = match ahead.take() {
             Some((e, l)) if e == epoch && state.batch_in_epoch == 0 => l,
-            _ => BatchSource::new(cfg, &train_ds, &device, input, (epoch, state.batch_in_epoch), shard)?,
+            _ => BatchSource::new(cfg, &train_ds, &device, input, (epoch, state.batch_in_epoch), shard)
+                .with_context(|| format!("the data loader of epoch {}", epoch + 1))?,
+        };
+        let batch_setting = format!("train.batch_size = {}", cfg.train.batch_size);
+        let step_failure = |e: anyhow::Error, step: usize| {
+            let doing = format!("training step {step} (epoch {})", epoch + 1);
+            device_failure(e, &doing, &batch_setting, HostPass::Train, cfg)
         };
         let bar = if show_progress { ProgressBar::new(steps_per_epoch as u64) } else { ProgressBar::hidden() };
         bar.set_style(
@@ -1244,10 +1280,12 @@ pub fn train_ranks(cfg: &Config, run_dir: &Path, resume: bool, ranks: Option<Ran
                 let last_step = state.step + 1 >= total_steps;
                 if state.batch_in_epoch + micro.len() >= batches_per_epoch && epoch + 1 < cfg.train.epochs && !last_step
                 {
-                    ahead = Some((epoch + 1, BatchSource::new(cfg, &train_ds, &device, input, (epoch + 1, 0), shard)?));
+                    let next = BatchSource::new(cfg, &train_ds, &device, input, (epoch + 1, 0), shard)
+                        .with_context(|| format!("the data loader of epoch {}", epoch + 2))?;
+                    ahead = Some((epoch + 1, next));
                 }
                 let lr = sched.lr(state.step);
-                let pending = runner.step_async(&micro, lr)?;
+                let pending = runner.step_async(&micro, lr).map_err(|e| step_failure(e, state.step + 1))?;
                 state.batch_in_epoch += micro.len();
                 state.step += 1;
                 data_wait += waited;
@@ -1261,7 +1299,7 @@ pub fn train_ranks(cfg: &Config, run_dir: &Path, resume: bool, ranks: Option<Ran
             let keep = if !queued || checkpoint_due || fatal || epoch_end { 0 } else { 1 };
             while in_flight.len() > keep {
                 let (pending, step, lr, waited) = in_flight.pop_front().expect("a step in flight");
-                let out = runner.resolve(pending)?;
+                let out = runner.resolve(pending).map_err(|e| step_failure(e, step))?;
                 // Without loss scaling a non-finite loss or gradient means the run diverged: stop, keep the
                 // checkpoints (the device skipped the update, so the weights are those of the step before).
                 if (!out.loss.is_finite() || out.skipped) && !runner.scaler.enabled {
@@ -1350,7 +1388,10 @@ pub fn train_ranks(cfg: &Config, run_dir: &Path, resume: bool, ranks: Option<Ran
         let train_top1 = 100.0 * state.meters.correct as f64 / state.meters.seen.max(1) as f64;
         // Rank 0 validates alone (the others go on to the next epoch's first all-reduce and wait there).
         let val = if writer && !val_ds.is_empty() {
-            Some(validate(&runner.model, val_ds.clone(), cfg, runner.precision)?)
+            let (bs, key) = eval_batch(cfg);
+            let doing = format!("validation after epoch {}", epoch + 1);
+            let v = validate(&runner.model, val_ds.clone(), cfg, runner.precision);
+            Some(v.map_err(|e| device_failure(e, &doing, &format!("{key} = {bs}"), HostPass::Eval, cfg))?)
         } else {
             None
         };

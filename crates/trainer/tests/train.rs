@@ -337,3 +337,30 @@ fn graph_on_needs_cuda_and_the_fused_step() {
         assert!(s.last_loss.is_finite());
     }
 }
+
+/// A device allocation that fails in a training step or a validation ends in one line naming the batch setting
+/// that asked for the memory and what fits in less; any other failure keeps its cause under what was running.
+#[test]
+fn out_of_memory_names_the_batch_setting() {
+    use train::{device_failure, HostPass};
+    let cfg = tiny(&["train.batch_size=256"]);
+    let oom = || anyhow::anyhow!("DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")");
+    let e = device_failure(oom(), "training step 13 (epoch 2)", "train.batch_size = 256", HostPass::Train, &cfg);
+    let msg = trainer::one_line(&e);
+    for want in [
+        "out of GPU memory in training step 13 (epoch 2) at train.batch_size = 256",
+        "train.grad_accum",
+        "kernels.recompute",
+        "trainer sweep --max",
+        "CUDA_ERROR_OUT_OF_MEMORY",
+    ] {
+        assert!(msg.contains(want), "{want:?} missing from {msg:?}");
+    }
+    assert!(!msg.contains('\n'), "{msg:?}");
+    let e = device_failure(oom(), "validation after epoch 1", "train.eval_batch_size = 512", HostPass::Eval, &cfg);
+    let msg = trainer::one_line(&e);
+    assert!(msg.starts_with("out of GPU memory in validation after epoch 1 at train.eval_batch_size = 512"), "{msg}");
+    assert!(!msg.contains("recompute"), "{msg}");
+    let e = device_failure(anyhow::anyhow!("a kernel failed"), "training step 3 (epoch 1)", "x", HostPass::Train, &cfg);
+    assert_eq!(trainer::one_line(&e), "training step 3 (epoch 1): a kernel failed");
+}
