@@ -343,11 +343,11 @@ fn info_prints_stages_and_parameter_count() {
     assert!(
         String::from_utf8_lossy(&out.stdout).contains("recompute: relu+conv (kernels.recompute; the fused step only)")
     );
-    // CUDA graphs: off on the CPU, with the reason.
-    assert!(text.contains("graph: off (kernels.graph = \"off\")"), "{text}");
-    let out = trainer(&["info", "--config", &cfg, "--set", "kernels.graph=\"auto\""]);
-    let auto = String::from_utf8_lossy(&out.stdout);
-    assert!(auto.contains("graph: off (kernels.graph = \"auto\"; CUDA graphs need a CUDA device)"), "{auto}");
+    // CUDA graphs: "auto" by default, off on the CPU with the reason.
+    assert!(text.contains("graph: off (kernels.graph = \"auto\"; CUDA graphs need a CUDA device)"), "{text}");
+    let out = trainer(&["info", "--config", &cfg, "--set", "kernels.graph=\"off\""]);
+    let off = String::from_utf8_lossy(&out.stdout);
+    assert!(off.contains("graph: off (kernels.graph = \"off\")"), "{off}");
     assert!(!text.contains("bn_stats:"), "{text}");
     let out = trainer(&["info", "--config", &cfg, "--set", "kernels.bn_stats=\"fused\""]);
     assert!(String::from_utf8_lossy(&out.stdout).contains("bn_stats: fused (kernels.bn_stats;"));
