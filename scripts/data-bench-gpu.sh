@@ -115,8 +115,25 @@ if [ "${SKIP_TRAIN:-0}" != 1 ]; then
         nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 250 >"$MEMLOG" 2>/dev/null &
         MEMPID=$!
     fi
+    # Which threads of the trainer take the CPU (the loader's workers against the rest), and the machine's CPU
+    # use, every 5 s into the log: does the loader get the cores it had in data-bench?
+    (
+        sleep 20
+        prev=($(head -1 /proc/stat))
+        while sleep 5; do
+            pid=$(pgrep -n -f -- "--run-dir $RUN") || break
+            cur=($(head -1 /proc/stat))
+            busy=$(( (cur[1] + cur[2] + cur[3] + cur[6] + cur[7]) - (prev[1] + prev[2] + prev[3] + prev[6] + prev[7]) ))
+            all=$(( busy + cur[4] + cur[5] - prev[4] - prev[5] ))
+            prev=("${cur[@]}")
+            echo "# cpu $(( all > 0 ? 100 * busy / all : 0 ))% busy; trainer threads by name (CPU %, summed):" \
+                "$(ps -L -o comm=,pcpu= -p "$pid" | awk '{ sub(/[-_]?[0-9]+$/, "", $1); c[$1] += $2 } END { for (k in c) printf "%s %.0f, ", k, c[k] }')"
+        done
+    ) >>"$LOG" 2>/dev/null &
+    CPUPID=$!
     run env RUST_BACKTRACE=1 timeout "${TRAIN_TIMEOUT:-300}" "$BIN" --config "$CFG" --set device=cuda \
         --set "train.epochs=$EPOCHS" --run-dir "$RUN" ${TRAIN_SET:+--set "$TRAIN_SET"}
+    kill "$CPUPID" 2>/dev/null || true
     if [ -n "$MEMPID" ]; then
         kill "$MEMPID" 2>/dev/null || true
         wait "$MEMPID" 2>/dev/null || true

@@ -30,7 +30,7 @@
 #      SECTION` (e.g. bn: the fused BatchNorm reductions against the kernels they replace);
 #   8. with DATA_E2E=1: ResNet-152 bf16 training from 3,072 generated JPEGs (scripts/data-bench-gpu.sh,
 #      ONLY_TRAIN=1, THREADS loader threads, default 16): the step rate against the loader rate.
-# Logs under $OUT (./gpu-out when unset).   usage: bash scripts/gpu-step.sh [DIST_DIR]
+# Logs under $OUT (./gpu-out when unset): gpu-step.log, and every other log in logs.tgz at the end.   usage: bash scripts/gpu-step.sh [DIST_DIR]
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 dist="$(cd "${1:-dist}" && pwd)" || { echo "gpu-step: no dist folder" >&2; exit 2; }
@@ -194,8 +194,15 @@ PYEOF
         ONLY_TRAIN=1 timeout "${DATA_TIMEOUT:-300}" bash "$here/scripts/data-bench-gpu.sh" "$bin/trainer" "$out" \
             > /dev/null 2>&1 || { echo "data-bench-gpu: FAILED"; fails=$((fails + 1)); }
         grep -E "step rate|waits for data|epoch [0-9]+:|FAILED|^# [0-9]+ training|GPU memory while|^error" "$out/data-bench.log" 2>/dev/null
+        grep -E "^# cpu" "$out/data-bench.log" 2>/dev/null | tail -3
     fi
     rm -rf "$bin"
+    # Few files come back from the GPU machine: every log but this one goes into one archive, logs.tgz.
+    local list
+    list="$(cd "$out" && ls -A | grep -vxE 'gpu-step\.log|logs\.tgz')"
+    if [ -n "$list" ]; then
+        (cd "$out" && printf '%s\n' "$list" | tar czf logs.tgz -T - --remove-files) || echo "gpu-step: logs.tgz failed"
+    fi
     echo "== gpu-step: $fails failure(s)"
     [ "$fails" -eq 0 ]
 }
