@@ -18,8 +18,9 @@
 use crate::config::GraphChoice;
 use std::collections::HashMap;
 
-/// One micro-batch as a captured step sees it: images shape and dtype, labels shape and dtype, sample count.
-pub type MicroShape = (Vec<usize>, String, Vec<usize>, String, usize);
+/// One micro-batch as a captured step sees it: images shape, strides (the memory layout: the device feed's
+/// channels-last batches are NCHW views of NHWC memory) and dtype, labels shape and dtype, sample count.
+pub type MicroShape = (Vec<usize>, Vec<usize>, String, Vec<usize>, String, usize);
 
 /// What a captured step depends on besides device memory: the micro-batches' shapes and dtypes (images, labels,
 /// sample count each), and the host values baked into its kernels.
@@ -155,6 +156,32 @@ pub fn unsupported(cuda: bool, fused: bool, collective: bool, phases: bool) -> O
     }
 }
 
+/// Copies `src` into `dst`, two tensors of one shape, dtype and memory layout, whole: through the order of
+/// dimensions in which both are contiguous (a graph's input buffer is a copy of the batch it was captured with, so
+/// a channels-last batch, an NCHW view of NHWC memory, goes in as NHWC). A different shape, dtype or layout is an
+/// error naming both.
+pub fn copy_into(dst: &candle_core::Tensor, src: &candle_core::Tensor) -> candle_core::Result<()> {
+    if dst.dims() != src.dims() || dst.dtype() != src.dtype() || dst.stride() != src.stride() {
+        candle_core::bail!(
+            "CUDA graph input: a batch of {:?} {:?} (strides {:?}) for a buffer of {:?} {:?} (strides {:?})",
+            src.dims(),
+            src.dtype(),
+            src.stride(),
+            dst.dims(),
+            dst.dtype(),
+            dst.stride()
+        );
+    }
+    // The dimensions from the largest stride to the smallest: the order the memory holds them in.
+    let mut order: Vec<usize> = (0..dst.rank()).collect();
+    order.sort_by_key(|&d| std::cmp::Reverse(dst.stride()[d]));
+    let (d, s) = (dst.permute(order.clone())?, src.permute(order)?);
+    if !d.is_contiguous() || !s.is_contiguous() {
+        candle_core::bail!("CUDA graph input: strides {:?} are no permutation of a dense layout", src.stride());
+    }
+    d.slice_set(&s, 0, 0)
+}
+
 /// The graph path of [`crate::train::StepRunner::step_async`]: Some(report) when this step was replayed from a
 /// graph (or captured and launched), None when it is to run eagerly ([`crate::train::StepRunner::queue_step`];
 /// a warm-up step is queued here under the upload cache and its report returned).
@@ -195,6 +222,7 @@ mod cuda {
                     let l = &b.labels;
                     (
                         i.dims().to_vec(),
+                        i.stride().to_vec(),
                         i.dtype().as_str().to_string(),
                         l.dims().to_vec(),
                         l.dtype().as_str().into(),
@@ -303,8 +331,8 @@ mod cuda {
                     runner.graphs.eager_since_replay = false;
                 }
                 for (dst, src) in plan.inputs.iter().zip(micro) {
-                    dst.images.slice_set(&src.images, 0, 0)?;
-                    dst.labels.slice_set(&src.labels, 0, 0)?;
+                    super::copy_into(&dst.images, &src.images)?;
+                    super::copy_into(&dst.labels, &src.labels)?;
                 }
                 plan.graph.launch()?;
                 if runner.graphs.replayed == 0 && std::env::var_os("TRAINER_GRAPH_DEBUG").is_some() {
@@ -375,7 +403,42 @@ mod tests {
     use super::{unsupported, Action, Policy, StepKey};
 
     fn key(n: usize) -> StepKey {
-        StepKey { micro: vec![(vec![n, 3, 8, 8], "bf16".into(), vec![n], "u32".into(), n)], host: vec![0] }
+        StepKey {
+            micro: vec![(vec![n, 3, 8, 8], vec![192, 64, 8, 1], "bf16".into(), vec![n], "u32".into(), n)],
+            host: vec![0],
+        }
+    }
+
+    /// A graph's input buffer takes a batch of its own layout whole: contiguous, or a channels-last NCHW view of
+    /// NHWC memory (the device feed's batches, on which the first replay from a JPEG folder failed); another
+    /// layout or shape is refused with both named.
+    #[test]
+    fn graph_inputs_take_batches_of_their_layout() {
+        use candle_core::{DType, Device, Tensor};
+        let dev = Device::Cpu;
+        let nhwc =
+            |seed: f32| Tensor::arange(0f32, 2.0 * 4.0 * 5.0 * 3.0, &dev).unwrap().affine(1.0, seed as f64).unwrap();
+        let view = |t: Tensor| t.reshape((2, 4, 5, 3)).unwrap().permute((0, 3, 1, 2)).unwrap();
+        let dst = view(nhwc(0.0)).copy().unwrap();
+        assert!(!dst.is_contiguous());
+        let src = view(nhwc(100.0));
+        super::copy_into(&dst, &src).unwrap();
+        assert_eq!(
+            dst.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            src.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        );
+        assert_eq!(dst.stride(), src.stride(), "the buffer keeps its layout");
+        let plain = Tensor::zeros((2, 3, 4, 5), DType::F32, &dev).unwrap();
+        super::copy_into(&plain, &src.contiguous().unwrap()).unwrap();
+        assert_eq!(
+            plain.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            src.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        );
+        let e = super::copy_into(&plain, &src).unwrap_err().to_string();
+        assert!(e.starts_with("CUDA graph input: a batch of [2, 3, 4, 5] F32 (strides [60, 1, 15, 3])"), "{e}");
+        let labels = Tensor::new(&[1u32, 2], &dev).unwrap();
+        let e = super::copy_into(&labels, &Tensor::new(&[1u32, 2, 3], &dev).unwrap()).unwrap_err().to_string();
+        assert!(e.contains("a batch of [3] U32"), "{e}");
     }
 
     #[test]
