@@ -9,7 +9,8 @@
 #      the fused BatchNorm reductions (kernels.bn_stats = "fused", then "auto": per conv shape where timed faster;
 #      EPI_COMPARE= skips both; with EPI_HALVES=1 also "forward" and "backward" alone) and with one cooperative
 #      launch a BatchNorm pass (kernels.bn_cooperative = true; COOP_COMPARE= skips it, COOP_COMPARE="fused-coop
-#      fused-coopauto" adds both settings at once), then
+#      fused-coopauto" adds both settings at once), with RECOMPUTE_BENCH=1 with kernels.recompute = "relu" and
+#      "relu+conv" (the peak memory against "none"), then
 #      autograd in AUTOGRAD_DTYPES (default bf16; empty skips it) -- figures first, as device time is short;
 #   3. gpu-step-tests: tests/tests/gpu_step.rs (residual kernels vs CPU, fused vs autograd loss and every gradient
 #      in bf16/fp16 on ResNet-18/50/152, three fp16 StepRunner steps with a skipped one, ten steps replayed from a
@@ -89,12 +90,13 @@ main() {
 
     local step dts graph stats
     # EPI_HALVES=1: also each half of the fused reductions alone (kernels.bn_stats = "forward" / "backward").
-    local coop
-    for step in fused ${EAGER_COMPARE-fused-eager} ${COOP_COMPARE-fused-coop} ${EPI_COMPARE-fused-epistats fused-epiauto} ${EPI_HALVES:+fused-epifwd fused-epibwd} autograd; do
+    local coop rc
+    for step in fused ${EAGER_COMPARE-fused-eager} ${COOP_COMPARE-fused-coop} ${EPI_COMPARE-fused-epistats fused-epiauto} ${EPI_HALVES:+fused-epifwd fused-epibwd} ${RECOMPUTE_BENCH:+fused-rcrelu fused-rcconv} autograd; do
         dts="$dtypes"
         graph=auto
         stats=pass
         coop=false
+        rc=none
         [ "$step" = autograd ] && dts="${AUTOGRAD_DTYPES-bf16}"
         # fused-eager: the fused step without its CUDA graph (kernels.graph = "off"); fused-epistats: with the
         # fused BatchNorm reductions (kernels.bn_stats = "fused"); fused-epiauto: the same per conv shape where
@@ -105,14 +107,17 @@ main() {
         # fused-coopauto: both, the cooperative passes where the epilogue does not take the reduction.
         [ "$step" = fused-coopauto ] && { coop=true; stats=auto; dts="${dtypes%%,*}"; }
         [ "$step" = fused-epistats ] && { stats=fused; dts="${dtypes%%,*}"; }
+        # fused-rcrelu / fused-rcconv: kernels.recompute = "relu" / "relu+conv" (the peak memory against "none").
+        [ "$step" = fused-rcrelu ] && { rc=relu; dts="${dtypes%%,*}"; }
+        [ "$step" = fused-rcconv ] && { rc=relu+conv; dts="${dtypes%%,*}"; }
         [ "$step" = fused-epiauto ] && { stats=auto; dts="${dtypes%%,*}"; }
         [ "$step" = fused-epifwd ] && { stats=forward; dts="${dtypes%%,*}"; }
         [ "$step" = fused-epibwd ] && { stats=backward; dts="${dtypes%%,*}"; }
         [ -n "$dts" ] || continue
-        echo "== bench resnet152 b$batch $dts, kernels.step = ${step%%-*}, kernels.graph = $graph, kernels.bn_stats = $stats, kernels.bn_cooperative = $coop"
+        echo "== bench resnet152 b$batch $dts, kernels.step = ${step%%-*}, kernels.graph = $graph, kernels.bn_stats = $stats, kernels.bn_cooperative = $coop, kernels.recompute = $rc"
         timeout "${BENCH_TIMEOUT:-150}" "$bin/trainer" bench --config "$here/configs/resnet152.toml" \
             --set "kernels.step=\"${step%%-*}\"" --set "kernels.graph=\"$graph\"" --set "kernels.bn_stats=\"$stats\"" \
-            --set "kernels.bn_cooperative=$coop" \
+            --set "kernels.bn_cooperative=$coop" --set "kernels.recompute=\"$rc\"" \
             --dtypes "$dts" --batch-sizes "$batch" --warmup 3 --steps 10 > "$out/bench-$step.log" 2>&1 \
             || { echo "bench $step: FAILED"; fails=$((fails + 1)); }
         grep -vE "^\s*$" "$out/bench-$step.log" | tail -8
