@@ -131,7 +131,8 @@ impl ParamStore {
 
     /// A snapshot of every tensor (detached copies), e.g. for saving.
     pub fn snapshot(&self) -> candle_core::Result<BTreeMap<String, Tensor>> {
-        self.entries().into_iter().map(|(n, e)| Ok((n, e.param.var.as_tensor().copy()?))).collect()
+        // `force_contiguous`: a storage of the tensor's own size (`copy` clones a view's whole storage).
+        self.entries().into_iter().map(|(n, e)| Ok((n, e.param.var.as_tensor().force_contiguous()?.detach()))).collect()
     }
 
     pub fn dtype_of(&self, name: &str) -> Option<DType> {

@@ -22,7 +22,8 @@ pub(crate) fn aligned(t: &candle_core::Tensor) -> candle_core::Result<candle_cor
     if t.layout().start_offset() % 8 == 0 {
         Ok(t)
     } else {
-        t.copy()
+        // A new storage from offset 0 (`copy` keeps the view's offset, and clones its whole storage).
+        t.force_contiguous()
     }
 }
 use half::{bf16, f16};
