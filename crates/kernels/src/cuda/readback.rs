@@ -3,7 +3,7 @@
 //! at the end of step k, and read once that copy is done, while step k + 1 still runs. (candle's `to_vec1`
 //! synchronises the whole stream, which would wait for step k + 1 as well.)
 
-use candle_core::cuda_backend::cudarc::driver::{CudaEvent, PinnedHostSlice};
+use candle_core::cuda_backend::cudarc::driver::{sys, CudaEvent, PinnedHostSlice};
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::{DType, Result, Tensor};
 
@@ -23,7 +23,10 @@ impl HostReadback {
         let ctx = dev.cuda_stream().context().clone();
         // SAFETY: the buffer is written by the copies of `queue` before `read` returns any of it.
         let pinned = unsafe { ctx.alloc_pinned::<f32>(capacity.max(1)) }.w()?;
-        let done = ctx.new_event(None).w()?;
+        // Blocking sync: `read` sleeps until the copy is done. Without the flag cuEventSynchronize busy-waits,
+        // whatever the context's scheduling flag: on the H100 (2026-12-05) the training thread then took a whole
+        // core for the ~90 ms of every step, a core the data loader's workers share.
+        let done = ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC)).w()?;
         Ok(Self { pinned, len: 0, done })
     }
 
