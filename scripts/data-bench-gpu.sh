@@ -115,19 +115,35 @@ if [ "${SKIP_TRAIN:-0}" != 1 ]; then
         nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 250 >"$MEMLOG" 2>/dev/null &
         MEMPID=$!
     fi
-    # Which threads of the trainer take the CPU (the loader's workers against the rest), and the machine's CPU
-    # use, every 5 s into the log: does the loader get the cores it had in data-bench?
+    # Which threads of the trainer take the CPU, per second (the loader's workers against the rest, from the
+    # threads' utime + stime in /proc), and the machine's CPU use, into the log: does the loader get the cores it
+    # had in data-bench while the GPU trains?
     (
-        sleep 20
-        prev=($(head -1 /proc/stat))
-        while sleep 5; do
-            pid=$(pgrep -n -f -- "--run-dir $RUN") || break
-            cur=($(head -1 /proc/stat))
-            busy=$(( (cur[1] + cur[2] + cur[3] + cur[6] + cur[7]) - (prev[1] + prev[2] + prev[3] + prev[6] + prev[7]) ))
-            all=$(( busy + cur[4] + cur[5] - prev[4] - prev[5] ))
-            prev=("${cur[@]}")
-            echo "# cpu $(( all > 0 ? 100 * busy / all : 0 ))% busy; trainer threads by name (CPU %, summed):" \
-                "$(ps -L -o comm=,pcpu= -p "$pid" | awk '{ sub(/[-_]?[0-9]+$/, "", $1); c[$1] += $2 } END { for (k in c) printf "%s %.0f, ", k, c[k] }')"
+        tick=$(getconf CLK_TCK)
+        prev_all=""
+        declare -A prev
+        while sleep 1; do
+            pid=$(pgrep -n -f -- "--run-dir $RUN") || { [ -n "$prev_all" ] && break; continue; }
+            read -ra cpu < <(head -1 /proc/stat)
+            all=$((cpu[1] + cpu[2] + cpu[3] + cpu[4] + cpu[5] + cpu[6] + cpu[7]))
+            idle=$((cpu[4] + cpu[5]))
+            declare -A now=()
+            for st in /proc/"$pid"/task/*/stat; do
+                # comm is field 2 in parentheses; utime and stime are fields 14 and 15.
+                line=$(cat "$st" 2>/dev/null) || continue
+                name=${line#*(}; name=${name%%)*}; name=${name%%[-_0-9]*}
+                rest=${line##*) }; read -ra f <<<"$rest"
+                now[$name]=$(( ${now[$name]:-0} + f[11] + f[12] ))
+            done
+            if [ -n "$prev_all" ]; then
+                d=$((all - prev_all)); busy=$((d - (idle - prev_idle)))
+                out="# cpu/s $(date +%T): machine $(( d > 0 ? 100 * busy / d : 0 ))% busy; threads (% of a core):"
+                for k in "${!now[@]}"; do out+=" $k $(( (now[$k] - ${prev[$k]:-0}) * 100 / tick ))"; done
+                echo "$out"
+            fi
+            prev_all=$all; prev_idle=$idle
+            prev=(); for k in "${!now[@]}"; do prev[$k]=${now[$k]}; done
+            unset now
         done
     ) >>"$LOG" 2>/dev/null &
     CPUPID=$!

@@ -199,7 +199,7 @@ PYEOF
         ONLY_TRAIN=1 timeout "${DATA_TIMEOUT:-300}" bash "$here/scripts/data-bench-gpu.sh" "$bin/trainer" "$out" \
             > /dev/null 2>&1 || { echo "data-bench-gpu: FAILED"; fails=$((fails + 1)); }
         grep -E "step rate|waits for data|epoch [0-9]+:|FAILED|^# [0-9]+ training|GPU memory while|^error" "$out/data-bench.log" 2>/dev/null
-        grep -E "^# cpu" "$out/data-bench.log" 2>/dev/null | tail -3
+        grep -E "^# cpu" "$out/data-bench.log" 2>/dev/null | tail -8
     fi
     rm -rf "$bin"
     # Few files come back from the GPU machine: every log but this one goes into one archive, logs.tgz.
