@@ -263,11 +263,6 @@ mod cuda {
         Ok(out)
     }
 
-    fn is_oom(e: &candle_core::Error) -> bool {
-        let s = format!("{e}").to_lowercase();
-        s.contains("out of memory") || s.contains("out_of_memory")
-    }
-
     pub(super) fn graph_step(
         runner: &mut StepRunner,
         micro: &[Batch],
@@ -345,7 +340,7 @@ mod cuda {
             }
             Action::Capture => match capture(runner, &dev, micro, lr_dev) {
                 Ok(report) => Ok(Some(report)),
-                Err(e) if is_oom(&e) => Err(e.into()),
+                Err(e) if crate::train::is_oom(&e) => Err(e.into()),
                 Err(e) => {
                     let why = format!("{e}").lines().next().unwrap_or_default().to_string();
                     if runner.graphs.choice == GraphChoice::On {

@@ -443,11 +443,7 @@ fn eval(c: ConfigArgs, ckpt: PathBuf) -> Result<()> {
         resnet::weights::load_into(&model, &ckpt, false)?;
     }
     let val = trainer::data::open(&cfg.data, trainer::data::Split::Val, cfg.seed, cfg.model.num_classes)?;
-    let (bs, key) = trainer::train::eval_batch(&cfg);
-    let r = trainer::train::validate(&model, val, &cfg, trainer::train::precision(&cfg)).map_err(|e| {
-        let what = format!("{key} = {bs}");
-        trainer::train::device_failure(e, "evaluation", &what, trainer::train::HostPass::Eval, &cfg)
-    })?;
+    let r = trainer::train::validate(&model, val, &cfg, trainer::train::precision(&cfg), "evaluation")?;
     println!(
         "{}: {} images, loss {:.4}, top1 {:.2}%, top5 {:.2}%, {:.1} img/s",
         ckpt.display(),

@@ -686,29 +686,43 @@ pub struct EvalResult {
     pub img_per_s: f64,
 }
 
-/// Loss, top-1 and top-5 (in %) over a whole data set, eval-mode BatchNorm, no autograd graph.
-pub fn validate(model: &ResNet, ds: Arc<dyn Dataset>, cfg: &Config, prec: Precision) -> Result<EvalResult> {
+/// Loss, top-1 and top-5 (in %) over a whole data set, eval-mode BatchNorm, no autograd graph. `doing` names the
+/// pass in its errors ("validation after epoch 1", "evaluation"; see [`device_failure`]).
+pub fn validate(
+    model: &ResNet,
+    ds: Arc<dyn Dataset>,
+    cfg: &Config,
+    prec: Precision,
+    doing: &str,
+) -> Result<EvalResult> {
     let (bs, key) = eval_batch(cfg);
-    check_host_batch(model, cfg, bs.min(ds.len()), &format!("{key} = {bs}"), HostPass::Eval)?;
+    let what = format!("{key} = {bs}");
+    check_host_batch(model, cfg, bs.min(ds.len()), &what, HostPass::Eval)?;
     let loader = Loader::new(ds, loader_options(cfg, bs, false, 0, 0));
     let (dtype, layout) = input_format(model, prec);
-    let (mut loss, mut c1, mut c5, mut n) = (0f64, 0f64, 0f64, 0usize);
     let t0 = Instant::now();
-    for b in loader {
-        let b = to_device(&b?, model.device(), dtype, layout)?;
-        let v: Vec<f32> = resnet::no_grad(|| -> Result<Vec<f32>> {
-            let logits = model.forward(&b.images, false, prec)?;
-            let l = (cross_entropy(&logits, &b.labels, 0.0)? * b.n as f64)?;
-            let k5 = 5.min(model.config.num_classes);
-            let t =
-                Tensor::stack(&[l, topk_correct(&logits, &b.labels, 1)?, topk_correct(&logits, &b.labels, k5)?], 0)?;
-            Ok(t.to_vec1()?)
-        })?;
-        loss += v[0] as f64;
-        c1 += v[1] as f64;
-        c5 += v[2] as f64;
-        n += b.n;
-    }
+    let sums = || -> Result<(f64, f64, f64, usize)> {
+        let (mut loss, mut c1, mut c5, mut n) = (0f64, 0f64, 0f64, 0usize);
+        for b in loader {
+            let b = to_device(&b?, model.device(), dtype, layout)?;
+            let v: Vec<f32> = resnet::no_grad(|| -> Result<Vec<f32>> {
+                let logits = model.forward(&b.images, false, prec)?;
+                let l = (cross_entropy(&logits, &b.labels, 0.0)? * b.n as f64)?;
+                let k5 = 5.min(model.config.num_classes);
+                let t = Tensor::stack(
+                    &[l, topk_correct(&logits, &b.labels, 1)?, topk_correct(&logits, &b.labels, k5)?],
+                    0,
+                )?;
+                Ok(t.to_vec1()?)
+            })?;
+            loss += v[0] as f64;
+            c1 += v[1] as f64;
+            c5 += v[2] as f64;
+            n += b.n;
+        }
+        Ok((loss, c1, c5, n))
+    };
+    let (loss, c1, c5, n) = sums().map_err(|e| device_failure(e, doing, &what, HostPass::Eval, cfg))?;
     if n == 0 {
         bail!("the validation set is empty");
     }
@@ -1014,8 +1028,9 @@ pub fn check_host_batch(model: &ResNet, cfg: &Config, batch: usize, what: &str, 
     Ok(())
 }
 
-/// Whether `e` is a device allocation that failed (CUDA's `CUDA_ERROR_OUT_OF_MEMORY` through candle or cudarc).
-pub fn is_oom(e: &anyhow::Error) -> bool {
+/// Whether `e` (an anyhow or candle error) is a device allocation that failed (CUDA's `CUDA_ERROR_OUT_OF_MEMORY`
+/// through candle or cudarc).
+pub fn is_oom(e: &impl std::fmt::Display) -> bool {
     let s = format!("{e:#}").to_lowercase();
     s.contains("out of memory") || s.contains("out_of_memory")
 }
@@ -1388,10 +1403,8 @@ pub fn train_ranks(cfg: &Config, run_dir: &Path, resume: bool, ranks: Option<Ran
         let train_top1 = 100.0 * state.meters.correct as f64 / state.meters.seen.max(1) as f64;
         // Rank 0 validates alone (the others go on to the next epoch's first all-reduce and wait there).
         let val = if writer && !val_ds.is_empty() {
-            let (bs, key) = eval_batch(cfg);
             let doing = format!("validation after epoch {}", epoch + 1);
-            let v = validate(&runner.model, val_ds.clone(), cfg, runner.precision);
-            Some(v.map_err(|e| device_failure(e, &doing, &format!("{key} = {bs}"), HostPass::Eval, cfg))?)
+            Some(validate(&runner.model, val_ds.clone(), cfg, runner.precision, &doing)?)
         } else {
             None
         };
