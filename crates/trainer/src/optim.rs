@@ -343,6 +343,7 @@ mod tests {
     }
 
     const SGD: OptimKind = OptimKind::Sgd { momentum: 0.9, nesterov: false };
+    const ADAMW: OptimKind = OptimKind::AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8 };
 
     /// Elements held by `t`'s storage (CPU), against its own element count.
     fn storage_len(t: &Tensor) -> usize {
@@ -376,7 +377,6 @@ mod tests {
             assert_eq!(storage_len(&t), t.elem_count(), "{name}");
         }
     }
-    const ADAMW: OptimKind = OptimKind::AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8 };
 
     /// A resume takes the whole state, or none (a checkpoint without optimizer state); a partial state, another
     /// optimizer's state or state of an untrained parameter is an error naming the tensor.
