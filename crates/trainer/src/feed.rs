@@ -1,25 +1,34 @@
 //! CUDA input feed: a thread takes the loader's uint8 batches, stages each into one of a few pinned host buffers
 //! and queues its copy to the GPU on a copy stream (`kernels::input::Slot`); the training thread turns a staged
 //! batch into the model's input with one kernel on the compute stream. Up to `SLOTS - 1` batches are on their way
-//! to the GPU while a step runs, so the copies overlap the step and the GPU does not wait on the host.
+//! to the GPU while a step runs, so the copies overlap the step and the GPU does not wait on the host. The slots
+//! are lent from a process-wide [`Spares`]: a feed that runs dry or is dropped hands them back without waiting for
+//! the GPU, and the next feed on the device (the next epoch's, validation's) takes them again.
 
 use crate::data::{HostBatch, Loader, StatsHandle};
+use crate::spares::{Lent, Spares};
 use anyhow::{anyhow, Result};
 use candle_core::{DType, Device, Tensor};
 use crossbeam_channel::{bounded, Receiver, Sender};
 use kernels::input::{InputLayout, Slot};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
 /// Batch buffers in flight: one being converted, the others staged or being staged.
 pub const SLOTS: usize = 3;
 
+/// The staging slots of every feed of the process, kept for reuse (see the module's note).
+fn spare_slots() -> &'static Arc<Spares<Slot>> {
+    static SLOTS_KEPT: OnceLock<Arc<Spares<Slot>>> = OnceLock::new();
+    SLOTS_KEPT.get_or_init(Default::default)
+}
+
 /// A batch whose pixels are on their way to the GPU.
 struct Staged {
     /// None for an empty batch (a data-parallel rank's last batch of an epoch may hold no samples).
-    slot: Option<Slot>,
+    slot: Option<Lent<Slot>>,
     n: usize,
     size: usize,
     flips: Vec<u8>,
@@ -29,7 +38,7 @@ struct Staged {
 /// The loader's batches as device tensors, staged ahead by a feeder thread.
 pub struct DeviceFeed {
     rx: Option<Receiver<Result<Staged, String>>>,
-    back: Option<Sender<Slot>>,
+    back: Option<Sender<Lent<Slot>>>,
     thread: Option<JoinHandle<()>>,
     device: Device,
     dtype: DType,
@@ -51,10 +60,19 @@ impl DeviceFeed {
         layout: InputLayout,
     ) -> Result<Self> {
         let Device::Cuda(dev) = device else { return Err(anyhow!("the device feed needs a CUDA device")) };
-        let copy_stream = Slot::copy_stream(dev)?;
-        let (back, free) = bounded::<Slot>(SLOTS);
+        let bytes = max_batch * size * size * 3;
+        let (back, free) = bounded::<Lent<Slot>>(SLOTS);
+        // One copy stream for the slots made here (a kept slot brings its own).
+        let mut copy_stream = None;
         for _ in 0..SLOTS {
-            back.send(Slot::new(&copy_stream, max_batch * size * size * 3)?).map_err(|_| anyhow!("slot channel"))?;
+            let slot = spare_slots().lend(
+                |s| s.serves(dev) && s.capacity() >= bytes,
+                || match &copy_stream {
+                    Some(cs) => Slot::new(cs, bytes),
+                    None => Slot::new(copy_stream.insert(Slot::copy_stream(dev)?), bytes),
+                },
+            )?;
+            back.send(slot).map_err(|_| anyhow!("slot channel"))?;
         }
         let (tx, rx) = bounded::<Result<Staged, String>>(SLOTS);
         let stats = loader.stats_handle();
@@ -62,8 +80,6 @@ impl DeviceFeed {
         let staged_images = Arc::new(AtomicU64::new(0));
         let (sn, si) = (stage_nanos.clone(), staged_images.clone());
         let work = move || {
-            // Keeps the copy stream alive as long as the slots that use it.
-            let _copy_stream = copy_stream;
             for batch in loader {
                 let b: HostBatch = match batch {
                     Ok(b) => b,
@@ -142,8 +158,9 @@ impl Iterator for DeviceFeed {
             let flips = Tensor::from_slice(&s.flips, s.n, &self.device)?;
             let images = slot.convert(dev, &flips, (s.n, s.size, s.size), self.dtype, self.layout)?;
             let labels = Tensor::from_vec(std::mem::take(&mut s.labels), s.n, &self.device)?;
+            // The slot is free for the host once the conversion just queued has run (its event says when). Once the
+            // feeder has staged the last batch nothing takes it back: it goes to the spares (no wait for the GPU).
             if let Some(back) = &self.back {
-                // The slot is free for the host once the conversion just queued has run (its event says when).
                 let _ = back.send(slot);
             }
             Ok(crate::train::Batch { images, labels, n: s.n })
@@ -153,7 +170,8 @@ impl Iterator for DeviceFeed {
 
 impl Drop for DeviceFeed {
     fn drop(&mut self) {
-        // Closing both channels wakes the feeder wherever it waits; the slots drop after their GPU work is done.
+        // Closing both channels wakes the feeder wherever it waits; the slots go back to the spares, where the
+        // next use waits for their GPU work (`Slot::stage`).
         drop(self.back.take());
         drop(self.rx.take());
         if let Some(t) = self.thread.take() {

@@ -14,6 +14,7 @@ pub mod optim;
 pub mod plot;
 pub mod scaler;
 pub mod sched;
+pub mod spares;
 pub mod telemetry;
 pub mod train;
 

@@ -315,14 +315,21 @@ mod cuda {
             self.pinned.len()
         }
 
+        /// Whether the slot's memory belongs to `dev`'s context (a slot kept for reuse serves only its own device).
+        pub fn serves(&self, dev: &CudaDevice) -> bool {
+            Arc::ptr_eq(self.copy_stream.context(), dev.cuda_stream().context())
+        }
+
         /// Waits until the GPU no longer reads this slot, copies `bytes` into its pinned memory and queues their
         /// copy to the device on the copy stream.
         pub fn stage(&mut self, bytes: &[u8]) -> Result<()> {
             if bytes.len() > self.capacity() {
                 candle_core::bail!("u8_to_input: {} bytes do not fit a {}-byte slot", bytes.len(), self.capacity());
             }
+            // The previous conversion out of `buf`, and the previous copy out of `pinned` (`free` covers it when a
+            // conversion followed; a slot handed back staged but never converted has only `copied`).
             self.free.synchronize().w()?;
-            // `free` covers the previous copy out of `pinned` too (the conversion waited for it).
+            self.copied.synchronize().w()?;
             let host = self.pinned.as_mut_slice().w()?;
             host[..bytes.len()].copy_from_slice(bytes);
             let host: &[u8] = &host[..bytes.len()];
