@@ -205,7 +205,7 @@ const PASS: &str = "pass";
 #[derive(Debug, thiserror::Error)]
 pub enum TuneCacheError {
     #[error(
-        "autotune cache {path}: line {line} is not `GPU<TAB>op and shape<TAB>tile` with a known tile (or `epilogue` / `pass`)"
+        "autotune cache {path}: line {line} is not `GPU<TAB>op and shape<TAB>tile` with a known tile (or `epilogue` / `pass`); delete the file to time the shapes again"
     )]
     Malformed { path: String, line: usize },
     #[error("autotune cache {path}: {msg}")]
@@ -236,7 +236,9 @@ impl Autotuner {
         let (mut choices, mut epilogues) = (HashMap::new(), HashMap::new());
         match std::fs::read_to_string(path) {
             Ok(text) => {
-                for (i, line) in text.lines().enumerate() {
+                // A last line without its newline is another process's append under way: left for it.
+                for (i, line) in text.split_inclusive('\n').enumerate().filter(|(_, l)| l.ends_with('\n')) {
+                    let line = line.trim_end_matches(['\n', '\r']);
                     let f: Vec<&str> = line.split('\t').collect();
                     let [gpu, key, value] = f.as_slice() else {
                         return Err(TuneCacheError::Malformed { path: path.display().to_string(), line: i + 1 });
@@ -295,7 +297,10 @@ impl Autotuner {
                     std::fs::create_dir_all(dir)?;
                 }
                 let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
-                writeln!(f, "{key}\t{value}")
+                // The whole line in one write: an O_APPEND write lands at the end as one piece, so lines that
+                // several threads or processes (data-parallel ranks) append at once do not interleave. (`writeln!`
+                // on a File writes each formatted piece on its own: four ranks tuning at once left lines mixed.)
+                f.write_all(format!("{key}\t{value}\n").as_bytes())
             })();
             if let Err(e) = res {
                 if !self.warned.swap(true, Ordering::Relaxed) {
@@ -366,5 +371,32 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         let policy = KernelPolicy::custom().with_tuning(Tuning::Autotune(Arc::new(Autotuner::in_memory())));
         assert_eq!(policy.describe(), "conv custom, matmul custom, tiles autotuned (in memory)");
+    }
+
+    /// Ranks (here threads, each with a tuner of its own on one file) append at once: every line stays whole.
+    #[test]
+    fn concurrent_appends_keep_the_cache_readable() {
+        let dir = std::env::temp_dir().join(format!("kernels-tune-mt-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let path = dir.join("tune.tsv");
+        let (threads, each) = (8, 300);
+        std::thread::scope(|s| {
+            for t in 0..threads {
+                let path = path.clone();
+                s.spawn(move || {
+                    let tuner = Autotuner::with_file(&path).unwrap();
+                    for i in 0..each {
+                        let key = format!("NVIDIA H100 80GB HBM3\tconv2d_nhwc_fwd ConvGeom {{ n: {t}, i: {i} }} bf16");
+                        match i % 3 {
+                            0 => tuner.insert_epilogue(key, i % 2 == 0),
+                            _ => tuner.insert(key, if i % 2 == 0 { X256 } else { X64 }),
+                        }
+                    }
+                });
+            }
+        });
+        let read = Autotuner::with_file(&path).unwrap();
+        assert_eq!(read.choices().len(), threads * each);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -245,15 +245,27 @@ fn sync_batchnorm_needs_the_fused_step() {
     assert!(e.starts_with("train.sync_bn = true needs the fused step, but this run takes autograd"), "{e}");
 }
 
+/// How close the synchronised ranks' gradients must come to the single process's.
+#[derive(Clone, Copy)]
+enum GradTol {
+    /// Median and worst relative L2 error over the parameters.
+    Fixed(f64, f64),
+    /// In a low-precision dtype: the median error at most this many times the median error of the single process
+    /// itself against FP32 (the same step with `kernels.conv = "custom"` in FP32, on the same device): ranks of
+    /// 5, 4 and 3 images round their activations differently from one process of 12, so the two bf16 results
+    /// differ by about bf16's own error; a wrong weighting or a missing sum is off by ~1.
+    TimesOwnError(f64),
+}
+
 /// The explicit step with synchronised BatchNorm, compared directly (no training): 4 ranks with 5, 4, 3 and 0
 /// images compute, once weighted by their share of the images and summed, the gradients one process computes on
-/// all 12 (relative L2 error below `tol`); every rank, the idle one included, ends with the single process's
-/// running statistics (below `tol_running`).
+/// all 12 (within `tol`); every rank, the idle one included, ends with the single process's running statistics
+/// (below `tol_running`).
 fn synced_step_matches_one_process(
     cfg: &Config,
     device: &Device,
     prec: resnet::Precision,
-    (tol, tol_worst): (f64, f64),
+    tol: GradTol,
     tol_running: f64,
 ) {
     let (n, size) = (12usize, cfg.data.image_size);
@@ -289,6 +301,15 @@ fn synced_step_matches_one_process(
     let o = single.train_step_explicit(&x, &labels, 0.0, 1.0, prec).unwrap();
     let want = named(&single, &o.grads);
     let want_running = running(&single);
+    // The single process in FP32 (the same initial weights: the seed is the config's), for GradTol::TimesOwnError.
+    let want_f32 = matches!(tol, GradTol::TimesOwnError(_)).then(|| {
+        let mut cfg32 = cfg.clone();
+        cfg32.kernels.conv = kernels::ConvChoice::Custom;
+        let m = train::build_model(&cfg32, device).unwrap();
+        let x32 = x.to_dtype(DType::F32).unwrap();
+        let o = m.train_step_explicit(&x32, &labels, 0.0, 1.0, resnet::Precision::F32).unwrap();
+        named(&m, &o.grads)
+    });
 
     // Rank r takes images [starts[r], starts[r + 1]); the 4th rank has none.
     let starts = [0usize, 5, 9, 12, 12];
@@ -334,15 +355,31 @@ fn synced_step_matches_one_process(
     // pre-activation within an ulp of 0; one flipped element moves the sums of its layer and those upstream by up
     // to ~1e-2 here. So: most parameters within `tol`, none beyond `tol_worst` (a wrong weighting is off by ~1
     // everywhere).
-    let mut errs: Vec<(f64, &String)> = want.iter().map(|(k, w)| (rel(&got[k], w), k)).collect();
-    errs.sort_by(|a, b| a.0.total_cmp(&b.0));
-    let (median, worst) = (errs[errs.len() / 2], errs[errs.len() - 1]);
+    let median_worst = |reference: &HashMap<String, Vec<f32>>, of: &HashMap<String, Vec<f32>>| {
+        let mut errs: Vec<(f64, String)> = reference.iter().map(|(k, w)| (rel(&of[k], w), k.clone())).collect();
+        errs.sort_by(|a, b| a.0.total_cmp(&b.0));
+        (errs[errs.len() / 2].clone(), errs[errs.len() - 1].clone(), errs[errs.len().saturating_sub(5)..].to_vec())
+    };
+    let (median, worst, five) = median_worst(&want, &got);
     eprintln!("synced step, {prec:?}: gradient relative L2 error median {median:?}, worst {worst:?}");
-    eprintln!("  worst five: {:?}", &errs[errs.len().saturating_sub(5)..]);
-    assert!(
-        median.0 < tol && worst.0 < tol_worst,
-        "gradients differ (relative L2): median {median:?}, worst {worst:?}"
-    );
+    eprintln!("  worst five: {five:?}");
+    match (tol, &want_f32) {
+        (GradTol::Fixed(tol, tol_worst), _) => assert!(
+            median.0 < tol && worst.0 < tol_worst,
+            "gradients differ (relative L2): median {median:?}, worst {worst:?}"
+        ),
+        (GradTol::TimesOwnError(times), Some(f32_grads)) => {
+            let (own_median, own_worst, _) = median_worst(f32_grads, &want);
+            eprintln!(
+                "  the single process's own {prec:?} error against FP32: median {own_median:?}, worst {own_worst:?}"
+            );
+            assert!(
+                median.0 <= times * own_median.0,
+                "gradients differ (relative L2): median {median:?} against the single process's own error {own_median:?}"
+            );
+        }
+        (GradTol::TimesOwnError(_), None) => unreachable!("the FP32 reference runs for this tolerance"),
+    }
     for (_, _, r) in &results {
         let mut worst: Vec<(f64, &String)> = want_running.iter().map(|(k, w)| (rel(&r[k], w), k)).collect();
         worst.sort_by(|a, b| b.0.total_cmp(&a.0));
@@ -353,13 +390,15 @@ fn synced_step_matches_one_process(
 #[test]
 fn synced_step_gradients_sum_to_the_single_process_gradients() {
     let cfg = tiny(&["kernels.conv=\"custom\"", "kernels.step=\"fused\"", "data.image_size=16", "data.val_resize=16"]);
-    synced_step_matches_one_process(&cfg, &Device::Cpu, resnet::Precision::F32, (1e-4, 5e-2), 1e-5);
+    synced_step_matches_one_process(&cfg, &Device::Cpu, resnet::Precision::F32, GradTol::Fixed(1e-4, 5e-2), 1e-5);
 }
 
 /// The same on the GPU in bf16 (the CUDA build of this test binary, run by scripts/gpu-step.sh): the ranks are
-/// threads on one GPU, each with a candle device of its own (its own stream and cuBLAS handle: with one device
-/// shared, four threads ran cuBLAS on one handle at once, a race that may explain the gradients 0.21 off seen on
-/// 2026-12-05); bf16 activations round differently per batch composition, hence the wider tolerances.
+/// threads on one GPU, each with a candle device of its own (its own stream and cuBLAS handle). bf16 activations
+/// round differently per batch composition: the H100 run of 2026-12-05 measured the ranks 0.21 (median relative
+/// L2) from the single process both with one shared device and with one device per rank, the size of bf16's own
+/// error on this model (the fused-vs-autograd tests see 0.15-0.5 per parameter against FP32), hence a tolerance
+/// relative to the single process's own error against FP32.
 #[cfg(feature = "cuda")]
 #[test]
 fn synced_step_on_cuda_in_bf16() {
@@ -371,15 +410,22 @@ fn synced_step_on_cuda_in_bf16() {
         "data.val_resize=32",
     ]);
     let device = train::select_device(&cfg.device).unwrap();
-    synced_step_matches_one_process(&cfg, &device, resnet::Precision::Bf16, (3e-2, 0.3), 1e-3);
+    synced_step_matches_one_process(&cfg, &device, resnet::Precision::Bf16, GradTol::TimesOwnError(2.0), 1e-3);
 }
 
-/// The same on the GPU in FP32: the CPU test's tolerances, so that a failure of the bf16 test above can be told
-/// apart (the synchronisation's plumbing on CUDA, or bf16 rounding per batch composition).
+/// The same on the GPU in FP32 (our FP32 kernels: `kernels.conv = "auto"` takes candle's convolution in FP32,
+/// which the fused step does not run): the CPU test's tolerances, so that a failure of the bf16 test above can be
+/// told apart (the synchronisation's plumbing on CUDA, or bf16 rounding per batch composition).
 #[cfg(feature = "cuda")]
 #[test]
 fn synced_step_on_cuda_in_f32() {
-    let cfg = tiny(&["device=\"cuda\"", "kernels.step=\"fused\"", "data.image_size=32", "data.val_resize=32"]);
+    let cfg = tiny(&[
+        "device=\"cuda\"",
+        "kernels.step=\"fused\"",
+        "kernels.conv=\"custom\"",
+        "data.image_size=32",
+        "data.val_resize=32",
+    ]);
     let device = train::select_device(&cfg.device).unwrap();
-    synced_step_matches_one_process(&cfg, &device, resnet::Precision::F32, (1e-4, 5e-2), 1e-5);
+    synced_step_matches_one_process(&cfg, &device, resnet::Precision::F32, GradTol::Fixed(1e-4, 5e-2), 1e-5);
 }
