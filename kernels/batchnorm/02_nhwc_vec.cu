@@ -448,15 +448,21 @@ extern "C" __global__ void __launch_bounds__(FX * FY)
 // most the occupancy times the SMs; the launcher sizes it). Block 256 threads (VB), grid <= chunks.
 // bn_nhwc_train_bwd_v8: the backward the same way, bn_nhwc_bwd_sum_v8 + bn_nhwc_bwd_final_v8 + bn_nhwc_bwd_dx_v8
 // in one launch, the sums (2, c) also written out (dbias, dweight).
+// With have_moments (bn_nhwc_train_v8, bn_nhwc_train2_v8) phase 1 is skipped: part (and part_r) already hold the
+// chunks' partials in bn_nhwc_moments_v8's layout, written by the convolution's epilogue (kernels.bn_stats with
+// kernels.bn_cooperative; rpc = the epilogue's 128 rows a chunk), so the launch is bit for bit
+// bn_nhwc_moments_final + the element-wise pass over them.
 template <typename T>
 __device__ void bnv_train(const T* __restrict__ x, const T* __restrict__ res, float* __restrict__ part,
                           float* __restrict__ stats, const float* __restrict__ weight, const float* __restrict__ bias,
                           T* __restrict__ y, int64_t rows, int c, int64_t rpc, int chunks, float eps,
                           float* running_mean, float* running_var, long long* num_batches_tracked, float momentum,
-                          int relu) {
+                          int relu, int have_moments) {
     cg::grid_group grid = cg::this_grid();
-    for (int k = blockIdx.x; k < chunks; k += gridDim.x) bnv_moments<T>(x, part, rows, c, rpc, k, chunks);
-    grid.sync();
+    if (!have_moments) {
+        for (int k = blockIdx.x; k < chunks; k += gridDim.x) bnv_moments<T>(x, part, rows, c, rpc, k, chunks);
+        grid.sync();
+    }
     __shared__ float sh[FY][2];
     const int tx = threadIdx.x & 1, ty = threadIdx.x >> 1;
     for (int p = blockIdx.x; p < (c >> 1); p += gridDim.x) {
@@ -483,16 +489,19 @@ __device__ void bnv_train2(const T* __restrict__ x, const T* __restrict__ r, flo
                            const float* __restrict__ weight_r, const float* __restrict__ bias_r, T* __restrict__ y,
                            int64_t rows, int c, int64_t rpc, int chunks, float eps, float eps_r, float* running_mean,
                            float* running_var, long long* num_batches_tracked, float* running_mean_r,
-                           float* running_var_r, long long* num_batches_tracked_r, float momentum, float momentum_r) {
+                           float* running_var_r, long long* num_batches_tracked_r, float momentum, float momentum_r,
+                           int have_moments) {
     cg::grid_group grid = cg::this_grid();
-    for (int k = blockIdx.x; k < 2 * chunks; k += gridDim.x) {
-        if (k < chunks) {
-            bnv_moments<T>(x, part, rows, c, rpc, k, chunks);
-        } else {
-            bnv_moments<T>(r, part_r, rows, c, rpc, k - chunks, chunks);
+    if (!have_moments) {
+        for (int k = blockIdx.x; k < 2 * chunks; k += gridDim.x) {
+            if (k < chunks) {
+                bnv_moments<T>(x, part, rows, c, rpc, k, chunks);
+            } else {
+                bnv_moments<T>(r, part_r, rows, c, rpc, k - chunks, chunks);
+            }
         }
+        grid.sync();
     }
-    grid.sync();
     __shared__ float sh[FY][2];
     const int tx = threadIdx.x & 1, ty = threadIdx.x >> 1, pairs = c >> 1;
     for (int p = blockIdx.x; p < 2 * pairs; p += gridDim.x) {
@@ -556,9 +565,9 @@ __device__ void bnv_train_join_bwd(const T* __restrict__ a, const T* __restrict_
         bn_nhwc_train_v8_##NAME(const T* x, const T* res, float* part, float* stats, const float* weight,           \
                                 const float* bias, T* y, long long rows, int c, long long rpc, int chunks,          \
                                 float eps, float* running_mean, float* running_var,                                 \
-                                long long* num_batches_tracked, float momentum, int relu) {                         \
+                                long long* num_batches_tracked, float momentum, int relu, int have_moments) {       \
         bnv_train<T>(x, res, part, stats, weight, bias, y, rows, c, rpc, chunks, eps, running_mean, running_var,     \
-                     num_batches_tracked, momentum, relu);                                                          \
+                     num_batches_tracked, momentum, relu, have_moments);                                            \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(VB, 3)                                                             \
         bn_nhwc_train_bwd_v8_##NAME(const T* x, const T* dy, const float* stats, const float* weight,               \
@@ -571,10 +580,10 @@ __device__ void bnv_train_join_bwd(const T* __restrict__ a, const T* __restrict_
         const float* bias, const float* weight_r, const float* bias_r, T* y, long long rows, int c, long long rpc,  \
         int chunks, float eps, float eps_r, float* running_mean, float* running_var, long long* num_batches_tracked,\
         float* running_mean_r, float* running_var_r, long long* num_batches_tracked_r, float momentum,              \
-        float momentum_r) {                                                                                         \
+        float momentum_r, int have_moments) {                                                                       \
         bnv_train2<T>(x, r, part, part_r, stats, stats_r, weight, bias, weight_r, bias_r, y, rows, c, rpc, chunks,   \
                       eps, eps_r, running_mean, running_var, num_batches_tracked, running_mean_r, running_var_r,     \
-                      num_batches_tracked_r, momentum, momentum_r);                                                 \
+                      num_batches_tracked_r, momentum, momentum_r, have_moments);                                   \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(VB, 3) bn_nhwc_train_join_bwd_1_v8_##NAME(                         \
         const T* a, const T* b, const T* y, T* g, const T* x, const float* stats, const float* weight,              \

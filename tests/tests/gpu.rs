@@ -507,7 +507,7 @@ fn cooperative_batchnorm_matches_the_three_launches() -> Result<()> {
                     let (s1, s2, y) = if one {
                         let main = TrainBn { weight: w.clone(), bias: b.clone(), eps: 1e-5, running: r1 };
                         let short = TrainBn { weight: w2.clone(), bias: b2.clone(), eps: 1e-3, running: r2 };
-                        batch_norm_train2_add_relu(&xd, &rd, &main, &short)?
+                        batch_norm_train2_add_relu(&xd, &rd, &main, &short, None)?
                     } else {
                         let s1 = batch_stats(&xd, 1e-5, &r1)?;
                         let s2 = batch_stats(&rd, 1e-3, &r2)?;

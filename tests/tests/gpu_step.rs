@@ -457,13 +457,10 @@ fn run_script(
     graph: &str,
     extra: &str,
 ) -> Result<(Vec<(f64, f64, bool, f64)>, Vec<(String, Tensor)>, u64, u64, String)> {
-    let sets = [
-        "kernels.step=\"fused\"".to_string(),
-        format!("kernels.graph=\"{graph}\""),
-        extra.to_string(),
-        "amp.growth_interval=1".into(),
-        "amp.growth_factor=1000.0".into(),
-    ];
+    // `extra`: one or more settings, separated by ';'.
+    let mut sets = vec!["kernels.step=\"fused\"".to_string(), format!("kernels.graph=\"{graph}\"")];
+    sets.extend(extra.split(';').map(str::to_string));
+    sets.extend(["amp.growth_interval=1".to_string(), "amp.growth_factor=1000.0".into()]);
     let cfg = trainer::config::Config::from_str_with(RUNNER_TOML, "gpu.toml", &sets)?;
     let model = trainer::train::build_model(&cfg, gpu)?;
     let mut runner = trainer::train::StepRunner::new(&cfg, model)?;
@@ -873,6 +870,50 @@ fn cooperative_batchnorm_step_matches_and_replays() -> Result<()> {
             "cooperative BatchNorm, graph {graph}: {} steps and {} tensors bit for bit with the three launches; \
              {captures} captures ({nodes} nodes, {split_nodes} with three launches), {replayed} replays, {launched} \
              cooperative launches queued from the host",
+            script.len(),
+            tensors.len()
+        );
+    }
+    Ok(())
+}
+
+/// `kernels.bn_stats = "fused"` with `kernels.bn_cooperative = true`: a cooperative forward whose conv ran on a
+/// tile with the moments epilogue takes those moments and skips its own moments pass. Over the graph script, run
+/// eagerly and replayed, every step's report and every tensor afterwards must equal bit for bit the run with the
+/// separate launches (the epilogue's moments, their finaliser, the normalisation).
+#[test]
+fn cooperative_batchnorm_takes_the_epilogue_moments() -> Result<()> {
+    let gpu = cuda()?;
+    let (batches, script) = graph_script(&gpu)?;
+    let run = |graph: &str, coop: bool| {
+        let extra = format!("kernels.bn_stats=\"fused\";kernels.bn_cooperative={coop}");
+        run_script(&gpu, &batches, &script, graph, &extra)
+    };
+    let (base, base_t, ..) = run("off", false)?;
+    for graph in ["off", "on"] {
+        let before = kernels::cuda::bn::cooperative_launches_from_moments();
+        let (outs, tensors, captures, replayed, nodes) = run(graph, true)?;
+        let from_moments = kernels::cuda::bn::cooperative_launches_from_moments() - before;
+        ensure!(from_moments > 0, "graph {graph}: no cooperative forward took epilogue moments");
+        let same = |a: f64, b: f64| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
+        for (i, (e, g)) in base.iter().zip(&outs).enumerate() {
+            ensure!(
+                same(e.0, g.0) && same(e.1, g.1) && e.2 == g.2 && same(e.3, g.3),
+                "graph {graph}, step {i}: separate launches (loss, norm, skipped, scale) {e:?}, cooperative {g:?}"
+            );
+        }
+        for ((name, e), (_, g)) in base_t.iter().zip(&tensors) {
+            let (a, b) = (
+                e.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?,
+                g.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?,
+            );
+            let differ = a.iter().zip(&b).filter(|(p, q)| p.to_bits() != q.to_bits()).count();
+            ensure!(differ == 0, "graph {graph}: {name} differs in {differ} of {} values", a.len());
+        }
+        println!(
+            "cooperative BatchNorm with epilogue moments, graph {graph}: {} steps and {} tensors bit for bit with \
+             the separate launches; {from_moments} cooperative forwards took epilogue moments; {captures} captures \
+             ({nodes} nodes), {replayed} replays",
             script.len(),
             tensors.len()
         );

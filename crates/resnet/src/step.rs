@@ -438,13 +438,16 @@ impl<'a> Engine<'a> {
     }
 
     /// A conv followed by its BatchNorm (training statistics) and ReLU: the saved state and relu(bn(conv(x))).
-    /// Under `policy.bn_cooperative`, a BatchNorm whose statistics take the pass (not frozen, not synchronised, no
-    /// epilogue moments) runs as one launch ([`kernels::ops::batchnorm::batch_norm_train`]); else
-    /// [`Self::conv_stats`] then [`Self::bn_apply`]. Same values either way.
+    /// Under `policy.bn_cooperative`, a BatchNorm with batch statistics (not frozen, not synchronised) runs as one
+    /// launch ([`kernels::ops::batchnorm::batch_norm_train`], or `batch_norm_train_from_moments` with the conv
+    /// epilogue's moments); else [`Self::conv_stats`] then [`Self::bn_apply`]. Same values either way.
     fn conv_bn_relu(&self, x: &Tensor, cw: &ConvW, bn: &BatchNorm2d) -> Result<(BnSaved, Tensor)> {
         if self.cooperative(bn) {
-            let z = self.conv(x, cw)?;
-            let (stats, y) = kernels::ops::batchnorm::batch_norm_train(&z, &train_bn(bn), true)?;
+            let (z, moments) = self.conv_moments(x, cw)?;
+            let (stats, y) = match &moments {
+                Some(m) => kernels::ops::batchnorm::batch_norm_train_from_moments(&z, m, &train_bn(bn), true)?,
+                None => kernels::ops::batchnorm::batch_norm_train(&z, &train_bn(bn), true)?,
+            };
             return Ok((BnSaved { z: Some(z), stats, global_rows: None }, y));
         }
         let saved = self.conv_stats(x, cw, bn)?;
@@ -452,10 +455,20 @@ impl<'a> Engine<'a> {
         Ok((saved, y))
     }
 
-    /// Whether BatchNorm `bn`'s forward runs as one launch (`policy.bn_cooperative`; its statistics take the pass:
-    /// not frozen, not synchronised, no epilogue moments).
+    /// Whether BatchNorm `bn`'s forward runs as one launch (`policy.bn_cooperative`; its statistics are the
+    /// batch's: not frozen, not synchronised). With `policy.bn_stats_in_conv` the launch takes the conv epilogue's
+    /// moments where the conv made them ([`Self::conv_moments`]) and skips its own moments pass.
     fn cooperative(&self, bn: &BatchNorm2d) -> bool {
-        self.policy.bn_cooperative && !self.policy.bn_stats_in_conv && !frozen(bn) && self.sync.is_none()
+        self.policy.bn_cooperative && !frozen(bn) && self.sync.is_none()
+    }
+
+    /// A conv's output for a cooperative BatchNorm, with its moments from the epilogue under
+    /// `policy.bn_stats_in_conv` when the conv ran on a TMA tile that makes them (None: the launch reduces them).
+    fn conv_moments(&self, x: &Tensor, cw: &ConvW) -> Result<(Tensor, Option<Tensor>)> {
+        if !self.policy.bn_stats_in_conv {
+            return Ok((self.conv(x, cw)?, None));
+        }
+        kernels::conv2d_nhwc_forward_stats(x, &cw.w, cw.conv.stride, cw.conv.padding, self.policy)
     }
 
     /// Whether the backward of a (not frozen) BatchNorm runs as one launch: `policy.bn_cooperative`, no
@@ -570,17 +583,25 @@ impl<'a> Engine<'a> {
                 }
                 saved
             } else if b.downsample.is_none() && self.cooperative(bn) {
-                let z = self.conv(&inp, &cw)?;
-                let (stats, out) = kernels::ops::batchnorm::batch_norm_train_add_relu(&z, &x, &train_bn(bn))?;
+                let (z, moments) = self.conv_moments(&inp, &cw)?;
+                let (stats, out) = match &moments {
+                    Some(m) => {
+                        kernels::ops::batchnorm::batch_norm_train_add_relu_from_moments(&z, &x, m, &train_bn(bn))?
+                    }
+                    None => kernels::ops::batchnorm::batch_norm_train_add_relu(&z, &x, &train_bn(bn))?,
+                };
                 joined = Some((out, None));
                 BnSaved { z: Some(z), stats, global_rows: None }
             } else if let Some(d) = b.downsample.as_ref().filter(|d| self.cooperative(bn) && self.cooperative(&d.bn)) {
-                // Both BatchNorms' statistics and the block output in one launch.
-                let z = self.conv(&inp, &cw)?;
+                // Both BatchNorms' statistics and the block output in one launch (without its moments pass when
+                // both convs' epilogues made them).
+                let (z, m) = self.conv_moments(&inp, &cw)?;
                 let dcw = self.weight(&d.conv)?;
-                let zd = self.conv(&x, &dcw)?;
+                let (zd, md) = self.conv_moments(&x, &dcw)?;
+                let (bn_main, bn_down) = (train_bn(bn), train_bn(&d.bn));
+                let moments = m.as_ref().zip(md.as_ref());
                 let (stats, stats_d, out) =
-                    kernels::ops::batchnorm::batch_norm_train2_add_relu(&z, &zd, &train_bn(bn), &train_bn(&d.bn))?;
+                    kernels::ops::batchnorm::batch_norm_train2_add_relu(&z, &zd, &bn_main, &bn_down, moments)?;
                 joined = Some((out, Some((BnSaved { z: Some(zd), stats: stats_d, global_rows: None }, dcw.w))));
                 BnSaved { z: Some(z), stats, global_rows: None }
             } else {

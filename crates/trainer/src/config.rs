@@ -442,9 +442,10 @@ pub struct KernelsSection {
     /// default: "fused" was correct on the H200 (its GPU tests passed on 2026-12-05) but slower there end to end;
     /// the epilogues have been rewritten since and "auto" added, neither yet run on a GPU
     pub bn_stats: BnStatsChoice,
-    /// The fused step on CUDA runs each BatchNorm whose statistics take a pass (`kernels.bn_stats = "pass"`, and
-    /// the backward of any BatchNorm whose sums are not fused) as one cooperative launch forward (moments,
-    /// finaliser, normalisation + ReLU) and one backward (sums, finaliser, grad-input), with grid-wide barriers
+    /// The fused step on CUDA runs each BatchNorm (the backward of those whose sums are not fused) as one
+    /// cooperative launch forward (moments, finaliser, normalisation + ReLU; with `kernels.bn_stats` moving the
+    /// moments into the conv's epilogue, without the moments phase) and one backward (sums, finaliser,
+    /// grad-input), with grid-wide barriers
     /// between the phases, instead of three launches each; a block's last BatchNorm with an identity shortcut
     /// also makes the block output relu(bn(z) + x) in its forward launch, and every block's last BatchNorm takes
     /// the block output's ReLU gradient into its backward launch, and a downsample block's two BatchNorms make

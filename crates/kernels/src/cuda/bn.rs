@@ -13,7 +13,9 @@
 
 use super::{alloc_out, ptx, suffix};
 use candle_core::backend::{BackendDevice, BackendStorage};
-use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaFunction, CudaSlice, CudaView, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
+};
 use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
 use candle_core::{CudaStorage, Layout, Result, Storage, Tensor, WithDType};
 use half::{bf16, f16};
@@ -633,13 +635,54 @@ pub fn cooperative_launches() -> u64 {
     COOP_LAUNCHES.load(std::sync::atomic::Ordering::Relaxed)
 }
 
+/// Cooperative forward launches that took a convolution epilogue's moments ([`train`], [`train2`] with
+/// `moments`): tests check that the path without the moments pass ran.
+static COOP_FROM_MOMENTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many cooperative BatchNorm forwards this process has launched with a convolution epilogue's moments.
+pub fn cooperative_launches_from_moments() -> u64 {
+    COOP_FROM_MOMENTS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 fn coop_cfg(blocks: u32) -> LaunchConfig {
     COOP_LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (V8_THREADS as u32, 1, 1), shared_mem_bytes: 0 }
 }
 
+/// The split of a cooperative forward whose moments come from a convolution's epilogue
+/// ([`super::tma::STATS_ROWS`] rows a chunk) instead of its own phase 1.
+fn epilogue_split(sp: Split) -> Split {
+    let rpc = super::tma::STATS_ROWS;
+    Split { chunks: (sp.rows as usize).div_ceil(rpc), rows_per_chunk: rpc as i64, ..sp }
+}
+
+/// The partials buffer of a cooperative forward: the epilogue's (read only, `have_moments`) or a fresh one that
+/// its phase 1 fills.
+enum Partials<'a> {
+    Given(CudaView<'a, f32>),
+    Fresh(CudaSlice<f32>),
+}
+
+impl<'a> Partials<'a> {
+    fn new(moments: Option<Arg<'a>>, sp: &Split, dev: &CudaDevice, op: &str, what: &str) -> Result<Self> {
+        let len = (2 * sp.chunks + 1) * sp.c as usize;
+        Ok(match moments {
+            Some(m) => Self::Given(view::<f32>(m, len, dev, op, what)?),
+            // SAFETY: phase 1 writes every (chunk, channel) element of both halves, chunk 0's block the shift.
+            None => Self::Fresh(unsafe { dev.alloc::<f32>(len)? }),
+        })
+    }
+
+    fn push<'b>(&'b self, bld: &mut LaunchArgs<'b>) {
+        match self {
+            Self::Given(v) => bld.arg(v),
+            Self::Fresh(s) => bld.arg(s),
+        };
+    }
+}
+
 fn train_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
-    (x, w, b, res): (Arg, Arg, Arg, Option<Arg>),
+    (x, w, b, res, moments): (Arg, Arg, Arg, Option<Arg>, Option<Arg>),
     sp: Split,
     eps: f64,
     relu: bool,
@@ -647,14 +690,16 @@ fn train_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
 ) -> Result<(CudaStorage, CudaStorage)> {
     const OP: &str = "batch_norm_nhwc_train";
     let dev = &x.0.device;
+    let sp = if moments.is_some() { epilogue_split(sp) } else { sp };
     let c = sp.c as usize;
     let len = sp.rows as usize * c;
     let xv = view::<T>(x, len, dev, OP, "x")?;
     let wv = view::<f32>(w, c, dev, OP, "weight")?;
     let bv = view::<f32>(b, c, dev, OP, "bias")?;
     let rv = res.map(|r| view::<T>(r, len, dev, OP, "residual")).transpose()?;
-    // SAFETY: phase 1 writes every (chunk, channel) element of both halves, chunk 0's block the shift.
-    let part = unsafe { dev.alloc::<f32>((2 * sp.chunks + 1) * c)? };
+    let have_moments = moments.is_some() as i32;
+    COOP_FROM_MOMENTS.fetch_add(have_moments as u64, std::sync::atomic::Ordering::Relaxed);
+    let part = Partials::new(moments, &sp, dev, OP, "epilogue moments")?;
     let stats = alloc_out::<f32>(dev, 3 * c)?;
     let y = alloc_out::<T>(dev, len)?;
     let name = format!("bn_nhwc_train_v8_{}", suffix(T::DTYPE, OP)?);
@@ -669,14 +714,16 @@ fn train_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
         Some(r) => bld.arg(r),
         None => bld.arg(&null),
     };
-    bld.arg(&part).arg(&stats).arg(&wv).arg(&bv).arg(&y);
+    part.push(&mut bld);
+    bld.arg(&stats).arg(&wv).arg(&bv).arg(&y);
     bld.arg(&sp.rows).arg(&sp.c).arg(&sp.rows_per_chunk).arg(&chunks).arg(&eps);
-    bld.arg(&rm).arg(&rv_addr).arg(&nb).arg(&momentum).arg(&relu);
+    bld.arg(&rm).arg(&rv_addr).arg(&nb).arg(&momentum).arg(&relu).arg(&have_moments);
     // SAFETY: matches bn_nhwc_train_v8_* (x, res, part, stats, weight, bias, y, rows, c, rpc, chunks, eps,
-    // running_mean, running_var, num_batches_tracked, momentum, relu); x, res (or null) and y hold rows*c elements
-    // (c % 8 == 0, 256 % (c / 8) == 0, 16-byte aligned: v8_applies; y fresh), part (2 chunks + 1) c, stats 3 c,
-    // weight and bias c; the running addresses are null or c / c / 1 elements ([`RunningAddrs`]); every chunk has
-    // a row. A cooperative launch of at most the resident blocks ([`coop_blocks`]): the grid barriers need it.
+    // running_mean, running_var, num_batches_tracked, momentum, relu, have_moments); x, res (or null) and y hold
+    // rows*c elements (c % 8 == 0, 256 % (c / 8) == 0, 16-byte aligned: v8_applies; y fresh), part (2 chunks + 1)
+    // c (checked when given: the epilogue's chunks of 128 rows, read only under have_moments), stats 3 c, weight
+    // and bias c; the running addresses are null or c / c / 1 elements ([`RunningAddrs`]); every chunk has a row.
+    // A cooperative launch of at most the resident blocks ([`coop_blocks`]): the grid barriers need it.
     unsafe { bld.launch_cooperative(coop_cfg(blocks)) }.w()?;
     Ok((CudaStorage::wrap_cuda_slice(stats, dev.clone()), CudaStorage::wrap_cuda_slice(y, dev.clone())))
 }
@@ -684,12 +731,13 @@ fn train_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
 /// A training-mode BatchNorm forward in one cooperative launch (`bn_nhwc_train_v8_*`): x (rows, c), weight and
 /// bias (c) f32 -> (stats (3, c) f32 = [mean, biased var, invstd], y = [relu](bn(x)) like x, or with `res` (like
 /// x) y = relu(bn(x) + res)), with the running statistics updated in place when `running` is given; bit for bit
-/// what [`stats`] and [`apply`] (or the residual kernels' `bn_add_relu`) give. None where the 8-channel kernels do
-/// not apply ([`v8_applies`]): the caller runs those.
+/// what [`stats`] and [`apply`] (or the residual kernels' `bn_add_relu`) give. With `moments` (the partials a
+/// convolution's epilogue wrote for x: [`super::tma::stats_partials_len`]`(rows, c)` floats) the launch skips its
+/// own moments pass: bit for bit [`stats_from_partials`] and the same element-wise pass. None where the 8-channel
+/// kernels do not apply ([`v8_applies`]): the caller runs those.
 #[allow(clippy::too_many_arguments)]
 pub fn train(
-    x: Arg,
-    res: Option<Arg>,
+    (x, res, moments): (Arg, Option<Arg>, Option<Arg>),
     w: Arg,
     b: Arg,
     rows: usize,
@@ -705,7 +753,7 @@ pub fn train(
     }
     let sp = Split::v8(rows, c, OP)?;
     let out = cuda_float!(x.0.dtype(), OP, [F32: f32, BF16: bf16, F16: f16], |T| train_t::<T>(
-        (x, w, b, res),
+        (x, w, b, res, moments),
         sp,
         eps,
         relu,
@@ -842,19 +890,22 @@ pub struct TrainBn<'a> {
 fn train2_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     (x, r): (Arg, Arg),
     (bn, bn_r): (TrainBn, TrainBn),
+    moments: Option<(Arg, Arg)>,
     sp: Split,
 ) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
     const OP: &str = "batch_norm_nhwc_train2";
     let dev = &x.0.device;
+    let sp = if moments.is_some() { epilogue_split(sp) } else { sp };
     let c = sp.c as usize;
     let len = sp.rows as usize * c;
     let (xv, rv) = (view::<T>(x, len, dev, OP, "x")?, view::<T>(r, len, dev, OP, "residual")?);
     let (wv, bv) = (view::<f32>(bn.weight, c, dev, OP, "weight")?, view::<f32>(bn.bias, c, dev, OP, "bias")?);
     let wrv = view::<f32>(bn_r.weight, c, dev, OP, "residual weight")?;
     let brv = view::<f32>(bn_r.bias, c, dev, OP, "residual bias")?;
-    // SAFETY: phase 1 writes every (chunk, channel) element of both halves of both, chunk 0 the shifts.
-    let (part, part_r) =
-        unsafe { (dev.alloc::<f32>((2 * sp.chunks + 1) * c)?, dev.alloc::<f32>((2 * sp.chunks + 1) * c)?) };
+    let have_moments = moments.is_some() as i32;
+    COOP_FROM_MOMENTS.fetch_add(have_moments as u64, std::sync::atomic::Ordering::Relaxed);
+    let part = Partials::new(moments.map(|m| m.0), &sp, dev, OP, "epilogue moments")?;
+    let part_r = Partials::new(moments.map(|m| m.1), &sp, dev, OP, "shortcut's epilogue moments")?;
     let (stats, stats_r) = (alloc_out::<f32>(dev, 3 * c)?, alloc_out::<f32>(dev, 3 * c)?);
     let y = alloc_out::<T>(dev, len)?;
     let name = format!("bn_nhwc_train2_v8_{}", suffix(T::DTYPE, OP)?);
@@ -864,16 +915,21 @@ fn train2_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     let (rm, rvar, nb, momentum) = RunningAddrs::kernel_args(bn.running);
     let (rm_r, rvar_r, nb_r, momentum_r) = RunningAddrs::kernel_args(bn_r.running);
     let mut bld = f.builder();
-    bld.arg(&xv).arg(&rv).arg(&part).arg(&part_r).arg(&stats).arg(&stats_r);
+    bld.arg(&xv).arg(&rv);
+    part.push(&mut bld);
+    part_r.push(&mut bld);
+    bld.arg(&stats).arg(&stats_r);
     bld.arg(&wv).arg(&bv).arg(&wrv).arg(&brv).arg(&y);
     bld.arg(&sp.rows).arg(&sp.c).arg(&sp.rows_per_chunk).arg(&chunks).arg(&eps).arg(&eps_r);
     bld.arg(&rm).arg(&rvar).arg(&nb).arg(&rm_r).arg(&rvar_r).arg(&nb_r).arg(&momentum).arg(&momentum_r);
+    bld.arg(&have_moments);
     // SAFETY: matches bn_nhwc_train2_v8_* (x, r, part, part_r, stats, stats_r, weight, bias, weight_r, bias_r, y,
     // rows, c, rpc, chunks, eps, eps_r, running_mean, running_var, num_batches_tracked, running_mean_r,
-    // running_var_r, num_batches_tracked_r, momentum, momentum_r); x, r and y hold rows*c elements (16-byte aligned,
-    // c % 8 == 0, 256 % (c / 8) == 0: v8_applies; y fresh), the partials (2 chunks + 1) c each, the statistics 3 c
-    // each, weights and biases c; running addresses null or c / c / 1 elements. Cooperative, at most the resident
-    // blocks ([`coop_blocks`]).
+    // running_var_r, num_batches_tracked_r, momentum, momentum_r, have_moments); x, r and y hold rows*c elements
+    // (16-byte aligned, c % 8 == 0, 256 % (c / 8) == 0: v8_applies; y fresh), the partials (2 chunks + 1) c each
+    // (checked when given: the epilogues' 128-row chunks, read only under have_moments), the statistics 3 c each,
+    // weights and biases c; running addresses null or c / c / 1 elements. Cooperative, at most the resident blocks
+    // ([`coop_blocks`]).
     unsafe { bld.launch_cooperative(coop_cfg(blocks)) }.w()?;
     let wrap = |s| CudaStorage::wrap_cuda_slice(s, dev.clone());
     Ok((wrap(stats), wrap(stats_r), CudaStorage::wrap_cuda_slice(y, dev.clone())))
@@ -882,11 +938,13 @@ fn train2_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
 /// A downsample block's output in one cooperative launch (`bn_nhwc_train2_v8_*`): the statistics of its last conv
 /// output x and of the downsample conv output r (both (rows, c), one dtype), each BatchNorm's running statistics
 /// updated, and y = relu(bn(x) + bn_r(r)): (stats, stats_r, y), bit for bit two [`stats`] and the residual
-/// kernels' `bn_add_relu` with the normalised shortcut. None where the 8-channel kernels do not apply.
+/// kernels' `bn_add_relu` with the normalised shortcut. With `moments` (both convolutions' epilogue partials, as
+/// [`train`] takes them) without the moments pass. None where the 8-channel kernels do not apply.
 pub fn train2(
     (x, r): (Arg, Arg),
     bn: TrainBn,
     bn_r: TrainBn,
+    moments: Option<(Arg, Arg)>,
     rows: usize,
     c: usize,
 ) -> Result<Option<(CudaStorage, CudaStorage, CudaStorage)>> {
@@ -896,7 +954,6 @@ pub fn train2(
         return Ok(None);
     }
     let sp = Split::v8(rows, c, OP)?;
-    let out =
-        cuda_float!(x.0.dtype(), OP, [F32: f32, BF16: bf16, F16: f16], |T| train2_t::<T>((x, r), (bn, bn_r), sp))?;
+    let out = cuda_float!(x.0.dtype(), OP, [F32: f32, BF16: bf16, F16: f16], |T| train2_t::<T>((x, r), (bn, bn_r), moments, sp))?;
     Ok(Some(out))
 }

@@ -299,17 +299,45 @@ pub struct TrainBn<'a> {
 /// moments, their finaliser and the normalisation between grid-wide barriers) instead of three, with the same
 /// results bit for bit; elsewhere [`batch_stats`] then [`BnApply`].
 pub fn batch_norm_train(x: &Tensor, bn: &TrainBn, relu: bool) -> Result<(Tensor, Tensor)> {
-    batch_norm_train_impl(x, None, bn, relu)
+    batch_norm_train_impl(x, None, None, bn, relu)
+}
+
+/// [`batch_norm_train`] whose moments a convolution's epilogue already computed (`moments`: the partials of
+/// [`crate::conv2d_nhwc_forward_stats`]): on CUDA one cooperative launch without the moments pass, else
+/// [`batch_stats_from_partials`] then the normalisation; the same values as those two bit for bit.
+pub fn batch_norm_train_from_moments(
+    x: &Tensor,
+    moments: &Tensor,
+    bn: &TrainBn,
+    relu: bool,
+) -> Result<(Tensor, Tensor)> {
+    batch_norm_train_impl(x, None, Some(moments), bn, relu)
+}
+
+/// [`batch_norm_train_add_relu`] from a convolution epilogue's moments, as [`batch_norm_train_from_moments`].
+pub fn batch_norm_train_add_relu_from_moments(
+    x: &Tensor,
+    res: &Tensor,
+    moments: &Tensor,
+    bn: &TrainBn,
+) -> Result<(Tensor, Tensor)> {
+    batch_norm_train_impl(x, Some(res), Some(moments), bn, true)
 }
 
 /// [`batch_norm_train`] of a residual block's last BatchNorm with the identity shortcut `res` (like x):
 /// (stats, y = relu(bn(x) + res)), in one launch on CUDA, else [`batch_stats`] then [`crate::bn_add_relu`]; the
 /// same values bit for bit.
 pub fn batch_norm_train_add_relu(x: &Tensor, res: &Tensor, bn: &TrainBn) -> Result<(Tensor, Tensor)> {
-    batch_norm_train_impl(x, Some(res), bn, true)
+    batch_norm_train_impl(x, Some(res), None, bn, true)
 }
 
-fn batch_norm_train_impl(x: &Tensor, res: Option<&Tensor>, bn: &TrainBn, relu: bool) -> Result<(Tensor, Tensor)> {
+fn batch_norm_train_impl(
+    x: &Tensor,
+    res: Option<&Tensor>,
+    moments: Option<&Tensor>,
+    bn: &TrainBn,
+    relu: bool,
+) -> Result<(Tensor, Tensor)> {
     if let Some(r) = res {
         if r.dims() != x.dims() {
             candle_core::bail!("batch_norm_train: residual {:?} and x {:?} differ", r.dims(), x.dims());
@@ -319,16 +347,23 @@ fn batch_norm_train_impl(x: &Tensor, res: Option<&Tensor>, bn: &TrainBn, relu: b
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() && rows >= 2 {
         let addrs = running_addrs(&bn.running, c)?;
-        let ts: Vec<&Tensor> = [Some(x), Some(&bn.weight), Some(&bn.bias), res].into_iter().flatten().collect();
+        // x, weight, bias, then the moments and the residual where given.
+        let ts: Vec<&Tensor> =
+            [Some(x), Some(&bn.weight), Some(&bn.bias), moments, res].into_iter().flatten().collect();
         let out = with_cuda(&ts, "batch_norm_train", |a| {
-            crate::cuda::bn::train(a[0], a.get(3).copied(), a[1], a[2], rows, c, bn.eps, relu, Some(addrs))
+            let m = moments.map(|_| a[3]);
+            let r = res.map(|_| a[3 + usize::from(moments.is_some())]);
+            crate::cuda::bn::train((a[0], r, m), a[1], a[2], rows, c, bn.eps, relu, Some(addrs))
         })?;
         if let Some((stats, y)) = out {
             return Ok((from_cuda(stats, (3, c)), from_cuda(y, x.shape().clone())));
         }
     }
     let _ = (rows, c);
-    let stats = batch_stats(x, bn.eps, &bn.running)?;
+    let stats = match moments {
+        Some(m) => batch_stats_from_partials(m, rows, c, bn.eps, &bn.running)?,
+        None => batch_stats(x, bn.eps, &bn.running)?,
+    };
     let y = match res {
         Some(r) => crate::ops::residual::bn_add_relu(x, r, &bn.params(&stats), None)?,
         None => x.apply_op3_no_bwd(&bn.weight, &bn.bias, &BnApply { relu, stats: stats.clone() })?,
@@ -347,11 +382,14 @@ impl TrainBn<'_> {
 /// output `r` (each BatchNorm's running statistics updated), and y = relu(bn(x) + bn_r(r)): (stats, stats_r, y).
 /// On CUDA, where the 8-channel kernels apply, in one cooperative launch (`bn_nhwc_train2_v8_*`) instead of five;
 /// elsewhere two [`batch_stats`] and [`crate::ops::residual::bn_add_relu`]. The same values bit for bit.
+/// With `moments` (both convolutions' epilogue partials, x's then r's) without the moments pass, as
+/// [`batch_norm_train_from_moments`].
 pub fn batch_norm_train2_add_relu(
     x: &Tensor,
     r: &Tensor,
     bn: &TrainBn,
     bn_r: &TrainBn,
+    moments: Option<(&Tensor, &Tensor)>,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     if r.dims() != x.dims() {
         candle_core::bail!("batch_norm_train2_add_relu: x {:?} and the shortcut {:?} differ", x.dims(), r.dims());
@@ -360,19 +398,26 @@ pub fn batch_norm_train2_add_relu(
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() && rows >= 2 {
         let (ra, rb) = (running_addrs(&bn.running, c)?, running_addrs(&bn_r.running, c)?);
-        let ts = [x, r, &bn.weight, &bn.bias, &bn_r.weight, &bn_r.bias];
+        let mut ts = vec![x, r, &bn.weight, &bn.bias, &bn_r.weight, &bn_r.bias];
+        ts.extend(moments.iter().flat_map(|(m, mr)| [*m, *mr]));
         let out = with_cuda(&ts, "batch_norm_train2_add_relu", |a| {
             let one = crate::cuda::bn::TrainBn { weight: a[2], bias: a[3], eps: bn.eps, running: Some(ra) };
             let two = crate::cuda::bn::TrainBn { weight: a[4], bias: a[5], eps: bn_r.eps, running: Some(rb) };
-            crate::cuda::bn::train2((a[0], a[1]), one, two, rows, c)
+            let m = moments.map(|_| (a[6], a[7]));
+            crate::cuda::bn::train2((a[0], a[1]), one, two, m, rows, c)
         })?;
         if let Some((s1, s2, y)) = out {
             return Ok((from_cuda(s1, (3, c)), from_cuda(s2, (3, c)), from_cuda(y, x.shape().clone())));
         }
     }
     let _ = (rows, c);
-    let s1 = batch_stats(x, bn.eps, &bn.running)?;
-    let s2 = batch_stats(r, bn_r.eps, &bn_r.running)?;
+    let (s1, s2) = match moments {
+        Some((m, mr)) => (
+            batch_stats_from_partials(m, rows, c, bn.eps, &bn.running)?,
+            batch_stats_from_partials(mr, rows, c, bn_r.eps, &bn_r.running)?,
+        ),
+        None => (batch_stats(x, bn.eps, &bn.running)?, batch_stats(r, bn_r.eps, &bn_r.running)?),
+    };
     let y = crate::ops::residual::bn_add_relu(x, r, &bn.params(&s1), Some(&bn_r.params(&s2)))?;
     Ok((s1, s2, y))
 }
