@@ -9,7 +9,7 @@
 #      the fused BatchNorm reductions (kernels.bn_stats = "fused", then "auto": per conv shape where timed faster;
 #      EPI_COMPARE= skips both; with EPI_HALVES=1 also "forward" and "backward" alone) and with one cooperative
 #      launch a BatchNorm pass (kernels.bn_cooperative = true; COOP_COMPARE= skips it, COOP_COMPARE="fused-coop
-#      fused-coopauto" adds both settings at once), with RECOMPUTE_BENCH=1 with kernels.recompute = "relu" and
+#      fused-coopauto fused-coopfused" adds it with kernels.bn_stats = "auto" and "fused"), with RECOMPUTE_BENCH=1 with kernels.recompute = "relu" and
 #      "relu+conv" (the peak memory against "none"), then
 #      autograd in AUTOGRAD_DTYPES (default bf16; empty skips it) -- figures first, as device time is short;
 #   3. gpu-step-tests: tests/tests/gpu_step.rs (residual kernels vs CPU, fused vs autograd loss and every gradient
@@ -106,6 +106,8 @@ main() {
         [ "$step" = fused-coop ] && { coop=true; dts="${dtypes%%,*}"; }
         # fused-coopauto: both, the cooperative passes where the epilogue does not take the reduction.
         [ "$step" = fused-coopauto ] && { coop=true; stats=auto; dts="${dtypes%%,*}"; }
+        # fused-coopfused: cooperative launches taking every epilogue's moments (kernels.bn_stats = "fused").
+        [ "$step" = fused-coopfused ] && { coop=true; stats=fused; dts="${dtypes%%,*}"; }
         [ "$step" = fused-epistats ] && { stats=fused; dts="${dtypes%%,*}"; }
         # fused-rcrelu / fused-rcconv: kernels.recompute = "relu" / "relu+conv" (the peak memory against "none").
         [ "$step" = fused-rcrelu ] && { rc=relu; dts="${dtypes%%,*}"; }
