@@ -9,7 +9,8 @@
 #      the fused BatchNorm reductions (kernels.bn_stats = "fused", then "auto": per conv shape where timed faster;
 #      EPI_COMPARE= skips both; with EPI_HALVES=1 also "forward" and "backward" alone) and with one cooperative
 #      launch a BatchNorm pass (kernels.bn_cooperative = true; COOP_COMPARE= skips it, COOP_COMPARE="fused-coop
-#      fused-coopauto fused-coopfused" adds it with kernels.bn_stats = "auto" and "fused"), with RECOMPUTE_BENCH=1 with kernels.recompute = "relu" and
+#      fused-coopauto fused-coopfused fused-fwdchunks" adds it with kernels.bn_stats = "auto" and "fused", and
+#      with phase 1 taking the row chunks first to last), with RECOMPUTE_BENCH=1 with kernels.recompute = "relu" and
 #      "relu+conv" (the peak memory against "none"), then
 #      autograd in AUTOGRAD_DTYPES (default bf16; empty skips it) -- figures first, as device time is short;
 #   3. gpu-step-tests: tests/tests/gpu_step.rs (residual kernels vs CPU, fused vs autograd loss and every gradient
@@ -108,6 +109,11 @@ main() {
         [ "$step" = fused-coopauto ] && { coop=true; stats=auto; dts="${dtypes%%,*}"; }
         # fused-coopfused: cooperative launches taking every epilogue's moments (kernels.bn_stats = "fused").
         [ "$step" = fused-coopfused ] && { coop=true; stats=fused; dts="${dtypes%%,*}"; }
+        # fused-fwdchunks: the default cooperative launches with their phase 1 taking the row chunks first to last
+        # (KERNELS_BN_CHUNKS_FORWARD=1; the default takes them last to first, where the L2 holds the producer's
+        # output).
+        local fwdchunks=""
+        [ "$step" = fused-fwdchunks ] && { coop=true; fwdchunks=1; dts="${dtypes%%,*}"; }
         [ "$step" = fused-epistats ] && { stats=fused; dts="${dtypes%%,*}"; }
         # fused-rcrelu / fused-rcconv: kernels.recompute = "relu" / "relu+conv" (the peak memory against "none").
         [ "$step" = fused-rcrelu ] && { rc=relu; dts="${dtypes%%,*}"; }
@@ -117,7 +123,7 @@ main() {
         [ "$step" = fused-epibwd ] && { stats=backward; dts="${dtypes%%,*}"; }
         [ -n "$dts" ] || continue
         echo "== bench resnet152 b$batch $dts, kernels.step = ${step%%-*}, kernels.graph = $graph, kernels.bn_stats = $stats, kernels.bn_cooperative = $coop, kernels.recompute = $rc"
-        timeout "${BENCH_TIMEOUT:-150}" "$bin/trainer" bench --config "$here/configs/resnet152.toml" \
+        KERNELS_BN_CHUNKS_FORWARD="$fwdchunks" timeout "${BENCH_TIMEOUT:-150}" "$bin/trainer" bench --config "$here/configs/resnet152.toml" \
             --set "kernels.step=\"${step%%-*}\"" --set "kernels.graph=\"$graph\"" --set "kernels.bn_stats=\"$stats\"" \
             --set "kernels.bn_cooperative=$coop" --set "kernels.recompute=\"$rc\"" \
             --dtypes "$dts" --batch-sizes "$batch" --warmup 3 --steps 10 > "$out/bench-$step.log" 2>&1 \

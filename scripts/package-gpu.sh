@@ -21,6 +21,11 @@ features=cuda
 [ "${NCCL:-0}" = 1 ] && features=nccl
 echo "== cargo build --release -p trainer --features $features (trainer, kernels-bench)"
 cargo build --release -p trainer --features "$features"
+# Kept aside now: the test builds below (--features cuda) build the trainer package's binaries again, without
+# NCCL, over these paths (the 2026-12-05 H200 call found its NCCL=1 trainer built without NCCL).
+built="$CARGO_TARGET_DIR/gpu-package"
+mkdir -p "$built"
+cp "$CARGO_TARGET_DIR/release/trainer" "$CARGO_TARGET_DIR/release/kernels-bench" "$built/"
 
 
 # test_bin NAME [PACKAGE]: path of the test binary NAME of PACKAGE (default integration-tests) built with the
@@ -51,12 +56,12 @@ pack() { # pack SRC NAME: strip a copy of SRC into dist/NAME, gzip it
     gzip -9 -f "dist/$2"
     echo "dist/$2.gz: $(du -h "$1" | cut -f1) unstripped -> $(du -h "dist/$2.gz" | cut -f1)"
 }
-pack "$CARGO_TARGET_DIR/release/trainer" trainer
+pack "$built/trainer" trainer
 pack "$tests_bin" gpu-tests
 pack "$kernel_tests_bin" gpu-kernel-tests
 pack "$step_tests_bin" gpu-step-tests
 pack "$dp_tests_bin" dp-tests
-pack "$CARGO_TARGET_DIR/release/kernels-bench" kernels-bench
+pack "$built/kernels-bench" kernels-bench
 {
     echo "commit: $(git rev-parse HEAD)$(git diff --quiet HEAD -- . ':!dist' 2>/dev/null || echo ' (with uncommitted changes)')"
     echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -m)"

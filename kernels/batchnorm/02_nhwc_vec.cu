@@ -448,6 +448,10 @@ extern "C" __global__ void __launch_bounds__(FX * FY)
 // most the occupancy times the SMs; the launcher sizes it). Block 256 threads (VB), grid <= chunks.
 // bn_nhwc_train_bwd_v8: the backward the same way, bn_nhwc_bwd_sum_v8 + bn_nhwc_bwd_final_v8 + bn_nhwc_bwd_dx_v8
 // in one launch, the sums (2, c) also written out (dbias, dweight).
+// With rev (the launchers' default) phase 1 takes the chunks from the last to the first (block b first takes
+// chunk chunks - 1 - b): the kernel before it (the conv that made x, the grad-input that made dy) wrote the
+// tensors' ends last, so those are what the 50 MB L2 still holds; phase 3 then runs from the front, which phase 1
+// read last. Each chunk's partials are the same whichever block computes them, so the results do not change.
 // With have_moments (bn_nhwc_train_v8, bn_nhwc_train2_v8) phase 1 is skipped: part (and part_r) already hold the
 // chunks' partials in bn_nhwc_moments_v8's layout, written by the convolution's epilogue (kernels.bn_stats with
 // kernels.bn_cooperative; rpc = the epilogue's 128 rows a chunk), so the launch is bit for bit
@@ -457,10 +461,12 @@ __device__ void bnv_train(const T* __restrict__ x, const T* __restrict__ res, fl
                           float* __restrict__ stats, const float* __restrict__ weight, const float* __restrict__ bias,
                           T* __restrict__ y, int64_t rows, int c, int64_t rpc, int chunks, float eps,
                           float* running_mean, float* running_var, long long* num_batches_tracked, float momentum,
-                          int relu, int have_moments) {
+                          int relu, int have_moments, int rev) {
     cg::grid_group grid = cg::this_grid();
     if (!have_moments) {
-        for (int k = blockIdx.x; k < chunks; k += gridDim.x) bnv_moments<T>(x, part, rows, c, rpc, k, chunks);
+        for (int k = blockIdx.x; k < chunks; k += gridDim.x) {
+            bnv_moments<T>(x, part, rows, c, rpc, rev ? chunks - 1 - k : k, chunks);
+        }
         grid.sync();
     }
     __shared__ float sh[FY][2];
@@ -490,10 +496,11 @@ __device__ void bnv_train2(const T* __restrict__ x, const T* __restrict__ r, flo
                            int64_t rows, int c, int64_t rpc, int chunks, float eps, float eps_r, float* running_mean,
                            float* running_var, long long* num_batches_tracked, float* running_mean_r,
                            float* running_var_r, long long* num_batches_tracked_r, float momentum, float momentum_r,
-                           int have_moments) {
+                           int have_moments, int rev) {
     cg::grid_group grid = cg::this_grid();
     if (!have_moments) {
-        for (int k = blockIdx.x; k < 2 * chunks; k += gridDim.x) {
+        for (int kk = blockIdx.x; kk < 2 * chunks; kk += gridDim.x) {
+            const int k = rev ? 2 * chunks - 1 - kk : kk;
             if (k < chunks) {
                 bnv_moments<T>(x, part, rows, c, rpc, k, chunks);
             } else {
@@ -525,10 +532,10 @@ template <typename T>
 __device__ void bnv_train_bwd(const T* __restrict__ x, const T* __restrict__ dy, const float* __restrict__ stats,
                               const float* __restrict__ weight, const float* __restrict__ bias,
                               float* __restrict__ part, float* __restrict__ sums, T* __restrict__ dx, int64_t rows,
-                              int c, int64_t rpc, int chunks, float count, int relu) {
+                              int c, int64_t rpc, int chunks, float count, int relu, int rev) {
     cg::grid_group grid = cg::this_grid();
     for (int k = blockIdx.x; k < chunks; k += gridDim.x) {
-        bnv_bwd_partial<T>(x, dy, stats, weight, bias, part, rows, c, rpc, relu, k, chunks);
+        bnv_bwd_partial<T>(x, dy, stats, weight, bias, part, rows, c, rpc, relu, rev ? chunks - 1 - k : k, chunks);
     }
     grid.sync();
     __shared__ float sh[FY][2];
@@ -547,10 +554,11 @@ __device__ void bnv_train_join_bwd(const T* __restrict__ a, const T* __restrict_
                                    T* __restrict__ gout, const T* __restrict__ x, const float* __restrict__ stats,
                                    const float* __restrict__ weight, const float* __restrict__ bias,
                                    float* __restrict__ part, float* __restrict__ sums, T* __restrict__ dx,
-                                   int64_t rows, int c, int64_t rpc, int chunks, float count) {
+                                   int64_t rows, int c, int64_t rpc, int chunks, float count, int rev) {
     cg::grid_group grid = cg::this_grid();
     for (int k = blockIdx.x; k < chunks; k += gridDim.x) {
-        bnv_join_partial<T, TWO>(a, b, y, gout, x, stats, weight, bias, part, rows, c, rpc, k, chunks);
+        const int kc = rev ? chunks - 1 - k : k;
+        bnv_join_partial<T, TWO>(a, b, y, gout, x, stats, weight, bias, part, rows, c, rpc, kc, chunks);
     }
     grid.sync();
     __shared__ float sh[FY][2];
@@ -565,39 +573,40 @@ __device__ void bnv_train_join_bwd(const T* __restrict__ a, const T* __restrict_
         bn_nhwc_train_v8_##NAME(const T* x, const T* res, float* part, float* stats, const float* weight,           \
                                 const float* bias, T* y, long long rows, int c, long long rpc, int chunks,          \
                                 float eps, float* running_mean, float* running_var,                                 \
-                                long long* num_batches_tracked, float momentum, int relu, int have_moments) {       \
+                                long long* num_batches_tracked, float momentum, int relu, int have_moments,        \
+                                int rev) {                                                                          \
         bnv_train<T>(x, res, part, stats, weight, bias, y, rows, c, rpc, chunks, eps, running_mean, running_var,     \
-                     num_batches_tracked, momentum, relu, have_moments);                                            \
+                     num_batches_tracked, momentum, relu, have_moments, rev);                                       \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(VB, 3)                                                             \
         bn_nhwc_train_bwd_v8_##NAME(const T* x, const T* dy, const float* stats, const float* weight,               \
                                     const float* bias, float* part, float* sums, T* dx, long long rows, int c,      \
-                                    long long rpc, int chunks, float count, int relu) {                             \
-        bnv_train_bwd<T>(x, dy, stats, weight, bias, part, sums, dx, rows, c, rpc, chunks, count, relu);            \
+                                    long long rpc, int chunks, float count, int relu, int rev) {                    \
+        bnv_train_bwd<T>(x, dy, stats, weight, bias, part, sums, dx, rows, c, rpc, chunks, count, relu, rev);       \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(VB, 3) bn_nhwc_train2_v8_##NAME(                                   \
         const T* x, const T* r, float* part, float* part_r, float* stats, float* stats_r, const float* weight,      \
         const float* bias, const float* weight_r, const float* bias_r, T* y, long long rows, int c, long long rpc,  \
         int chunks, float eps, float eps_r, float* running_mean, float* running_var, long long* num_batches_tracked,\
         float* running_mean_r, float* running_var_r, long long* num_batches_tracked_r, float momentum,              \
-        float momentum_r, int have_moments) {                                                                       \
+        float momentum_r, int have_moments, int rev) {                                                              \
         bnv_train2<T>(x, r, part, part_r, stats, stats_r, weight, bias, weight_r, bias_r, y, rows, c, rpc, chunks,   \
                       eps, eps_r, running_mean, running_var, num_batches_tracked, running_mean_r, running_var_r,     \
-                      num_batches_tracked_r, momentum, momentum_r, have_moments);                                   \
+                      num_batches_tracked_r, momentum, momentum_r, have_moments, rev);                              \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(VB, 3) bn_nhwc_train_join_bwd_1_v8_##NAME(                         \
         const T* a, const T* b, const T* y, T* g, const T* x, const float* stats, const float* weight,              \
         const float* bias, float* part, float* sums, T* dx, long long rows, int c, long long rpc, int chunks,       \
-        float count) {                                                                                              \
+        float count, int rev) {                                                                                     \
         bnv_train_join_bwd<T, false>(a, b, y, g, x, stats, weight, bias, part, sums, dx, rows, c, rpc, chunks,      \
-                                     count);                                                                        \
+                                     count, rev);                                                                   \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(VB, 3) bn_nhwc_train_join_bwd_2_v8_##NAME(                         \
         const T* a, const T* b, const T* y, T* g, const T* x, const float* stats, const float* weight,              \
         const float* bias, float* part, float* sums, T* dx, long long rows, int c, long long rpc, int chunks,       \
-        float count) {                                                                                              \
+        float count, int rev) {                                                                                     \
         bnv_train_join_bwd<T, true>(a, b, y, g, x, stats, weight, bias, part, sums, dx, rows, c, rpc, chunks,       \
-                                    count);                                                                         \
+                                    count, rev);                                                                    \
     }
 
 BNV_TRAIN_EXPORT(float, f32)

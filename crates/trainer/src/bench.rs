@@ -234,8 +234,16 @@ fn host_memory_forecast(rows: &[BenchResult], bs: usize) -> Option<String> {
     })
 }
 
-/// Batch sizes to try with `--max`: doubling from `start` until one runs out of memory, then bisection to
-/// `granularity`. Any other failure ends the sweep there (it says nothing about what fits): the caller reports it.
+/// Whether a batch size failed for a reason that a larger batch has too: out of memory, or a tensor beyond the
+/// kernels' 32-bit index range (ResNet-152 at batch 3,072: the stem's output has 2.47e9 elements). `sweep --max`
+/// bisects below such a batch; any other failure ends the sweep.
+pub fn too_large(r: &BenchResult) -> bool {
+    r.oom || r.error.as_deref().is_some_and(|e| e.contains("exceeds i32"))
+}
+
+/// Batch sizes to try with `--max`: doubling from `start` until one runs out of memory (or past the kernels'
+/// index range, [`too_large`]), then bisection to `granularity`. Any other failure ends the sweep there (it says
+/// nothing about what fits): the caller reports it.
 pub fn sweep_max(
     cfg: &Config,
     dtype: Precision,
@@ -259,7 +267,7 @@ pub fn sweep_max(
         out.push(r);
         ok
     };
-    let failed = |out: &[BenchResult]| out.last().is_some_and(|r| r.error.is_some() && !r.oom);
+    let failed = |out: &[BenchResult]| out.last().is_some_and(|r| r.error.is_some() && !too_large(r));
     while bad.is_none() {
         if run(bs, &mut out) {
             good = bs;
@@ -321,6 +329,16 @@ mod tests {
     fn row(bs: usize, host_peak_gib: Option<f64>) -> BenchResult {
         let empty = BenchResult::empty(&Config::default(), Precision::F32, bs);
         BenchResult { img_per_s: host_peak_gib.map(|_| 1.0), host_peak_gib, ..empty }
+    }
+
+    /// Out of memory and a tensor past the kernels' 32-bit indexing bound the sweep; other errors do not.
+    #[test]
+    fn too_large_batches_bound_the_sweep() {
+        let failed = |oom: bool, e: &str| BenchResult { oom, error: Some(e.into()), ..row(3072, None) };
+        assert!(too_large(&failed(true, "DriverError(CUDA_ERROR_OUT_OF_MEMORY, 'out of memory')")));
+        assert!(too_large(&failed(false, "conv2d_nhwc_fwd (cuda): output size = 2466250752 exceeds i32")));
+        assert!(!too_large(&failed(false, "unsupported kernel for this GPU")));
+        assert!(!too_large(&row(3072, Some(1.0))));
     }
 
     /// The forecast needs two batches that ran on the host; it speaks only of larger batches, and leaves out one

@@ -653,8 +653,9 @@ fn sweep(
             eprintln!("warning: no sweep plot: {e:#}");
         }
     }
-    // Out of memory is what a sweep looks for; any other failure is the run's.
-    let failed: Vec<&trainer::bench::BenchResult> = rows.iter().filter(|r| r.error.is_some() && !r.oom).collect();
+    // Out of memory (or past the kernels' index range) is what a sweep looks for; any other failure is the run's.
+    let failed: Vec<&trainer::bench::BenchResult> =
+        rows.iter().filter(|r| r.error.is_some() && !trainer::bench::too_large(r)).collect();
     if let Some(first) = failed.first() {
         bail!(
             "{} sweep configuration(s) failed; batch {}: {}",

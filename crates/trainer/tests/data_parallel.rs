@@ -410,12 +410,18 @@ fn synced_step_on_cuda_in_bf16() {
         "data.val_resize=32",
     ]);
     let device = train::select_device(&cfg.device).unwrap();
-    synced_step_matches_one_process(&cfg, &device, resnet::Precision::Bf16, GradTol::TimesOwnError(2.0), 1e-3);
+    // Running statistics: bf16 holds 8 significant bits (~4e-3), and batches of 5, 4 and 3 images take other
+    // conv tiles than one of 12, so the activations the statistics come from differ by rounding: 1.7e-3 (relative
+    // L2, layer4.1.bn2.running_mean) on the H200 on 2026-12-05. Per-rank statistics would be ~10x further off.
+    synced_step_matches_one_process(&cfg, &device, resnet::Precision::Bf16, GradTol::TimesOwnError(2.0), 5e-3);
 }
 
-/// The same on the GPU in FP32 (our FP32 kernels: `kernels.conv = "auto"` takes candle's convolution in FP32,
-/// which the fused step does not run): the CPU test's tolerances, so that a failure of the bf16 test above can be
-/// told apart (the synchronisation's plumbing on CUDA, or bf16 rounding per batch composition).
+/// The same on the GPU in FP32 (`kernels.conv = "custom"`: "auto" takes candle's NCHW convolution in FP32, which
+/// the fused step does not run), so that a failure of the bf16 test above can be told apart (the
+/// synchronisation's plumbing on CUDA, or bf16 rounding per batch composition). FP32 convolutions on CUDA go
+/// through candle and cuDNN, whose FP32 math on the H100/H200 uses TF32 tensor cores (10-bit mantissa) with
+/// algorithms chosen per batch size: the H200 run of 2026-12-05 measured the ranks 3.9e-3 (median relative L2)
+/// and 7.0e-3 (worst) from the single process, hence 1e-2 and 3e-2; a wrong weighting is off by ~1.
 #[cfg(feature = "cuda")]
 #[test]
 fn synced_step_on_cuda_in_f32() {
@@ -427,5 +433,5 @@ fn synced_step_on_cuda_in_f32() {
         "data.val_resize=32",
     ]);
     let device = train::select_device(&cfg.device).unwrap();
-    synced_step_matches_one_process(&cfg, &device, resnet::Precision::F32, GradTol::Fixed(1e-4, 5e-2), 1e-5);
+    synced_step_matches_one_process(&cfg, &device, resnet::Precision::F32, GradTol::Fixed(1e-2, 3e-2), 5e-3);
 }

@@ -644,6 +644,15 @@ pub fn cooperative_launches_from_moments() -> u64 {
     COOP_FROM_MOMENTS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
+/// The cooperative kernels' `rev` argument: their phase 1 takes the row chunks from the last to the first, where
+/// the kernel before them left the tensors' ends in L2 (the results are the same either way). The environment
+/// variable `KERNELS_BN_CHUNKS_FORWARD=1` turns the order back to first-to-last, for timing the two against each
+/// other in one run (scripts/gpu-step.sh's `fused-fwdchunks`).
+fn reverse_chunks() -> i32 {
+    static REV: OnceLock<i32> = OnceLock::new();
+    *REV.get_or_init(|| i32::from(std::env::var_os("KERNELS_BN_CHUNKS_FORWARD").is_none_or(|v| v != "1")))
+}
+
 fn coop_cfg(blocks: u32) -> LaunchConfig {
     COOP_LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (V8_THREADS as u32, 1, 1), shared_mem_bytes: 0 }
@@ -717,11 +726,12 @@ fn train_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     part.push(&mut bld);
     bld.arg(&stats).arg(&wv).arg(&bv).arg(&y);
     bld.arg(&sp.rows).arg(&sp.c).arg(&sp.rows_per_chunk).arg(&chunks).arg(&eps);
-    bld.arg(&rm).arg(&rv_addr).arg(&nb).arg(&momentum).arg(&relu).arg(&have_moments);
+    let rev = reverse_chunks();
+    bld.arg(&rm).arg(&rv_addr).arg(&nb).arg(&momentum).arg(&relu).arg(&have_moments).arg(&rev);
     // SAFETY: matches bn_nhwc_train_v8_* (x, res, part, stats, weight, bias, y, rows, c, rpc, chunks, eps,
-    // running_mean, running_var, num_batches_tracked, momentum, relu, have_moments); x, res (or null) and y hold
-    // rows*c elements (c % 8 == 0, 256 % (c / 8) == 0, 16-byte aligned: v8_applies; y fresh), part (2 chunks + 1)
-    // c (checked when given: the epilogue's chunks of 128 rows, read only under have_moments), stats 3 c, weight
+    // running_mean, running_var, num_batches_tracked, momentum, relu, have_moments, rev); x, res (or null) and y
+    // hold rows*c elements (c % 8 == 0, 256 % (c / 8) == 0, 16-byte aligned: v8_applies; y fresh), part (2 chunks
+    // + 1) c (checked when given: the epilogue's chunks of 128 rows, read only under have_moments), stats 3 c, weight
     // and bias c; the running addresses are null or c / c / 1 elements ([`RunningAddrs`]); every chunk has a row.
     // A cooperative launch of at most the resident blocks ([`coop_blocks`]): the grid barriers need it.
     unsafe { bld.launch_cooperative(coop_cfg(blocks)) }.w()?;
@@ -784,9 +794,10 @@ fn train_bwd_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     let (chunks, count, relu) = (sp.chunks as i32, sp.count(), op.relu as i32);
     let mut bld = f.builder();
     bld.arg(&xv).arg(&gv).arg(&sv).arg(&wv).arg(&bv).arg(&part).arg(&sums).arg(&dx);
-    bld.arg(&sp.rows).arg(&sp.c).arg(&sp.rows_per_chunk).arg(&chunks).arg(&count).arg(&relu);
+    let rev = reverse_chunks();
+    bld.arg(&sp.rows).arg(&sp.c).arg(&sp.rows_per_chunk).arg(&chunks).arg(&count).arg(&relu).arg(&rev);
     // SAFETY: matches bn_nhwc_train_bwd_v8_* (x, dy, stats, weight, bias, part, sums, dx, rows, c, rpc, chunks,
-    // count, relu); x, dy and dx hold rows*c elements (v8_applies: c % 8 == 0, 256 % (c / 8) == 0, 16-byte
+    // count, relu, rev); x, dy and dx hold rows*c elements (v8_applies: c % 8 == 0, 256 % (c / 8) == 0, 16-byte
     // aligned; dx fresh), stats 3 c, weight and bias c, part 2 chunks c, sums 2 c. Cooperative, at most the
     // resident blocks ([`coop_blocks`]).
     unsafe { bld.launch_cooperative(coop_cfg(blocks)) }.w()?;
@@ -840,11 +851,12 @@ fn train_join_bwd_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     let (chunks, count) = (sp.chunks as i32, sp.count());
     let mut bld = f.builder();
     bld.arg(&av).arg(&bv).arg(&yv).arg(&g).arg(&xv).arg(&sv).arg(&wv).arg(&bnv).arg(&part).arg(&sums).arg(&dx);
-    bld.arg(&sp.rows).arg(&sp.c).arg(&sp.rows_per_chunk).arg(&chunks).arg(&count);
+    let rev = reverse_chunks();
+    bld.arg(&sp.rows).arg(&sp.c).arg(&sp.rows_per_chunk).arg(&chunks).arg(&count).arg(&rev);
     // SAFETY: matches bn_nhwc_train_join_bwd_{1,2}_v8_* (a, b, y, g, x, stats, weight, bias, part, sums, dx, rows, c,
-    // rpc, chunks, count); a, b, y, x, g and dx hold rows*c elements (g and dx fresh), stats 3 c, weight and bias c,
-    // all 16-byte aligned with c % 8 == 0 and 256 % (c / 8) == 0 (checked by the caller, v8_applies); part
-    // 2 chunks c, sums 2 c. Cooperative, at most the resident blocks ([`coop_blocks`]).
+    // rpc, chunks, count, rev); a, b, y, x, g and dx hold rows*c elements (g and dx fresh), stats 3 c, weight and
+    // bias c, all 16-byte aligned with c % 8 == 0 and 256 % (c / 8) == 0 (checked by the caller, v8_applies);
+    // part 2 chunks c, sums 2 c. Cooperative, at most the resident blocks ([`coop_blocks`]).
     unsafe { bld.launch_cooperative(coop_cfg(blocks)) }.w()?;
     let wrap = |s| CudaStorage::wrap_cuda_slice(s, dev.clone());
     Ok((wrap(g), CudaStorage::wrap_cuda_slice(sums, dev.clone()), wrap(dx)))
@@ -922,10 +934,11 @@ fn train2_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     bld.arg(&wv).arg(&bv).arg(&wrv).arg(&brv).arg(&y);
     bld.arg(&sp.rows).arg(&sp.c).arg(&sp.rows_per_chunk).arg(&chunks).arg(&eps).arg(&eps_r);
     bld.arg(&rm).arg(&rvar).arg(&nb).arg(&rm_r).arg(&rvar_r).arg(&nb_r).arg(&momentum).arg(&momentum_r);
-    bld.arg(&have_moments);
+    let rev = reverse_chunks();
+    bld.arg(&have_moments).arg(&rev);
     // SAFETY: matches bn_nhwc_train2_v8_* (x, r, part, part_r, stats, stats_r, weight, bias, weight_r, bias_r, y,
     // rows, c, rpc, chunks, eps, eps_r, running_mean, running_var, num_batches_tracked, running_mean_r,
-    // running_var_r, num_batches_tracked_r, momentum, momentum_r, have_moments); x, r and y hold rows*c elements
+    // running_var_r, num_batches_tracked_r, momentum, momentum_r, have_moments, rev); x, r and y hold rows*c elements
     // (16-byte aligned, c % 8 == 0, 256 % (c / 8) == 0: v8_applies; y fresh), the partials (2 chunks + 1) c each
     // (checked when given: the epilogues' 128-row chunks, read only under have_moments), the statistics 3 c each,
     // weights and biases c; running addresses null or c / c / 1 elements. Cooperative, at most the resident blocks
@@ -954,6 +967,8 @@ pub fn train2(
         return Ok(None);
     }
     let sp = Split::v8(rows, c, OP)?;
-    let out = cuda_float!(x.0.dtype(), OP, [F32: f32, BF16: bf16, F16: f16], |T| train2_t::<T>((x, r), (bn, bn_r), moments, sp))?;
+    let out = cuda_float!(x.0.dtype(), OP, [F32: f32, BF16: bf16, F16: f16], |T| {
+        train2_t::<T>((x, r), (bn, bn_r), moments, sp)
+    })?;
     Ok(Some(out))
 }
