@@ -127,23 +127,27 @@ if [ "${SKIP_TRAIN:-0}" != 1 ]; then
             read -ra cpu < <(head -1 /proc/stat)
             all=$((cpu[1] + cpu[2] + cpu[3] + cpu[4] + cpu[5] + cpu[6] + cpu[7]))
             idle=$((cpu[4] + cpu[5]))
-            declare -A now=()
+            # Per thread (tid), so that threads that end between two samples (each epoch's loader pool) drop out
+            # instead of subtracting their time from their name's total; a new thread counts from its start.
+            declare -A now=() per=()
             for st in /proc/"$pid"/task/*/stat; do
                 # comm is field 2 in parentheses; utime and stime are fields 14 and 15.
                 line=$(cat "$st" 2>/dev/null) || continue
+                tid=${st%/stat}; tid=${tid##*/}
                 name=${line#*(}; name=${name%%)*}; name=${name%%[-_0-9]*}
                 rest=${line##*) }; read -ra f <<<"$rest"
-                now[$name]=$(( ${now[$name]:-0} + f[11] + f[12] ))
+                now[$tid]=$(( f[11] + f[12] ))
+                per[$name]=$(( ${per[$name]:-0} + now[$tid] - ${prev[$tid]:-0} ))
             done
             if [ -n "$prev_all" ]; then
                 d=$((all - prev_all)); busy=$((d - (idle - prev_idle)))
                 out="# cpu/s $(date +%T): machine $(( d > 0 ? 100 * busy / d : 0 ))% busy; threads (% of a core):"
-                for k in "${!now[@]}"; do out+=" $k $(( (now[$k] - ${prev[$k]:-0}) * 100 / tick ))"; done
+                for k in "${!per[@]}"; do out+=" $k $(( per[$k] * 100 / tick ))"; done
                 echo "$out"
             fi
             prev_all=$all; prev_idle=$idle
             prev=(); for k in "${!now[@]}"; do prev[$k]=${now[$k]}; done
-            unset now
+            unset now per
         done
     ) >>"$LOG" 2>/dev/null &
     CPUPID=$!
