@@ -23,7 +23,7 @@
 #   5. with KTRACE=DIR (a folder holding ktrace.c and ktrace_report.py, ../shared/tools/ktrace copied into the
 #      carried tree): a kernel timeline of the fused bf16 step, summarised here (the CSV stays on the machine),
 #      when at least 100 s of TIME_BUDGET_S (default 600) are left; KTRACE_SET='key=value' adds one --set (e.g.
-#      KTRACE_SET='kernels.bn_stats="auto"');
+#      KTRACE_SET='kernels.bn_stats="auto"'; KTRACE_DTYPE=fp16 traces the fp16 step);
 #   6. with dist/dp-tests.gz: the trainer's data_parallel test synced_step_on_cuda (synchronised BatchNorm in bf16);
 #      with NCCL_CHECK=1 (a trainer built with NCCL=1): `trainer launch --nproc-per-node 1 -- dist-check --nccl`,
 #      then quickstart.toml on cuda in bf16 trained twice plainly and once as rank 0 of 1 through NCCL: the step
@@ -155,13 +155,13 @@ main() {
     fi
 
     if [ -n "${KTRACE:-}" ] && [ -f "$KTRACE/ktrace.c" ] && [ $((SECONDS + 100)) -lt "${TIME_BUDGET_S:-600}" ]; then
-        echo "== ktrace: fused bf16 b$batch"
+        echo "== ktrace: fused ${KTRACE_DTYPE:-bf16} b$batch"
         local sp="$site/cu13" inc
         inc="$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")/../include"
         if gcc -O2 -shared -fPIC "$KTRACE/ktrace.c" -o "$bin/libktrace.so" -I"$sp/include" -I"$inc" \
             -L"$sp/lib" -l:libcupti.so.13 -lpthread; then
             CUDA_INJECTION64_PATH="$bin/libktrace.so" KTRACE_OUT="$bin/trace.csv" timeout 120 "$bin/trainer" bench \
-                --config "$here/configs/resnet152.toml" --set 'kernels.step="fused"' ${KTRACE_SET:+--set "$KTRACE_SET"} --dtypes bf16 \
+                --config "$here/configs/resnet152.toml" --set 'kernels.step="fused"' ${KTRACE_SET:+--set "$KTRACE_SET"} --dtypes "${KTRACE_DTYPE:-bf16}" \
                 --batch-sizes "$batch" --warmup 3 --steps 5 > "$out/ktrace-bench.log" 2>&1
             python3 "$KTRACE/ktrace_report.py" "$bin/trace.csv" --marker 'mt_sgd_f32' --steps 4 --top 40 \
                 > "$out/ktrace-fused.txt" 2>&1 || echo "ktrace report failed"

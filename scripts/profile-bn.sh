@@ -50,7 +50,8 @@ def num(r, h):
         return float("nan")
 def scale(h):
     u = units[col[h]] if h in col else ""
-    return {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3}.get(u, 1)
+    return {"byte": 1, "Kbyte": 1e3, "KB": 1e3, "Mbyte": 1e6, "MB": 1e6, "Gbyte": 1e9, "GB": 1e9, "nsecond": 1e-9,
+            "ns": 1e-9, "usecond": 1e-6, "us": 1e-6, "msecond": 1e-3, "ms": 1e-3}.get(u, 1)
 print(f"{'kernel':<40} {'grid':>5} {'us':>8} {'read MB':>9} {'write MB':>9} {'GB/s':>7} {'dram%':>6} {'L2 hit%':>7} "
       f"{'barrier':>7} {'long sb':>7} {'lg thr':>7}")
 per = defaultdict(lambda: [0, 0.0, 0.0])

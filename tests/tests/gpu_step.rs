@@ -216,10 +216,14 @@ fn fused_step_matches_autograd_on_cuda() -> Result<()> {
             let out = m.train_step_explicit(&x, &labels, 0.1, scale, p)?;
             let loss_f = out.loss.to_scalar::<f32>()?;
             let (ef, ea) = ((loss_f - loss32).abs(), (loss_a - loss32).abs());
-            // Within 2.5 x autograd's distance from the FP32 loss, or within 2% of it (ResNet-152 at 64 px, batch
-            // 8: layer4's BatchNorms see 32 values per channel; fp16 losses land 0.6-1.5% off FP32 by either path).
+            // Within 2.5 x autograd's distance from the FP32 loss, or within 4% of it. The loss of a freshly
+            // initialised ResNet-152 hardly depends on its inner values, and bf16/fp16 move it by percents by
+            // either path: on 2026-12-05 (H100/H200, one random batch each run) the fused bf16 loss landed 0.9%,
+            // 1.5%, 2.4% and 2.9% off FP32 and autograd's 0.2%, 0.7%, 1.0% and 3.2%, so a bound of 2% (or 2.5 x
+            // autograd's distance in a draw where autograd landed close) failed on noise. The gradients below carry
+            // the comparison.
             ensure!(
-                ef <= f32::max(2.5 * ea, 2e-2 * loss32.abs()),
+                ef <= f32::max(2.5 * ea, 4e-2 * loss32.abs()),
                 "{what}: loss {loss_f}, autograd {loss_a}, f32 {loss32}"
             );
             let mut worst = (0.0, 0.0, 0.0, String::new());
