@@ -46,6 +46,7 @@ const POOL_CASES: &[(usize, usize, usize, usize, usize, usize, usize)] = &[
     (2, 3, 6, 7, 4, 1, 2),      // even kernel with padding k/2
     (3, 8, 15, 17, 3, 1, 1),    // 8 channels (the 8-wide kernels), stride 1
     (2, 16, 10, 10, 5, 3, 2),   // 16 channels, kernel 5 stride 3 pad 2
+    (2, 16, 15, 13, 3, 2, 1),   // the stem's pool (its 2 x 2-cell backward) on odd sizes, 16 channels
 ];
 
 const DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];

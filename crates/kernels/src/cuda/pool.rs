@@ -410,15 +410,19 @@ fn bwd_offsets_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     let args = nhwc_geom_args(p, dims)?;
     let (module, image, v) = argmax_module(v8);
     let sfx = suffix(T::DTYPE, "max_pool2d_nhwc_backward")?;
+    // The stem's pool (kernel 3, stride 2, padding 1): one thread per 2 x 2 block of input cells (the same sums).
+    let stem = v8 && (p.kernel, p.stride, p.padding) == (3, 2, 1);
+    let (v, cells) = if stem { ("_k3s2p1_v8", h.div_ceil(2) * w.div_ceil(2)) } else { (v, h * w) };
     let func = dev.get_or_load_custom_func(&format!("maxpool2d_nhwc_bwd_argmax{v}_{sfx}"), module, image)?;
     let mut builder = func.builder();
     builder.arg(arg).arg(g).arg(dx);
     for v in &args {
         builder.arg(v);
     }
-    // SAFETY: argument types and count match maxpool2d_nhwc_bwd_argmax[_v8]_* (arg, dy, dx, n, h, w, c, oh, ow, k,
-    // s, p); arg and dy hold n*oh*ow*c elements, dx n*h*w*c (v8: all 16-byte aligned, c % 8 == 0).
-    unsafe { builder.launch(if v8 { nhwc_v8_cfg(h * w * c / 8, n) } else { grid_for(n * h * w * c) }) }.w()?;
+    // SAFETY: argument types and count match maxpool2d_nhwc_bwd_argmax[_v8|_k3s2p1_v8]_* (arg, dy, dx, n, h, w, c,
+    // oh, ow, k, s, p); arg and dy hold n*oh*ow*c elements, dx n*h*w*c (v8: all 16-byte aligned, c % 8 == 0);
+    // the grid covers one image's cells (or 2 x 2 blocks of cells) in 8-channel groups a thread, y over images.
+    unsafe { builder.launch(if v8 { nhwc_v8_cfg(cells * c / 8, n) } else { grid_for(n * h * w * c) }) }.w()?;
     Ok(())
 }
 
