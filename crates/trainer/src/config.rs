@@ -420,7 +420,9 @@ pub struct KernelsSection {
     /// reads (the ImageNet stem's max-pool keeps its argmax offsets, a byte per output, not its input, at every
     /// level); "relu" drops the post-ReLU activations inside each block, which the backward makes again from the saved pre-BatchNorm outputs (one element-wise pass each);
     /// "relu+conv" also drops each block's last conv output and its downsample conv output and runs those convs
-    /// again in the backward. Same gradients bit for bit at every level.
+    /// again in the backward. Same gradients bit for bit at every level. ResNet-152 bf16 at batch 256 on the H200
+    /// (2026-12-05): peak 21.8 / 18.6 / 11.8 GiB at 3,196 / 3,100 / 2,947 img/s (separate BatchNorm launches);
+    /// `sweep --max` with "relu+conv" reached batch 2,560.
     pub recompute: RecomputeChoice,
     /// CUDA graphs for the fused step: "off" | "auto" (the default: on where they can run: the fused step on
     /// CUDA, one process, no `bench --phases`) | "on" (the same, and an error where they cannot run). The first
@@ -438,9 +440,10 @@ pub struct KernelsSection {
     /// combine the partials as the passes' finalisers do), or one half of it: "forward" (the moments only) or
     /// "backward" (the sums only), to tell their costs apart; or "auto": "fused", with each convolution shape
     /// keeping its reduction in the epilogue only where the plain convolution and the pass were timed slower on
-    /// first use (with `kernels.autotune`; remembered in the autotune cache, as `epilogue` or `pass`). Not the
-    /// default: "fused" was correct on the H200 (its GPU tests passed on 2026-12-05) but slower there end to end;
-    /// the epilogues have been rewritten since and "auto" added, neither yet run on a GPU
+    /// first use (with `kernels.autotune`; remembered in the autotune cache, as `epilogue` or `pass`). With
+    /// `kernels.bn_cooperative` each cooperative forward takes the epilogue's moments and skips its own moments
+    /// phase. Not the default: on the H200 (2026-12-05, every GPU test passing) ResNet-152 bf16 ran 3,283 img/s
+    /// with "pass", 3,277 with "auto" and 3,023 with "fused" (all with cooperative BatchNorm)
     pub bn_stats: BnStatsChoice,
     /// The fused step on CUDA runs each BatchNorm (the backward of those whose sums are not fused) as one
     /// cooperative launch forward (moments, finaliser, normalisation + ReLU; with `kernels.bn_stats` moving the
