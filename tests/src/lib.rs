@@ -32,6 +32,15 @@ pub fn rel_err(a: &Tensor, b: &Tensor) -> Result<f64> {
     Ok(rel_l2(&host_f32(a)?, &host_f32(b)?))
 }
 
+/// How many values of two tensors of one shape differ in their bits (compared as f64, which holds every f32,
+/// bf16, f16 and integer value exactly): 0 for results equal bit for bit.
+pub fn bits_differ(a: &Tensor, b: &Tensor) -> Result<usize> {
+    ensure!(a.dims() == b.dims(), "bits_differ: shape {:?} vs {:?}", a.dims(), b.dims());
+    let f64s = |t: &Tensor| -> Result<Vec<f64>> { Ok(t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?) };
+    let (x, y) = (f64s(a)?, f64s(b)?);
+    Ok(x.iter().zip(&y).filter(|(p, q)| p.to_bits() != q.to_bits()).count())
+}
+
 /// max |a − b| / max(1, max |b|): the largest error relative to the reference's scale.
 pub fn max_err(a: &Tensor, b: &Tensor) -> Result<f32> {
     ensure!(a.dims() == b.dims(), "max_err: shape {:?} vs reference {:?}", a.dims(), b.dims());

@@ -6,12 +6,21 @@
 
 use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Device, Tensor};
-use integration_tests::{host_f32, rel_err};
+use integration_tests::{bits_differ, host_f32, rel_err};
 use kernels::KernelPolicy;
 use resnet::{Arch, Precision, ResNet, ResNetConfig, Stem};
 
 fn cuda() -> Result<Device> {
     Device::new_cuda(0).context("no CUDA device 0")
+}
+
+/// The gradients of an explicit step by parameter name, in the store's order of the trainable parameters.
+fn named_grads(m: &ResNet, o: &resnet::step::StepOutput) -> Result<Vec<(String, Tensor)>> {
+    m.store()
+        .trainable()
+        .into_iter()
+        .map(|(n, v)| Ok((n.clone(), o.grads.get(&v.as_tensor().id()).with_context(|| n)?.clone())))
+        .collect()
 }
 
 fn model(arch: Arch, stem: Stem, dev: &Device) -> Result<ResNet> {
@@ -605,13 +614,7 @@ fn epilogue_stats_match_the_pass() -> Result<()> {
         let tiles = m.config.kernels.clone().with_tuning(Tuning::Forced(X256));
         m.config.kernels = tiles.with_fused_bn_reductions(conv);
         let o = m.train_step_explicit_with(&x, &labels, resnet::step::StepArgs::new(0.1, 1.0, prec))?;
-        let grads = m
-            .store()
-            .trainable()
-            .into_iter()
-            .map(|(n, v)| Ok((n.clone(), o.grads.get(&v.as_tensor().id()).with_context(|| n)?.clone())))
-            .collect::<Result<Vec<_>>>()?;
-        Ok((o.loss.to_scalar::<f32>()?, grads))
+        Ok((o.loss.to_scalar::<f32>()?, named_grads(&m, &o)?))
     };
     let (la, ga) = step(true, Precision::Bf16)?;
     let (lb, gb) = step(false, Precision::Bf16)?;
@@ -876,12 +879,8 @@ fn cooperative_batchnorm_step_matches_and_replays() -> Result<()> {
             );
         }
         for ((name, e), (_, g)) in base_t.iter().zip(&tensors) {
-            let (a, b) = (
-                e.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?,
-                g.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?,
-            );
-            let differ = a.iter().zip(&b).filter(|(p, q)| p.to_bits() != q.to_bits()).count();
-            ensure!(differ == 0, "graph {graph}: {name} differs in {differ} of {} values", a.len());
+            let differ = bits_differ(g, e)?;
+            ensure!(differ == 0, "graph {graph}: {name} differs in {differ} of {} values", e.elem_count());
         }
         if graph == "on" {
             ensure!(captures == 2 && replayed == 5, "{captures} captures, {replayed} replays (want 2 and 5)");
@@ -914,12 +913,7 @@ fn cooperative_batchnorm_takes_the_epilogue_moments() -> Result<()> {
         let policy = m.config.kernels.clone().with_tuning(Tuning::Forced(X256)).with_fused_bn_reductions(true);
         m.config.kernels = KernelPolicy { bn_cooperative: coop, ..policy };
         let o = m.train_step_explicit_with(&x, &labels, resnet::step::StepArgs::new(0.1, 1.0, Precision::Bf16))?;
-        let mut out = m
-            .store()
-            .trainable()
-            .into_iter()
-            .map(|(n, v)| Ok((n.clone(), o.grads.get(&v.as_tensor().id()).with_context(|| n)?.clone())))
-            .collect::<Result<Vec<_>>>()?;
+        let mut out = named_grads(&m, &o)?;
         out.extend(m.store().snapshot()?.into_iter().filter(|(k, _)| k.contains("running_")));
         Ok((o.loss.to_scalar::<f32>()?, out))
     };
@@ -931,12 +925,8 @@ fn cooperative_batchnorm_takes_the_epilogue_moments() -> Result<()> {
     ensure!(lb.to_bits() == lc.to_bits(), "loss {lc} cooperative, {lb} with the separate launches");
     ensure!(base.len() == coop.len(), "{} tensors against {}", coop.len(), base.len());
     for ((name, e), (_, g)) in base.iter().zip(&coop) {
-        let (a, b) = (
-            e.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?,
-            g.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?,
-        );
-        let differ = a.iter().zip(&b).filter(|(p, q)| p.to_bits() != q.to_bits()).count();
-        ensure!(differ == 0, "{name} differs in {differ} of {} values", a.len());
+        let differ = bits_differ(g, e)?;
+        ensure!(differ == 0, "{name} differs in {differ} of {} values", e.elem_count());
     }
     println!(
         "cooperative BatchNorm with epilogue moments, ResNet-50 step: loss and {} tensors (gradients, running \

@@ -439,15 +439,13 @@ impl<'a> Engine<'a> {
 
     /// A conv followed by its BatchNorm (training statistics) and ReLU: the saved state and relu(bn(conv(x))).
     /// Under `policy.bn_cooperative`, a BatchNorm with batch statistics (not frozen, not synchronised) runs as one
-    /// launch ([`kernels::ops::batchnorm::batch_norm_train`], or `batch_norm_train_from_moments` with the conv
-    /// epilogue's moments); else [`Self::conv_stats`] then [`Self::bn_apply`]. Same values either way.
+    /// launch ([`kernels::ops::batchnorm::batch_norm_train_with`], with the conv epilogue's moments where it made
+    /// them); else [`Self::conv_stats`] then [`Self::bn_apply`]. Same values either way.
     fn conv_bn_relu(&self, x: &Tensor, cw: &ConvW, bn: &BatchNorm2d) -> Result<(BnSaved, Tensor)> {
         if self.cooperative(bn) {
             let (z, moments) = self.conv_moments(x, cw)?;
-            let (stats, y) = match &moments {
-                Some(m) => kernels::ops::batchnorm::batch_norm_train_from_moments(&z, m, &train_bn(bn), true)?,
-                None => kernels::ops::batchnorm::batch_norm_train(&z, &train_bn(bn), true)?,
-            };
+            let (stats, y) =
+                kernels::ops::batchnorm::batch_norm_train_with(&z, None, moments.as_ref(), &train_bn(bn), true)?;
             return Ok((BnSaved { z: Some(z), stats, global_rows: None }, y));
         }
         let saved = self.conv_stats(x, cw, bn)?;
@@ -584,12 +582,13 @@ impl<'a> Engine<'a> {
                 saved
             } else if b.downsample.is_none() && self.cooperative(bn) {
                 let (z, moments) = self.conv_moments(&inp, &cw)?;
-                let (stats, out) = match &moments {
-                    Some(m) => {
-                        kernels::ops::batchnorm::batch_norm_train_add_relu_from_moments(&z, &x, m, &train_bn(bn))?
-                    }
-                    None => kernels::ops::batchnorm::batch_norm_train_add_relu(&z, &x, &train_bn(bn))?,
-                };
+                let (stats, out) = kernels::ops::batchnorm::batch_norm_train_with(
+                    &z,
+                    Some(&x),
+                    moments.as_ref(),
+                    &train_bn(bn),
+                    true,
+                )?;
                 joined = Some((out, None));
                 BnSaved { z: Some(z), stats, global_rows: None }
             } else if let Some(d) = b.downsample.as_ref().filter(|d| self.cooperative(bn) && self.cooperative(&d.bn)) {

@@ -299,39 +299,21 @@ pub struct TrainBn<'a> {
 /// moments, their finaliser and the normalisation between grid-wide barriers) instead of three, with the same
 /// results bit for bit; elsewhere [`batch_stats`] then [`BnApply`].
 pub fn batch_norm_train(x: &Tensor, bn: &TrainBn, relu: bool) -> Result<(Tensor, Tensor)> {
-    batch_norm_train_impl(x, None, None, bn, relu)
-}
-
-/// [`batch_norm_train`] whose moments a convolution's epilogue already computed (`moments`: the partials of
-/// [`crate::conv2d_nhwc_forward_stats`]): on CUDA one cooperative launch without the moments pass, else
-/// [`batch_stats_from_partials`] then the normalisation; the same values as those two bit for bit.
-pub fn batch_norm_train_from_moments(
-    x: &Tensor,
-    moments: &Tensor,
-    bn: &TrainBn,
-    relu: bool,
-) -> Result<(Tensor, Tensor)> {
-    batch_norm_train_impl(x, None, Some(moments), bn, relu)
-}
-
-/// [`batch_norm_train_add_relu`] from a convolution epilogue's moments, as [`batch_norm_train_from_moments`].
-pub fn batch_norm_train_add_relu_from_moments(
-    x: &Tensor,
-    res: &Tensor,
-    moments: &Tensor,
-    bn: &TrainBn,
-) -> Result<(Tensor, Tensor)> {
-    batch_norm_train_impl(x, Some(res), Some(moments), bn, true)
+    batch_norm_train_with(x, None, None, bn, relu)
 }
 
 /// [`batch_norm_train`] of a residual block's last BatchNorm with the identity shortcut `res` (like x):
 /// (stats, y = relu(bn(x) + res)), in one launch on CUDA, else [`batch_stats`] then [`crate::bn_add_relu`]; the
 /// same values bit for bit.
 pub fn batch_norm_train_add_relu(x: &Tensor, res: &Tensor, bn: &TrainBn) -> Result<(Tensor, Tensor)> {
-    batch_norm_train_impl(x, Some(res), None, bn, true)
+    batch_norm_train_with(x, Some(res), None, bn, true)
 }
 
-fn batch_norm_train_impl(
+/// [`batch_norm_train`] (with `res`: [`batch_norm_train_add_relu`], which always applies the ReLU), optionally
+/// from the moments a convolution's epilogue already computed (`moments`: the partials of
+/// [`crate::conv2d_nhwc_forward_stats`]): on CUDA one cooperative launch without the moments pass, else
+/// [`batch_stats_from_partials`] then the normalisation; the same values as those two bit for bit.
+pub fn batch_norm_train_with(
     x: &Tensor,
     res: Option<&Tensor>,
     moments: Option<&Tensor>,
@@ -383,7 +365,7 @@ impl TrainBn<'_> {
 /// On CUDA, where the 8-channel kernels apply, in one cooperative launch (`bn_nhwc_train2_v8_*`) instead of five;
 /// elsewhere two [`batch_stats`] and [`crate::ops::residual::bn_add_relu`]. The same values bit for bit.
 /// With `moments` (both convolutions' epilogue partials, x's then r's) without the moments pass, as
-/// [`batch_norm_train_from_moments`].
+/// [`batch_norm_train_with`].
 pub fn batch_norm_train2_add_relu(
     x: &Tensor,
     r: &Tensor,
