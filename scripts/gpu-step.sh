@@ -9,9 +9,10 @@
 #      the fused BatchNorm reductions (kernels.bn_stats = "fused", then "auto": per conv shape where timed faster;
 #      EPI_COMPARE= skips both; with EPI_HALVES=1 also "forward" and "backward" alone) and with one cooperative
 #      launch a BatchNorm pass (kernels.bn_cooperative = true; COOP_COMPARE= skips it, COOP_COMPARE="fused-coop
-#      fused-coopauto fused-coopfused fused-fwdchunks" adds it with kernels.bn_stats = "auto" and "fused", and
-#      with phase 1 taking the row chunks first to last), with RECOMPUTE_BENCH=1 with kernels.recompute = "relu" and
-#      "relu+conv" (the peak memory against "none"), then
+#      fused-coopauto fused-coopfused fused-fwdchunks fused-im2colgather" adds it with kernels.bn_stats = "auto" and
+#      "fused", with phase 1 taking the row chunks first to last, and with the stem's im2col on the gather
+#      kernel), with RECOMPUTE_BENCH=1 with kernels.recompute = "relu" and "relu+conv" (the peak memory against
+#      "none"), then
 #      autograd in AUTOGRAD_DTYPES (default bf16; empty skips it) -- figures first, as device time is short;
 #   3. gpu-step-tests: tests/tests/gpu_step.rs (residual kernels vs CPU, fused vs autograd loss and every gradient
 #      in bf16/fp16 on ResNet-18/50/152, three fp16 StepRunner steps with a skipped one, ten steps replayed from a
@@ -23,7 +24,8 @@
 #   5. with KTRACE=DIR (a folder holding ktrace.c and ktrace_report.py, ../shared/tools/ktrace copied into the
 #      carried tree): a kernel timeline of the fused bf16 step, summarised here (the CSV stays on the machine),
 #      when at least 100 s of TIME_BUDGET_S (default 600) are left; KTRACE_SET='key=value' adds one --set (e.g.
-#      KTRACE_SET='kernels.bn_stats="auto"'; KTRACE_DTYPE=fp16 traces the fp16 step);
+#      KTRACE_SET='kernels.bn_stats="auto"'; KTRACE_DTYPE=fp16 traces the fp16 step, KTRACE_DTYPE="bf16 fp16"
+#      both, then pairs their launches with scripts/ktrace-steps.py diff);
 #   6. with dist/dp-tests.gz: the trainer's data_parallel test synced_step_on_cuda (synchronised BatchNorm in bf16);
 #      with NCCL_CHECK=1 (a trainer built with NCCL=1): `trainer launch --nproc-per-node 1 -- dist-check --nccl`,
 #      then quickstart.toml on cuda in bf16 trained twice plainly and once as rank 0 of 1 through NCCL: the step
@@ -112,8 +114,11 @@ main() {
         # fused-fwdchunks: the default cooperative launches with their phase 1 taking the row chunks first to last
         # (KERNELS_BN_CHUNKS_FORWARD=1; the default takes them last to first, where the L2 holds the producer's
         # output).
-        local fwdchunks=""
+        local fwdchunks="" im2colgather=""
         [ "$step" = fused-fwdchunks ] && { coop=true; fwdchunks=1; dts="${dtypes%%,*}"; }
+        # fused-im2colgather: the default cooperative launches with the stem's im2col on the gather kernel
+        # (KERNELS_IM2COL_GATHER=1; the default stages the input rows in shared memory).
+        [ "$step" = fused-im2colgather ] && { coop=true; im2colgather=1; dts="${dtypes%%,*}"; }
         [ "$step" = fused-epistats ] && { stats=fused; dts="${dtypes%%,*}"; }
         # fused-rcrelu / fused-rcconv: kernels.recompute = "relu" / "relu+conv" (the peak memory against "none").
         [ "$step" = fused-rcrelu ] && { rc=relu; dts="${dtypes%%,*}"; }
@@ -123,7 +128,7 @@ main() {
         [ "$step" = fused-epibwd ] && { stats=backward; dts="${dtypes%%,*}"; }
         [ -n "$dts" ] || continue
         echo "== bench resnet152 b$batch $dts, kernels.step = ${step%%-*}, kernels.graph = $graph, kernels.bn_stats = $stats, kernels.bn_cooperative = $coop, kernels.recompute = $rc"
-        KERNELS_BN_CHUNKS_FORWARD="$fwdchunks" timeout "${BENCH_TIMEOUT:-150}" "$bin/trainer" bench --config "$here/configs/resnet152.toml" \
+        KERNELS_BN_CHUNKS_FORWARD="$fwdchunks" KERNELS_IM2COL_GATHER="$im2colgather" timeout "${BENCH_TIMEOUT:-150}" "$bin/trainer" bench --config "$here/configs/resnet152.toml" \
             --set "kernels.step=\"${step%%-*}\"" --set "kernels.graph=\"$graph\"" --set "kernels.bn_stats=\"$stats\"" \
             --set "kernels.bn_cooperative=$coop" --set "kernels.recompute=\"$rc\"" \
             --dtypes "$dts" --batch-sizes "$batch" --warmup 3 --steps 10 > "$out/bench-$step.log" 2>&1 \
@@ -155,17 +160,28 @@ main() {
     fi
 
     if [ -n "${KTRACE:-}" ] && [ -f "$KTRACE/ktrace.c" ] && [ $((SECONDS + 100)) -lt "${TIME_BUDGET_S:-600}" ]; then
-        echo "== ktrace: fused ${KTRACE_DTYPE:-bf16} b$batch"
-        local sp="$site/cu13" inc
+        local sp="$site/cu13" inc kd kds=()
         inc="$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")/../include"
         if gcc -O2 -shared -fPIC "$KTRACE/ktrace.c" -o "$bin/libktrace.so" -I"$sp/include" -I"$inc" \
             -L"$sp/lib" -l:libcupti.so.13 -lpthread; then
-            CUDA_INJECTION64_PATH="$bin/libktrace.so" KTRACE_OUT="$bin/trace.csv" timeout 120 "$bin/trainer" bench \
-                --config "$here/configs/resnet152.toml" --set 'kernels.step="fused"' ${KTRACE_SET:+--set "$KTRACE_SET"} --dtypes "${KTRACE_DTYPE:-bf16}" \
-                --batch-sizes "$batch" --warmup 3 --steps 5 > "$out/ktrace-bench.log" 2>&1
-            python3 "$KTRACE/ktrace_report.py" "$bin/trace.csv" --marker 'mt_sgd_f32' --steps 4 --top 40 \
-                > "$out/ktrace-fused.txt" 2>&1 || echo "ktrace report failed"
-            head -60 "$out/ktrace-fused.txt"
+            for kd in ${KTRACE_DTYPE:-bf16}; do
+                echo "== ktrace: fused $kd b$batch"
+                CUDA_INJECTION64_PATH="$bin/libktrace.so" KTRACE_OUT="$bin/trace.csv" timeout 120 "$bin/trainer" bench \
+                    --config "$here/configs/resnet152.toml" --set 'kernels.step="fused"' ${KTRACE_SET:+--set "$KTRACE_SET"} \
+                    --dtypes "$kd" --batch-sizes "$batch" --warmup 3 --steps 5 > "$out/ktrace-bench-$kd.log" 2>&1
+                python3 "$KTRACE/ktrace_report.py" "$bin/trace.csv" --marker 'mt_sgd_f32' --steps 4 --top 40 \
+                    > "$out/ktrace-fused-$kd.txt" 2>&1 || echo "ktrace report failed"
+                python3 "$here/scripts/ktrace-steps.py" step "$bin/trace.csv" --marker 'mt_sgd_f32' \
+                    > "$out/ktrace-step-$kd.tsv" 2>&1 && kds+=("$kd") || echo "ktrace-steps failed"
+                rm -f "$bin/trace.csv"
+                head -60 "$out/ktrace-fused-$kd.txt"
+            done
+            if [ "${#kds[@]}" -eq 2 ]; then
+                echo "== ktrace: ${kds[1]} against ${kds[0]}, launch by launch (scripts/ktrace-steps.py diff)"
+                python3 "$here/scripts/ktrace-steps.py" diff "$out/ktrace-step-${kds[0]}.tsv" \
+                    "$out/ktrace-step-${kds[1]}.tsv" --top 30 > "$out/ktrace-diff.txt" 2>&1
+                head -75 "$out/ktrace-diff.txt"
+            fi
         else
             echo "ktrace: build failed"
         fi

@@ -62,6 +62,62 @@ __device__ __forceinline__ void im2col_body(const T* __restrict__ x, T* __restri
     }
 }
 
+// im2col_rows: the same cols as im2col_nhwc, one block per output row (n, oh) of the chunk: the R input rows that
+// row's windows read, ih = oh * stride - pad + r, over the columns iw in [-pad, (Q - 1) * stride - pad + R) are
+// staged once in shared memory (zeros outside the image), then the row's Q x K' outputs are written from there as
+// coalesced 16-byte chunks. im2col_nhwc gathers each element from global memory with two 64-bit divisions per chunk:
+// the ResNet-152 stem (batch 256, K' = 152, ~1 GB of cols) ran at about a third of the H200's write bandwidth
+// (0.83 ms a launch, ktrace 2026-12-05). Shared memory: 4 K' bytes of table + R * Wp * C elements (Wp = (Q - 1) *
+// stride + R), so the launcher (cuda/im2col.rs) takes this kernel only where that fits in 48 KB.
+template <typename T>
+__device__ __forceinline__ void im2col_rows_body(const T* __restrict__ x, T* __restrict__ cols,
+                                                 const Im2colArgs& a) {
+    extern __shared__ int im2col_rows_sm[];
+    int* tab = im2col_rows_sm;  // per column k': r * Wp * C + s * C + c (the tile's offset at ow = 0), or -1 past K
+    T* tile = reinterpret_cast<T*>(im2col_rows_sm + ((a.kp + 3) & ~3));  // [R][Wp * C]
+    const int wpc = ((a.q - 1) * a.stride + a.r) * a.c;                     // one staged row: Wp * C elements
+    const int taps_k = a.r * a.r * a.c;
+    for (int k = threadIdx.x; k < a.kp; k += blockDim.x) {
+        if (k < taps_k) {
+            const int tap = k / a.c, ch = k - tap * a.c, rr = tap / a.r, ss = tap - rr * a.r;
+            tab[k] = rr * wpc + ss * a.c + ch;
+        } else {
+            tab[k] = -1;
+        }
+    }
+    const int chunks = a.kp / 8;
+    const int n0 = (int)(a.m0 / ((long long)a.p * a.q));
+    const int out_rows = a.rows / a.q;  // (n, oh) rows of this chunk of images
+    for (int br = blockIdx.x; br < out_rows; br += gridDim.x) {
+        const int nl = br / a.p, oh = br - nl * a.p;
+        const T* xn = x + (size_t)(n0 + nl) * a.h * a.w * a.c;
+        // Staged element e of row rr: input row ih = oh * stride - pad + rr, flat column e = (iw + pad) * C + ch,
+        // contiguous in x where 0 <= iw < W.
+        const int lo = a.pad * a.c, hi = (a.pad + a.w) * a.c;
+        __syncthreads();  // the previous row's reads of the tile (and, the first time, the table's writes)
+        for (int i = threadIdx.x; i < a.r * wpc; i += blockDim.x) {
+            const int rr = i / wpc, e = i - rr * wpc;
+            const int ih = oh * a.stride - a.pad + rr;
+            tile[i] = (ih >= 0 && ih < a.h && e >= lo && e < hi) ? xn[(size_t)ih * a.w * a.c + (e - lo)]
+                                                                  : ig::zero<T>();
+        }
+        __syncthreads();
+        T* out = cols + (size_t)br * a.q * a.kp;
+        for (int i = threadIdx.x; i < a.q * chunks; i += blockDim.x) {
+            const int ow = i / chunks, j = i - ow * chunks;
+            const int base = ow * a.stride * a.c;
+            uint32_t v[4];
+#pragma unroll
+            for (int e = 0; e < 8; e += 2) {
+                const int t0 = tab[8 * j + e], t1 = tab[8 * j + e + 1];
+                v[e / 2] = ig::pack2(t0 >= 0 ? tile[t0 + base] : ig::zero<T>(),
+                                     t1 >= 0 ? tile[t1 + base] : ig::zero<T>());
+            }
+            *reinterpret_cast<uint4*>(out + (size_t)i * 8) = make_uint4(v[0], v[1], v[2], v[3]);
+        }
+    }
+}
+
 // dst[i][k] = src[i][k] for k < cols, 0 for cols <= k < ld_dst (rows x ld_dst outputs; src rows ld_src apart).
 template <typename T>
 __device__ __forceinline__ void pad_rows_body(const T* __restrict__ src, T* __restrict__ dst, int rows, int cols,
@@ -91,6 +147,9 @@ __device__ __forceinline__ void sum_rows_body(const T* __restrict__ src, T* __re
 
 #define IM2COL_ALL(T, SUF)                                                                                      \
     extern "C" __global__ void im2col_nhwc_##SUF(const T* x, T* cols, Im2colArgs a) { im2col_body<T>(x, cols, a); } \
+    extern "C" __global__ void im2col_rows_##SUF(const T* x, T* cols, Im2colArgs a) {                              \
+        im2col_rows_body<T>(x, cols, a);                                                                       \
+    }                                                                                                          \
     extern "C" __global__ void pad_rows_##SUF(const T* src, T* dst, int rows, int cols, int ld_src, int ld_dst) {  \
         pad_rows_body<T>(src, dst, rows, cols, ld_src, ld_dst);                                                \
     }                                                                                                          \

@@ -13,7 +13,8 @@
 // maxpool2d_nhwc_bwd_argmax_v8: (arg, dy (n, oh, ow, c)) -> dx (n, h, w, c): each input cell sums dy over the
 //   windows that chose it (at most ceil(k / s)^2 windows). Every dx element is written.
 // maxpool2d_nhwc_bwd_argmax_k3s2p1_v8: the same for kernel 3, stride 2, padding 1, a 2 x 2 block of cells a thread
-//   (grid over one image's blocks' 8-channel groups).
+//   (grid over one image's blocks' 8-channel groups); maxpool2d_nhwc_bwd2_argmax_k3s2p1_v8 takes the gradient as
+//   the sum of two (dy + dy2, rounded once per element as badd rounds it).
 // Launch: block 256, grid (blocks over one image's pixel groups, n); each block strides over its image.
 
 #include "maxpool/nhwc.cuh"
@@ -122,9 +123,21 @@ __device__ void maxpool_bwd_v8(const uint8_t* __restrict__ arg, const T* __restr
 // cell and divides by the runtime stride for each: ~0.6 ms, about 0.9 TB/s, for ResNet-152's batch-256 stem on
 // the H200, ktrace 2026-12-05) and sums, per cell, the windows that chose it in maxpool_bwd_v8's order (window
 // row, then column), from 0: the same sums bit for bit.
+// The sum of two gradients of 8 elements rounded once to T, as candle's badd computes it (__hadd).
+template <typename T>
+__device__ __forceinline__ Vec8<T> add8(const Vec8<T>& a, const Vec8<T>& b) {
+    Vec8<T> s;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) s.v[j] = a.v[j] + b.v[j];
+    return s;
+}
+
+// With dy2 non-null (maxpool2d_nhwc_bwd2_argmax_k3s2p1_v8) the gradient is dy + dy2, each window's sum rounded to T
+// first (the ResNet stem: the first block's main and shortcut gradients, which the step had added in a separate
+// pass of 3 x 103 MB), so dx equals the one-gradient kernel's on badd(dy, dy2) bit for bit.
 template <typename T>
 __device__ void maxpool_bwd_k3s2p1_v8(const uint8_t* __restrict__ arg, const T* __restrict__ dy,
-                                      T* __restrict__ dx, PoolGeomNhwc g) {
+                                      const T* __restrict__ dy2, T* __restrict__ dx, PoolGeomNhwc g) {
     const int G = g.c >> 3;
     const int bw = (g.w + 1) >> 1, bh = (g.h + 1) >> 1;
     const int groups = bh * bw * G;
@@ -147,6 +160,7 @@ __device__ void maxpool_bwd_k3s2p1_v8(const uint8_t* __restrict__ arg, const T* 
                     const int64_t o = out_base + (int64_t)(oy * g.ow + ox) * g.c + ch0;
                     a[wy][wx] = *reinterpret_cast<const uint2*>(arg + o);
                     d[wy][wx] = *reinterpret_cast<const Vec8<T>*>(dy + o);
+                    if (dy2 != nullptr) d[wy][wx] = add8(d[wy][wx], *reinterpret_cast<const Vec8<T>*>(dy2 + o));
                 }
             }
         }
@@ -197,7 +211,12 @@ __device__ void maxpool_bwd_k3s2p1_v8(const uint8_t* __restrict__ arg, const T* 
     }                                                                                                             \
     extern "C" __global__ void maxpool2d_nhwc_bwd_argmax_k3s2p1_v8_##NAME(                                        \
         const uint8_t* arg, const T* dy, T* dx, int n, int h, int w, int c, int oh, int ow, int k, int s, int p) { \
-        maxpool_bwd_k3s2p1_v8<T>(arg, dy, dx, PoolGeomNhwc{h, w, c, oh, ow, k, s, p});                            \
+        maxpool_bwd_k3s2p1_v8<T>(arg, dy, nullptr, dx, PoolGeomNhwc{h, w, c, oh, ow, k, s, p});                   \
+    }                                                                                                             \
+    extern "C" __global__ void maxpool2d_nhwc_bwd2_argmax_k3s2p1_v8_##NAME(                                       \
+        const uint8_t* arg, const T* dy, const T* dy2, T* dx, int n, int h, int w, int c, int oh, int ow, int k,    \
+        int s, int p) {                                                                                           \
+        maxpool_bwd_k3s2p1_v8<T>(arg, dy, dy2, dx, PoolGeomNhwc{h, w, c, oh, ow, k, s, p});                       \
     }
 
 MAXPOOL_NHWC_VEC_EXPORT(float, f32)

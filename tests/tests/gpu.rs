@@ -10,8 +10,10 @@ use candle_core::{DType, Device, Tensor, Var};
 use integration_tests::{assert_close, host_f32, rel_err};
 use kernels::cuda::poison_outputs;
 use kernels::ops::avgpool::GlobalAvgPoolNhwcBackward;
+use kernels::ops::im2col::{im2col_nhwc, Im2colKernel};
 use kernels::ops::maxpool::{
-    MaxPool2d, MaxPool2dBackward, MaxPool2dNhwcBackward, MaxPool2dNhwcBackwardOffsets, MaxPool2dNhwcOffsets,
+    max_pool2d_nhwc_backward_offsets_sum, MaxPool2d, MaxPool2dBackward, MaxPool2dNhwcBackward,
+    MaxPool2dNhwcBackwardOffsets, MaxPool2dNhwcBackwardOffsetsSum, MaxPool2dNhwcOffsets,
 };
 use kernels::KernelPolicy;
 use resnet::{Arch, Precision, ResNet, ResNetConfig, Stem};
@@ -46,6 +48,7 @@ const POOL_CASES: &[(usize, usize, usize, usize, usize, usize, usize)] = &[
     (2, 3, 6, 7, 4, 1, 2),      // even kernel with padding k/2
     (3, 8, 15, 17, 3, 1, 1),    // 8 channels (the 8-wide kernels), stride 1
     (2, 16, 10, 10, 5, 3, 2),   // 16 channels, kernel 5 stride 3 pad 2
+    (2, 16, 15, 13, 3, 2, 1),   // the stem pool, 16 channels, odd sizes (the 2 x 2 cell blocks' edges)
     (2, 16, 15, 13, 3, 2, 1),   // the stem's pool (its 2 x 2-cell backward) on odd sizes, 16 channels
 ];
 
@@ -182,7 +185,17 @@ fn maxpool_nhwc_cuda_matches_cpu() -> Result<()> {
             let bwd_o = MaxPool2dNhwcBackwardOffsets { pool: op, in_hw: (h, w) };
             let dxo_gpu = o_gpu.apply_op2_no_bwd(&g_gpu, &bwd_o)?;
             assert_close(&format!("bwd from offsets {what}"), &dxo_gpu, &dx_cpu, 0.0, 0.0)?;
-            println!("maxpool {what}: fwd, bwd and bwd from offsets bit-exact");
+            // The stem's backward of two gradients (the first block's main path and shortcut), added as it reads
+            // them (the fused kernel for 3x3/2/1 with 8-channel multiples, an add first elsewhere): as the one-grad
+            // op on their sum, and as the CPU reference of the three-operand op.
+            let g2_cpu = Tensor::randn(0f32, 1.0, (n, oh, ow, c), &Device::Cpu)?.to_dtype(dt)?;
+            let g2_gpu = g2_cpu.to_device(&gpu)?;
+            let sum_gpu = max_pool2d_nhwc_backward_offsets_sum(&o_gpu, &g_gpu, &g2_gpu, bwd_o)?;
+            let sum_ref = o_cpu.apply_op2_no_bwd(&(&g_cpu + &g2_cpu)?, &bwd_o)?;
+            assert_close(&format!("bwd of a sum from offsets {what}"), &sum_gpu, &sum_ref, 0.0, 0.0)?;
+            let sum_cpu = o_cpu.apply_op3_no_bwd(&g_cpu, &g2_cpu, &MaxPool2dNhwcBackwardOffsetsSum(bwd_o))?;
+            assert_close(&format!("bwd of a sum, cpu op {what}"), &sum_cpu, &sum_ref, 0.0, 0.0)?;
+            println!("maxpool {what}: fwd, bwd, bwd from offsets and of a sum bit-exact");
         }
     }
     Ok(())
@@ -275,6 +288,39 @@ fn avgpool_nhwc_cuda_matches_cpu() -> Result<()> {
         Ok(grads.get(x.as_tensor()).context("no gradient for x")?.clone())
     };
     assert_close("autograd avgpool dx f32", &grad_of(&gpu)?, &grad_of(&Device::Cpu)?, 0.0, 0.0)?;
+    Ok(())
+}
+
+/// The explicit im2col rows of few-channel convolutions (the RGB stem): both CUDA kernels (`im2col_rows`, the
+/// input rows staged in shared memory, and the gather `im2col_nhwc`) against the CPU reference, bit for bit, on
+/// the stem's geometry at 224, odd sizes, other windows, strides and paddings, and 1 to 7 channels.
+#[test]
+fn im2col_kernels_match_cpu() -> Result<()> {
+    let gpu = cuda()?;
+    let _poison = poison_outputs();
+    // (n, h, w, c, r, stride, pad)
+    let cases = [
+        (4, 224, 224, 3, 7, 2, 3), // the ResNet stem at 224
+        (2, 37, 29, 3, 7, 2, 3),   // odd sizes
+        (3, 9, 9, 5, 3, 1, 1),     // 5 channels, 3x3
+        (2, 8, 11, 1, 5, 1, 2),    // 1 channel, 5x5
+        (2, 13, 13, 7, 3, 2, 0),   // 7 channels, no padding
+        (1, 6, 5, 3, 1, 1, 0),     // 1x1
+        (2, 32, 32, 3, 3, 1, 1),   // the CIFAR stem
+    ];
+    for (ci, &(n, h, w, c, r, st, pd)) in cases.iter().enumerate() {
+        for dt in [DType::BF16, DType::F16] {
+            let x_cpu = Tensor::randn(0f32, 1.0, (n, h, w, c), &Device::Cpu)?.to_dtype(dt)?;
+            let want = im2col_nhwc(&x_cpu, r, st, pd, Im2colKernel::Auto)?;
+            let x_gpu = x_cpu.to_device(&gpu)?;
+            for kernel in [Im2colKernel::Rows, Im2colKernel::Gather, Im2colKernel::Auto] {
+                let what = format!("im2col case {ci} {:?} r{r} s{st} p{pd} {dt:?} {kernel:?}", (n, h, w, c));
+                let got = im2col_nhwc(&x_gpu, r, st, pd, kernel)?;
+                assert_close(&what, &got, &want, 0.0, 0.0)?;
+            }
+            println!("im2col case {ci} {dt:?}: rows and gather kernels bit-exact ({:?})", want.dims());
+        }
+    }
     Ok(())
 }
 

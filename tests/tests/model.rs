@@ -1,7 +1,10 @@
 //! Model crate tests: parameter counts, shapes, BatchNorm and max-pool numerics, gradients, weights IO.
 
 use candle_core::{DType, Device, Tensor, D};
-use kernels::ops::maxpool::{MaxPool2dNhwcBackwardOffsets, MaxPool2dNhwcOffsets};
+use kernels::ops::maxpool::{
+    max_pool2d_nhwc_backward_offsets_sum, MaxPool2dNhwcBackwardOffsets, MaxPool2dNhwcBackwardOffsetsSum,
+    MaxPool2dNhwcOffsets,
+};
 use resnet::weights;
 use resnet::{Arch, Precision, ResNet, ResNetConfig, Stem};
 
@@ -630,8 +633,24 @@ fn maxpool_nhwc_matches_permuted_nchw() {
             let bwd = MaxPool2dNhwcBackwardOffsets { pool, in_hw: (dims.2, dims.3) };
             let dxo = off.apply_op2_no_bwd(&gl, &bwd).unwrap();
             assert_eq!(flat_f32(&dxo), flat_f32(&dxa), "backward from offsets {what}");
+            // The stem's backward of two gradients (the CPU reference of the fused CUDA pass): the one-gradient
+            // op on their sum, whichever way it is called.
+            let g2 = Tensor::randn(0f32, 1., gl.dims(), &dev).unwrap().to_dtype(dt).unwrap();
+            let on_sum = off.apply_op2_no_bwd(&(&gl + &g2).unwrap(), &bwd).unwrap();
+            let op3 = off.apply_op3_no_bwd(&gl, &g2, &MaxPool2dNhwcBackwardOffsetsSum(bwd)).unwrap();
+            let wrapped = max_pool2d_nhwc_backward_offsets_sum(&off, &gl, &g2, bwd).unwrap();
+            assert_eq!(flat_f32(&op3), flat_f32(&on_sum), "backward of a sum {what}");
+            assert_eq!(flat_f32(&wrapped), flat_f32(&on_sum), "backward of a sum, wrapper {what}");
         }
     }
+    // Gradients of two shapes are an error naming the op.
+    let pool = kernels::MaxPool2d { kernel: 3, stride: 2, padding: 1 };
+    let bwd = MaxPool2dNhwcBackwardOffsets { pool, in_hw: (8, 8) };
+    let off = Tensor::zeros((1, 4, 4, 2), DType::U8, &dev).unwrap();
+    let (g, g_bad) =
+        (Tensor::ones((1, 4, 4, 2), DType::F32, &dev).unwrap(), Tensor::ones((1, 4, 4, 1), DType::F32, &dev).unwrap());
+    let e = off.apply_op3_no_bwd(&g, &g_bad, &MaxPool2dNhwcBackwardOffsetsSum(bwd)).unwrap_err().to_string();
+    assert!(e.contains("max_pool2d_nhwc_backward_offsets_sum: gradients of shapes"), "{e}");
     // Offsets that do not fit the pool are errors naming the op, not panics.
     let pool = kernels::MaxPool2d { kernel: 3, stride: 2, padding: 1 };
     let bwd = MaxPool2dNhwcBackwardOffsets { pool, in_hw: (8, 8) };

@@ -34,7 +34,9 @@ use crate::Precision;
 use candle_core::{DType, Result, Tensor, TensorId};
 use kernels::ops::avgpool::{GlobalAvgPoolNhwc, GlobalAvgPoolNhwcBackward};
 use kernels::ops::batchnorm::{BnApply, BnGrad};
-use kernels::ops::maxpool::{MaxPool2dNhwc, MaxPool2dNhwcBackwardOffsets, MaxPool2dNhwcOffsets};
+use kernels::ops::maxpool::{
+    max_pool2d_nhwc_backward_offsets_sum, MaxPool2dNhwc, MaxPool2dNhwcBackwardOffsets, MaxPool2dNhwcOffsets,
+};
 use kernels::{BnParams, KernelPolicy, MaxPool2d};
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -948,15 +950,20 @@ impl ResNet {
                 // The block input is the previous block's ReLU output: join and mask in one pass.
                 (gp, pre) = e.block_output_grad(blocks[i - 1], &saved[i - 1], &gm, Some(&gs))?;
             } else {
-                g_stem = Some((gm + gs)?);
+                g_stem = Some((gm, gs));
             }
         }
-        let g_stem = g_stem.expect("a ResNet has blocks");
+        let (gm, gs) = g_stem.expect("a ResNet has blocks");
 
-        // ----- backward: stem
+        // ----- backward: stem (the pool's backward adds the first block's two gradients as it reads them)
         let g_a0 = match pool_offsets {
-            Some(off) => off.apply_op2_no_bwd(&g_stem, &MaxPool2dNhwcBackwardOffsets { pool, in_hw: stem_hw })?,
-            None => g_stem,
+            Some(off) => max_pool2d_nhwc_backward_offsets_sum(
+                &off,
+                &gm,
+                &gs,
+                MaxPool2dNhwcBackwardOffsets { pool, in_hw: stem_hw },
+            )?,
+            None => (gm + gs)?,
         };
         let dz0 = e.bn_backward(&stem, &g_a0, &m.bn1, true, None)?;
         drop(stem);

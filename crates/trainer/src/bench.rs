@@ -106,8 +106,10 @@ pub fn bench_one(cfg: &Config, dtype: Precision, bs: usize, warmup: usize, steps
         let mem = if device.is_cuda() { PeakMemory::start(cfg.cuda_ordinal()) } else { None };
         let model = build_model(&cfg, &device)?;
         crate::train::check_host_batch(&model, &cfg, bs, &format!("batch size {bs}"), crate::train::HostPass::Train)?;
+        // The batch in the format the device feed gives the model (see synthetic_batch).
+        let format = crate::train::input_format(&model, dtype);
         let mut runner = StepRunner::new(&cfg, model)?;
-        let batch = synthetic_batch(&device, bs, cfg.data.image_size, cfg.model.num_classes, cfg.seed)?;
+        let batch = synthetic_batch(&device, bs, cfg.data.image_size, cfg.model.num_classes, cfg.seed, format)?;
         let lr = cfg.optim.lr;
         for _ in 0..warmup {
             runner.step(std::slice::from_ref(&batch), lr)?;

@@ -6,10 +6,13 @@ use super::loader::{function, has_wgmma, sm_count};
 use super::tma::{tma_gemm, Epi};
 use super::{i32_of, suffix};
 use crate::geom::{ConvGeom, ConvPass, GemmLayout};
+use crate::ops::im2col::{Im2colKernel, Im2colNhwc};
 use crate::variants::{Tile, X64};
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
-use candle_core::{Result, WithDType};
+use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, WrapErr};
+use candle_core::{Layout, Result, Shape, WithDType};
+use std::sync::OnceLock;
 
 /// Mirror of `Im2colArgs` (kernels/conv/06_im2col.cu).
 #[repr(C)]
@@ -62,7 +65,7 @@ pub fn im2col_conv<T: CudaDType + DeviceRepr + WithDType>(
     let chunks = g.n.div_ceil(imgs);
     let cols = unsafe { dev.alloc::<T>(imgs * p * q * kp)? }; // SAFETY: each chunk's rows are written by im2col first
     let f = |name: &str| function(dev, "conv/06_im2col", &format!("{name}_{sfx}"), 0);
-    let (im2col, pad_rows, sum_rows) = (f("im2col_nhwc")?, f("pad_rows")?, f("sum_rows")?);
+    let (pad_rows, sum_rows) = (f("pad_rows")?, f("sum_rows")?);
     let tile = if tile.is_tma() { tile } else { X64 };
     let sms = sm_count(dev)?;
     // Forward: the weights zero-padded to K' columns; grad-weight: one Ko x K' partial product per chunk.
@@ -86,33 +89,12 @@ pub fn im2col_conv<T: CudaDType + DeviceRepr + WithDType>(
         ConvPass::Dgrad => candle_core::bail!("{op}: the im2col path has no grad-input"),
     };
     let x = if pass == ConvPass::Fwd { a } else { b };
+    let rows_kernel = use_rows_kernel(g, kp, std::mem::size_of::<T>(), Im2colKernel::Auto, op)?;
     for z in 0..chunks {
         let n0 = z * imgs;
         let rows = (g.n - n0).min(imgs) * p * q;
         let m0 = n0 * p * q;
-        let args = Im2colArgs {
-            m0: m0 as i64,
-            rows: i32_of(rows, op, "rows")?,
-            h: g.h as i32,
-            w: g.w as i32,
-            c: g.c as i32,
-            p: p as i32,
-            q: q as i32,
-            r: g.r as i32,
-            stride: g.stride as i32,
-            pad: g.pad as i32,
-            kp: kp as i32,
-        };
-        let threads = rows * (kp / 8);
-        let cfg = LaunchConfig {
-            grid_dim: (threads.div_ceil(256).clamp(1, 16 * sms) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: (4 * kp) as u32,
-        };
-        let mut bld = stream.launch_builder(&im2col);
-        bld.arg(x).arg(&cols).arg(&args);
-        // SAFETY: (x, cols, args) as im2col_nhwc_* takes them; x holds N*H*W*C, cols imgs*P*Q*K' >= rows*K'.
-        unsafe { bld.launch(cfg) }.w()?;
+        write_cols(dev, g, kp, x, &cols, (m0, rows), rows_kernel, sms, op)?;
         let cv = cols.slice(..rows * kp);
         match &second {
             Second::Weights(wp) => {
@@ -135,4 +117,114 @@ pub fn im2col_conv<T: CudaDType + DeviceRepr + WithDType>(
         unsafe { bld.launch(reduce_cfg(g.ko * k)) }.w()?;
     }
     Ok(())
+}
+
+/// Largest shared-memory tile of `im2col_rows` (the default dynamic limit, no opt-in needed).
+const ROWS_SMEM_MAX: usize = 48 * 1024;
+
+/// Shared memory of `im2col_rows` for `g` (bytes): the K' column table (ints, rounded up to 4) and the R staged
+/// input rows of Wp = (Q - 1) * stride + R columns of C elements of `elem` bytes.
+fn rows_smem(g: &ConvGeom, kp: usize, elem: usize) -> usize {
+    4 * kp.next_multiple_of(4) + elem * g.r * ((g.q() - 1) * g.stride + g.r) * g.c
+}
+
+/// Whether `KERNELS_IM2COL_GATHER=1` is set: the launcher's choice (`Auto`) then takes the old gather kernel
+/// everywhere, for timing the two against each other in one run (scripts/gpu-step.sh's `fused-im2colgather`).
+fn gather_forced() -> bool {
+    static GATHER: OnceLock<bool> = OnceLock::new();
+    *GATHER.get_or_init(|| std::env::var_os("KERNELS_IM2COL_GATHER").is_some_and(|v| v == "1"))
+}
+
+/// Whether `kernel` resolves to `im2col_rows` for `g`: `Auto` takes it wherever its tile fits in 48 KB of shared
+/// memory (unless [`gather_forced`]); `Rows` where it does not fit is an error naming the need.
+fn use_rows_kernel(g: &ConvGeom, kp: usize, elem: usize, kernel: Im2colKernel, op: &str) -> Result<bool> {
+    let smem = rows_smem(g, kp, elem);
+    let fits = smem <= ROWS_SMEM_MAX;
+    match kernel {
+        Im2colKernel::Auto => Ok(fits && !gather_forced()),
+        Im2colKernel::Gather => Ok(false),
+        Im2colKernel::Rows if fits => Ok(true),
+        Im2colKernel::Rows => candle_core::bail!(
+            "{op} (cuda): im2col_rows needs {smem} bytes of shared memory for this input, more than {ROWS_SMEM_MAX}"
+        ),
+    }
+}
+
+/// Writes the rows [m0, m0 + rows) of im2col(x) (whole images) to cols[0 .. rows * K'] with `im2col_rows` (one
+/// block per output row, the input rows staged in shared memory) or `im2col_nhwc` (one thread per 16-byte chunk).
+#[allow(clippy::too_many_arguments)]
+fn write_cols<T: CudaDType + DeviceRepr + WithDType>(
+    dev: &CudaDevice,
+    g: &ConvGeom,
+    kp: usize,
+    x: &CudaView<T>,
+    cols: &CudaSlice<T>,
+    (m0, rows): (usize, usize),
+    rows_kernel: bool,
+    sms: usize,
+    op: &str,
+) -> Result<()> {
+    let sfx = suffix(T::DTYPE, op)?;
+    let (p, q) = (g.p(), g.q());
+    let args = Im2colArgs {
+        m0: m0 as i64,
+        rows: i32_of(rows, op, "rows")?,
+        h: i32_of(g.h, op, "H")?,
+        w: i32_of(g.w, op, "W")?,
+        c: i32_of(g.c, op, "C")?,
+        p: i32_of(p, op, "P")?,
+        q: i32_of(q, op, "Q")?,
+        r: i32_of(g.r, op, "R")?,
+        stride: i32_of(g.stride, op, "stride")?,
+        pad: i32_of(g.pad, op, "padding")?,
+        kp: i32_of(kp, op, "K'")?,
+    };
+    let (name, cfg) = if rows_kernel {
+        // One block per output row (n, oh), at most 64 a multiprocessor (each loops over the rest).
+        let out_rows = rows / q;
+        let smem = rows_smem(g, kp, std::mem::size_of::<T>());
+        let grid = out_rows.clamp(1, 64 * sms) as u32;
+        ("im2col_rows", LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: smem as u32 })
+    } else {
+        let threads = rows * (kp / 8);
+        let grid = threads.div_ceil(256).clamp(1, 16 * sms) as u32;
+        (
+            "im2col_nhwc",
+            LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: (4 * kp) as u32 },
+        )
+    };
+    let f = function(dev, "conv/06_im2col", &format!("{name}_{sfx}"), 0)?;
+    let stream = dev.cuda_stream();
+    let mut bld = stream.launch_builder(&f);
+    bld.arg(x).arg(cols).arg(&args);
+    // SAFETY: (x, cols, args) as im2col_{rows,nhwc}_* take them; x holds N*H*W*C, cols at least rows*K'; rows is a
+    // whole number of images from m0 (a multiple of P*Q); im2col_rows' shared memory as rows_smem sizes it.
+    unsafe { bld.launch(cfg) }.w()?;
+    Ok(())
+}
+
+/// [`crate::ops::im2col::Im2colNhwc`] on CUDA (bf16 / f16): every row of im2col(x) in one buffer.
+pub fn im2col_op(
+    op: &Im2colNhwc,
+    s: &CudaStorage,
+    l: &Layout,
+    (n, h, w, c, p, q, kp): (usize, usize, usize, usize, usize, usize, usize),
+) -> Result<(CudaStorage, Shape)> {
+    const OP: &str = "im2col_nhwc";
+    let (a, b) = l
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg(format!("{OP} (cuda): input must be contiguous, got {l:?}")))?;
+    let dev = &s.device;
+    let g = ConvGeom { n, h, w, c, ko: 8, r: op.r, stride: op.stride, pad: op.pad };
+    debug_assert_eq!((g.p(), g.q()), (p, q));
+    let sms = sm_count(dev)?;
+    let rows = n * p * q;
+    let out = cuda_float!(s.dtype(), OP, [BF16: half::bf16, F16: half::f16], |T| {
+        let rows_kernel = use_rows_kernel(&g, kp, std::mem::size_of::<T>(), op.kernel, OP)?;
+        // Every element of the rows x K' buffer is written by write_cols below (NaN first under poison_outputs).
+        let cols = super::alloc_out::<T>(dev, rows * kp)?;
+        write_cols(dev, &g, kp, &s.as_cuda_slice::<T>()?.slice(a..b), &cols, (0, rows), rows_kernel, sms, OP)?;
+        CudaStorage::wrap_cuda_slice(cols, dev.clone())
+    });
+    Ok((out, Shape::from((rows, kp))))
 }

@@ -313,7 +313,10 @@ fn avgpool_launch<T: CudaDType + DeviceRepr + WithDType + 'static>(
     let (a, b) = input_range(l, op, "input")?;
     let src = s.as_cuda_slice::<T>()?.slice(a..b);
     let dst = alloc_out::<T>(dev, out_len)?;
-    let name = format!("avgpool_nhwc_{dir}_{}", suffix(T::DTYPE, op)?);
+    // The backward of a 16-bit dtype with c % 8 == 0 and dy on a 16-byte boundary (dx is fresh): 8 channels a
+    // thread, images over grid y.
+    let v8 = dir == "bwd" && std::mem::size_of::<T>() == 2 && c.is_multiple_of(8) && a.is_multiple_of(8) && n <= 65535;
+    let name = format!("avgpool_nhwc_{dir}{}_{}", if v8 { "_v8" } else { "" }, suffix(T::DTYPE, op)?);
     let func = dev.get_or_load_custom_func(&name, AVGPOOL_MODULE, ptx::POOL_01_AVGPOOL)?;
     let mut builder = func.builder();
     builder.arg(&src);
@@ -323,8 +326,9 @@ fn avgpool_launch<T: CudaDType + DeviceRepr + WithDType + 'static>(
     }
     // SAFETY: argument types and count match avgpool_nhwc_{fwd,bwd}_* (src, dst, n, hw, c). Forward: src holds
     // n*h*w*c elements, dst n*c; backward: src n*c, dst n*h*w*c (the callers pass out_len accordingly). The launch
-    // covers every output element (one thread each, grid-stride).
-    unsafe { builder.launch(grid_for(out_len)) }.w()?;
+    // covers every output element (one thread each, or each 8-channel group, grid-stride).
+    // avgpool_nhwc_bwd_v8: one thread per (pixel, 8 channels) of image blockIdx.y.
+    unsafe { builder.launch(if v8 { nhwc_v8_cfg(h * w * c / 8, n) } else { grid_for(out_len) }) }.w()?;
     Ok(CudaStorage::wrap_cuda_slice(dst, dev.clone()))
 }
 
@@ -475,5 +479,55 @@ pub fn maxpool_nhwc_bwd_offsets(
     let v8 = nhwc_v8(p, dims, &[a]) && oa % 8 == 0;
     cuda_float!(gs.dtype(), OP, [F32: f32, BF16: bf16, F16: f16], |T| {
         bwd_offsets_run(dev, p, &arg, &gs.as_cuda_slice::<T>()?.slice(a..b), v8, dims)
+    })
+}
+
+/// [`crate::ops::maxpool::MaxPool2dNhwcBackwardOffsetsSum`] on CUDA: (offsets u8, dy, dy2), all (n, oh, ow, c),
+/// contiguous and on 16-byte (offsets 8-byte) boundaries, for the stem's pool (kernel 3, stride 2, padding 1) ->
+/// dx (n, h, w, c) of the gradient dy + dy2 (`maxpool2d_nhwc_bwd2_argmax_k3s2p1_v8`). Other pools or layouts are
+/// an error: the op's wrapper adds the gradients first for them.
+pub fn maxpool_nhwc_bwd_offsets_sum(
+    p: &MaxPool2d,
+    os: &CudaStorage,
+    ol: &Layout,
+    (gs, gl): (&CudaStorage, &Layout),
+    (gs2, gl2): (&CudaStorage, &Layout),
+    dims: (usize, usize, usize, usize),
+) -> Result<CudaStorage> {
+    const OP: &str = "max_pool2d_nhwc_backward_offsets_sum";
+    let (oa, ob) = input_range(ol, OP, "offsets")?;
+    let arg = os.as_cuda_slice::<u8>()?.slice(oa..ob);
+    let (a, b) = input_range(gl, OP, "grad")?;
+    let (a2, b2) = input_range(gl2, OP, "second grad")?;
+    if !(nhwc_v8(p, dims, &[a, a2]) && oa % 8 == 0 && (p.kernel, p.stride, p.padding) == (3, 2, 1)) {
+        candle_core::bail!(
+            "{OP} (cuda): needs the 3x3 stride-2 padding-1 pool, c % 8 == 0 and aligned operands, got {p:?}, {dims:?}"
+        );
+    }
+    if gs.dtype() != gs2.dtype() {
+        candle_core::bail!("{OP} (cuda): gradients of dtypes {:?} and {:?}", gs.dtype(), gs2.dtype());
+    }
+    let dev = &gs.device;
+    let (n, h, w, c) = dims;
+    let args = nhwc_geom_args(p, dims)?;
+    cuda_float!(gs.dtype(), OP, [F32: f32, BF16: bf16, F16: f16], |T| {
+        let (g, g2) = (gs.as_cuda_slice::<T>()?.slice(a..b), gs2.as_cuda_slice::<T>()?.slice(a2..b2));
+        let dx = alloc_out::<T>(dev, n * h * w * c)?;
+        let (module, image, _) = argmax_module(true);
+        let func = dev.get_or_load_custom_func(
+            &format!("maxpool2d_nhwc_bwd2_argmax_k3s2p1_v8_{}", suffix(T::DTYPE, OP)?),
+            module,
+            image,
+        )?;
+        let mut builder = func.builder();
+        builder.arg(&arg).arg(&g).arg(&g2).arg(&dx);
+        for v in &args {
+            builder.arg(v);
+        }
+        // SAFETY: argument types and count match maxpool2d_nhwc_bwd2_argmax_k3s2p1_v8_* (arg, dy, dy2, dx, n, h, w,
+        // c, oh, ow, k, s, p); arg, dy and dy2 hold n*oh*ow*c elements, dx n*h*w*c, all 16-byte aligned (offsets
+        // 8-byte), c % 8 == 0; the grid covers one image's 2 x 2 blocks of cells in 8-channel groups, y over images.
+        unsafe { builder.launch(nhwc_v8_cfg(h.div_ceil(2) * w.div_ceil(2) * c / 8, n)) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(dx, dev.clone()))
     })
 }

@@ -8,7 +8,7 @@ use super::round_f32;
 use crate::dispatch::contiguous;
 pub use crate::geom::MaxPool2d;
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, WithDType};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor, WithDType};
 
 /// Applies max-pooling with backward support. `x`: (n, c, h, w).
 pub fn max_pool2d(x: &Tensor, kernel: usize, stride: usize, padding: usize) -> Result<Tensor> {
@@ -433,6 +433,90 @@ impl CustomOp2 for MaxPool2dNhwcBackwardOffsets {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let dims = self.dims(l1.dims(), l2.dims())?;
         let dx = crate::cuda::pool::maxpool_nhwc_bwd_offsets(&self.pool, s1, l1, s2, l2, dims)?;
+        Ok((dx, Shape::from(dims)))
+    }
+}
+
+/// [`MaxPool2dNhwcBackwardOffsets`] of the sum of two gradients: (offsets, g1, g2) -> dx for the gradient
+/// g1 + g2 (each element rounded once to the dtype, as candle's add rounds it), equal to the two-operand op on
+/// `g1 + g2` bit for bit. On CUDA the stem's pool (kernel 3, stride 2, padding 1, 8-channel multiples) reads both
+/// gradients in its one pass (the ResNet stem's gradient is the first block's main path plus its shortcut: the
+/// separate add moved 3 x 103 MB at ResNet-152's batch 256); use [`max_pool2d_nhwc_backward_offsets_sum`], which
+/// takes this op where it applies and adds first elsewhere.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MaxPool2dNhwcBackwardOffsetsSum(pub MaxPool2dNhwcBackwardOffsets);
+
+/// dx of the max-pool with offsets `off` for the gradient g1 + g2 (see [`MaxPool2dNhwcBackwardOffsetsSum`]).
+pub fn max_pool2d_nhwc_backward_offsets_sum(
+    off: &Tensor,
+    g1: &Tensor,
+    g2: &Tensor,
+    op: MaxPool2dNhwcBackwardOffsets,
+) -> Result<Tensor> {
+    let p = op.pool;
+    let fused = g1.device().is_cuda()
+        && (p.kernel, p.stride, p.padding) == (3, 2, 1)
+        && g1.dims().last().is_some_and(|c| c % 8 == 0)
+        && g1.dtype() == g2.dtype();
+    if fused {
+        #[cfg(feature = "cuda")]
+        {
+            let (g1, g2) = (super::aligned(g1)?, super::aligned(g2)?);
+            let off = off.contiguous()?;
+            if off.layout().start_offset() % 8 == 0 {
+                return off.apply_op3_no_bwd(&g1, &g2, &MaxPool2dNhwcBackwardOffsetsSum(op));
+            }
+        }
+    }
+    off.apply_op2_no_bwd(&(g1 + g2)?, &op)
+}
+
+impl CustomOp3 for MaxPool2dNhwcBackwardOffsetsSum {
+    fn name(&self) -> &'static str {
+        "max_pool2d_nhwc_backward_offsets_sum"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        if l2.dims() != l3.dims() {
+            candle_core::bail!("{op}: gradients of shapes {:?} and {:?}", l2.dims(), l3.dims());
+        }
+        let (p, dims) = (&self.0.pool, self.0.dims(l1.dims(), l2.dims())?);
+        let CpuStorage::U8(off) = s1 else {
+            candle_core::bail!("{op}: offsets of dtype {:?}, expected u8", s1.dtype())
+        };
+        let off = contiguous(off, l1, op, "offsets")?;
+        let out = cpu_float2!(op, (s2, s3), [F32, BF16, F16, F64], |a, b, wrap| {
+            let (a, b) = (contiguous(a, l2, op, "grad")?, contiguous(b, l3, op, "second grad")?);
+            let g: Vec<_> = a.iter().zip(b).map(|(&x, &y)| x + y).collect();
+            wrap(bwd_offsets_nhwc_t(p, off, &g, dims)?)
+        });
+        Ok((out, Shape::from(dims)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        if l2.dims() != l3.dims() {
+            candle_core::bail!("{}: gradients of shapes {:?} and {:?}", self.name(), l2.dims(), l3.dims());
+        }
+        let dims = self.0.dims(l1.dims(), l2.dims())?;
+        let dx = crate::cuda::pool::maxpool_nhwc_bwd_offsets_sum(&self.0.pool, s1, l1, (s2, l2), (s3, l3), dims)?;
         Ok((dx, Shape::from(dims)))
     }
 }

@@ -6,6 +6,7 @@ pub mod avgpool;
 pub mod batchnorm;
 pub mod conv;
 pub mod conv_nhwc;
+pub mod im2col;
 pub mod input;
 pub mod linear;
 pub mod maxpool;

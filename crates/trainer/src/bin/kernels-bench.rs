@@ -2,7 +2,8 @@
 //! - `convs`: every distinct ResNet-152 convolution at batch N (forward, grad-input, grad-weight) on our
 //!   implicit-GEMM kernels and on candle's;
 //! - `matmul`: our GEMM against cuBLAS (candle's matmul) at 8192^3 and at the FC layer's shapes;
-//! - `pool`: max-pool (NCHW, NHWC) of the stem and the NHWC global average pool, forward and backward;
+//! - `pool`: max-pool (NCHW, NHWC) of the stem (and its backward of two gradients from the offsets), the NHWC
+//!   global average pool, forward and backward, and the stem's explicit im2col (both kernels);
 //! - `bn`: the channels-last BatchNorm(+ReLU) passes on ResNet's first and last BatchNorm shapes;
 //! - `optim`: the multi-tensor kernels over ResNet-152's parameters (gradient gather + unscale + sum of squares,
 //!   SGD, AdamW) and the fused step's conv weight conversions (FP32 (k, c, r, s) <-> bf16/f16 (k, r, s, c)).
@@ -21,8 +22,12 @@ use kernels::cuda::loader::tiles_for;
 use kernels::ops::avgpool::GlobalAvgPoolNhwcBackward;
 use kernels::ops::batchnorm::{BnGrad, BnStats};
 use kernels::ops::conv_nhwc::{conv_nhwc_dgrad, conv_nhwc_fwd, conv_nhwc_wgrad};
+use kernels::ops::im2col::{im2col_nhwc, Im2colKernel};
 use kernels::ops::linear::{matmul, matmul_bias};
-use kernels::ops::maxpool::{MaxPool2d, MaxPool2dBackward, MaxPool2dNhwcBackward};
+use kernels::ops::maxpool::{
+    max_pool2d_nhwc_backward_offsets_sum, MaxPool2d, MaxPool2dBackward, MaxPool2dNhwcBackward,
+    MaxPool2dNhwcBackwardOffsets, MaxPool2dNhwcOffsets,
+};
 use kernels::shapes::resnet152_convs;
 use kernels::variants::{tile_by_name, TILES};
 use kernels::{Autotuner, ConvGeom, GemmLayout, KernelPolicy, Tuning};
@@ -411,6 +416,34 @@ fn pools(timer: &Timer, dev: &Device, dt: DType, n: usize) -> Result<Value> {
         timer.time(|| x.apply_op2_no_bwd(&g, &bwd))?,
         (2.0 * nx + ny) * es,
     ));
+    // The training step's stem pool: the offsets once, then the backward of the sum of two gradients (the first
+    // block's main path and shortcut) in one pass, against the add and the one-gradient pass it replaces.
+    let off = x.apply_op1_no_bwd(&MaxPool2dNhwcOffsets(p))?;
+    let g2 = Tensor::randn(0f32, 1.0, g.dims(), dev)?.to_dtype(dt)?;
+    let bwd_o = MaxPool2dNhwcBackwardOffsets { pool: p, in_hw: (h, h) };
+    rows.push(mem_row(
+        &format!("maxpool nhwc {tag} bwd of g1 + g2 from offsets, one pass"),
+        timer.time(|| max_pool2d_nhwc_backward_offsets_sum(&off, &g, &g2, bwd_o))?,
+        (nx + 2.0 * ny) * es + ny,
+    ));
+    rows.push(mem_row(
+        &format!("maxpool nhwc {tag} bwd of g1 + g2 from offsets, add first"),
+        timer.time(|| off.apply_op2_no_bwd(&(&g + &g2)?, &bwd_o))?,
+        (nx + 4.0 * ny) * es + ny,
+    ));
+    // The stem's explicit im2col (7x7, stride 2, padding 3 over 3 channels at 224: K' = 152 columns a pixel), both
+    // kernels (16-bit dtypes only).
+    if dt != DType::F32 {
+        let xi = Tensor::randn(0f32, 1.0, (n, 224, 224, 3), dev)?.to_dtype(dt)?;
+        let bytes = ((n * 112 * 112 * 152) as f64 + (n * 224 * 224 * 3) as f64) * es;
+        for kernel in [Im2colKernel::Rows, Im2colKernel::Gather] {
+            rows.push(mem_row(
+                &format!("im2col {n}x224x224x3 k7 s2 p3 ({kernel:?})"),
+                timer.time(|| im2col_nhwc(&xi, 7, 2, 3, kernel))?,
+                bytes,
+            ));
+        }
+    }
     let (hw, c) = (7, 2048);
     let x = Tensor::randn(0f32, 1.0, (n, hw, hw, c), dev)?.to_dtype(dt)?;
     let dy = Tensor::randn(0f32, 1.0, (n, c), dev)?.to_dtype(dt)?;
