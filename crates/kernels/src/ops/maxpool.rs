@@ -471,6 +471,17 @@ pub fn max_pool2d_nhwc_backward_offsets_sum(
     off.apply_op2_no_bwd(&(g1 + g2)?, &op)
 }
 
+impl MaxPool2dNhwcBackwardOffsetsSum {
+    /// (n, h, w, c) of the input gradient: both gradients of one shape, checked with the offsets as the
+    /// one-gradient op checks them.
+    fn dims(&self, off: &Layout, g1: &Layout, g2: &Layout) -> Result<(usize, usize, usize, usize)> {
+        if g1.dims() != g2.dims() {
+            candle_core::bail!("{}: gradients of shapes {:?} and {:?}", self.name(), g1.dims(), g2.dims());
+        }
+        self.0.dims(off.dims(), g1.dims())
+    }
+}
+
 impl CustomOp3 for MaxPool2dNhwcBackwardOffsetsSum {
     fn name(&self) -> &'static str {
         "max_pool2d_nhwc_backward_offsets_sum"
@@ -486,10 +497,7 @@ impl CustomOp3 for MaxPool2dNhwcBackwardOffsetsSum {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let op = self.name();
-        if l2.dims() != l3.dims() {
-            candle_core::bail!("{op}: gradients of shapes {:?} and {:?}", l2.dims(), l3.dims());
-        }
-        let (p, dims) = (&self.0.pool, self.0.dims(l1.dims(), l2.dims())?);
+        let (p, dims) = (&self.0.pool, self.dims(l1, l2, l3)?);
         let CpuStorage::U8(off) = s1 else {
             candle_core::bail!("{op}: offsets of dtype {:?}, expected u8", s1.dtype())
         };
@@ -512,10 +520,7 @@ impl CustomOp3 for MaxPool2dNhwcBackwardOffsetsSum {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        if l2.dims() != l3.dims() {
-            candle_core::bail!("{}: gradients of shapes {:?} and {:?}", self.name(), l2.dims(), l3.dims());
-        }
-        let dims = self.0.dims(l1.dims(), l2.dims())?;
+        let dims = self.dims(l1, l2, l3)?;
         let dx = crate::cuda::pool::maxpool_nhwc_bwd_offsets_sum(&self.0.pool, s1, l1, (s2, l2), (s3, l3), dims)?;
         Ok((dx, Shape::from(dims)))
     }
