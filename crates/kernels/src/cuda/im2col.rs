@@ -89,12 +89,12 @@ pub fn im2col_conv<T: CudaDType + DeviceRepr + WithDType>(
         ConvPass::Dgrad => candle_core::bail!("{op}: the im2col path has no grad-input"),
     };
     let x = if pass == ConvPass::Fwd { a } else { b };
-    let rows_kernel = use_rows_kernel(g, kp, std::mem::size_of::<T>(), Im2colKernel::Auto, op)?;
+    let rows_kernel_smem = use_rows_kernel(g, kp, std::mem::size_of::<T>(), Im2colKernel::Auto, op)?;
     for z in 0..chunks {
         let n0 = z * imgs;
         let rows = (g.n - n0).min(imgs) * p * q;
         let m0 = n0 * p * q;
-        write_cols(dev, g, kp, x, &cols, (m0, rows), rows_kernel, sms, op)?;
+        write_cols(dev, g, kp, x, &cols, (m0, rows), rows_kernel_smem, sms, op)?;
         let cv = cols.slice(..rows * kp);
         match &second {
             Second::Weights(wp) => {
@@ -135,15 +135,17 @@ fn gather_forced() -> bool {
     *GATHER.get_or_init(|| std::env::var_os("KERNELS_IM2COL_GATHER").is_some_and(|v| v == "1"))
 }
 
-/// Whether `kernel` resolves to `im2col_rows` for `g`: `Auto` takes it wherever its tile fits in 48 KB of shared
-/// memory (unless [`gather_forced`]); `Rows` where it does not fit is an error naming the need.
-fn use_rows_kernel(g: &ConvGeom, kp: usize, elem: usize, kernel: Im2colKernel, op: &str) -> Result<bool> {
+/// The shared memory of `im2col_rows` (bytes) where `kernel` resolves to it for `g`, None for the gather kernel:
+/// `Auto` takes it wherever its tile fits in 48 KB of shared memory (unless [`gather_forced`]); `Rows` where it
+/// does not fit is an error naming the need.
+fn use_rows_kernel(g: &ConvGeom, kp: usize, elem: usize, kernel: Im2colKernel, op: &str) -> Result<Option<u32>> {
     let smem = rows_smem(g, kp, elem);
     let fits = smem <= ROWS_SMEM_MAX;
+    let rows = Some(smem as u32);
     match kernel {
-        Im2colKernel::Auto => Ok(fits && !gather_forced()),
-        Im2colKernel::Gather => Ok(false),
-        Im2colKernel::Rows if fits => Ok(true),
+        Im2colKernel::Auto => Ok(if fits && !gather_forced() { rows } else { None }),
+        Im2colKernel::Gather => Ok(None),
+        Im2colKernel::Rows if fits => Ok(rows),
         Im2colKernel::Rows => candle_core::bail!(
             "{op} (cuda): im2col_rows needs {smem} bytes of shared memory for this input, more than {ROWS_SMEM_MAX}"
         ),
@@ -151,7 +153,8 @@ fn use_rows_kernel(g: &ConvGeom, kp: usize, elem: usize, kernel: Im2colKernel, o
 }
 
 /// Writes the rows [m0, m0 + rows) of im2col(x) (whole images) to cols[0 .. rows * K'] with `im2col_rows` (one
-/// block per output row, the input rows staged in shared memory) or `im2col_nhwc` (one thread per 16-byte chunk).
+/// block per output row, the input rows staged in `rows_kernel_smem` bytes of shared memory, as
+/// [`use_rows_kernel`] gives them) or, with None, `im2col_nhwc` (one thread per 16-byte chunk).
 #[allow(clippy::too_many_arguments)]
 fn write_cols<T: CudaDType + DeviceRepr + WithDType>(
     dev: &CudaDevice,
@@ -160,7 +163,7 @@ fn write_cols<T: CudaDType + DeviceRepr + WithDType>(
     x: &CudaView<T>,
     cols: &CudaSlice<T>,
     (m0, rows): (usize, usize),
-    rows_kernel: bool,
+    rows_kernel_smem: Option<u32>,
     sms: usize,
     op: &str,
 ) -> Result<()> {
@@ -179,12 +182,11 @@ fn write_cols<T: CudaDType + DeviceRepr + WithDType>(
         pad: i32_of(g.pad, op, "padding")?,
         kp: i32_of(kp, op, "K'")?,
     };
-    let (name, cfg) = if rows_kernel {
+    let (name, cfg) = if let Some(smem) = rows_kernel_smem {
         // One block per output row (n, oh), at most 64 a multiprocessor (each loops over the rest).
         let out_rows = rows / q;
-        let smem = rows_smem(g, kp, std::mem::size_of::<T>());
         let grid = out_rows.clamp(1, 64 * sms) as u32;
-        ("im2col_rows", LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: smem as u32 })
+        ("im2col_rows", LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: smem })
     } else {
         let threads = rows * (kp / 8);
         let grid = threads.div_ceil(256).clamp(1, 16 * sms) as u32;
@@ -198,7 +200,8 @@ fn write_cols<T: CudaDType + DeviceRepr + WithDType>(
     let mut bld = stream.launch_builder(&f);
     bld.arg(x).arg(cols).arg(&args);
     // SAFETY: (x, cols, args) as im2col_{rows,nhwc}_* take them; x holds N*H*W*C, cols at least rows*K'; rows is a
-    // whole number of images from m0 (a multiple of P*Q); im2col_rows' shared memory as rows_smem sizes it.
+    // whole number of images from m0 (a multiple of P*Q); im2col_rows' shared memory as
+    // rows_smem sizes it (use_rows_kernel).
     unsafe { bld.launch(cfg) }.w()?;
     Ok(())
 }
@@ -220,10 +223,10 @@ pub fn im2col_op(
     let sms = sm_count(dev)?;
     let rows = n * p * q;
     let out = cuda_float!(s.dtype(), OP, [BF16: half::bf16, F16: half::f16], |T| {
-        let rows_kernel = use_rows_kernel(&g, kp, std::mem::size_of::<T>(), op.kernel, OP)?;
+        let rows_kernel_smem = use_rows_kernel(&g, kp, std::mem::size_of::<T>(), op.kernel, OP)?;
         // Every element of the rows x K' buffer is written by write_cols below (NaN first under poison_outputs).
         let cols = super::alloc_out::<T>(dev, rows * kp)?;
-        write_cols(dev, &g, kp, &s.as_cuda_slice::<T>()?.slice(a..b), &cols, (0, rows), rows_kernel, sms, OP)?;
+        write_cols(dev, &g, kp, &s.as_cuda_slice::<T>()?.slice(a..b), &cols, (0, rows), rows_kernel_smem, sms, OP)?;
         CudaStorage::wrap_cuda_slice(cols, dev.clone())
     });
     Ok((out, Shape::from((rows, kp))))

@@ -254,7 +254,7 @@ fn maxpool_nhwc_bwd_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     }
     // Pass 1: each window's argmax as its offset in the window; pass 2: the gather of 02, reading the offsets.
     let arg = offsets_t::<T>(dev, p, &x, v8, dims)?;
-    bwd_offsets_t::<T>(dev, p, &arg.as_view(), &g, &dx, v8, dims)?;
+    bwd_offsets_t::<T>(dev, p, &arg.as_view(), (&g, None), &dx, v8, dims)?;
     Ok(CudaStorage::wrap_cuda_slice(dx, dev.clone()))
 }
 
@@ -399,13 +399,14 @@ fn offsets_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     Ok(arg)
 }
 
-/// 03/04's pass 2: dx (n, h, w, c) from the window offsets `arg` and dy (both (n, oh, ow, c)). `v8`: every operand
-/// on a 16-byte boundary and c % 8 == 0.
+/// 03/04's pass 2: dx (n, h, w, c) from the window offsets `arg` and dy (both (n, oh, ow, c)); with `g2`, of the
+/// gradient dy + g2 read in the same pass (`maxpool2d_nhwc_bwd2_argmax_k3s2p1_v8`: the stem's pool only, `v8`).
+/// `v8`: every operand on a 16-byte boundary and c % 8 == 0.
 fn bwd_offsets_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     dev: &CudaDevice,
     p: &MaxPool2d,
     arg: &CudaView<u8>,
-    g: &CudaView<T>,
+    (g, g2): (&CudaView<T>, Option<&CudaView<T>>),
     dx: &CudaSlice<T>,
     v8: bool,
     dims: (usize, usize, usize, usize),
@@ -413,19 +414,31 @@ fn bwd_offsets_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     let (n, h, w, c) = dims;
     let args = nhwc_geom_args(p, dims)?;
     let (module, image, v) = argmax_module(v8);
-    let sfx = suffix(T::DTYPE, "max_pool2d_nhwc_backward")?;
+    let op = if g2.is_some() { "max_pool2d_nhwc_backward_offsets_sum" } else { "max_pool2d_nhwc_backward" };
+    let sfx = suffix(T::DTYPE, op)?;
     // The stem's pool (kernel 3, stride 2, padding 1): one thread per 2 x 2 block of input cells (the same sums).
-    let stem = v8 && (p.kernel, p.stride, p.padding) == (3, 2, 1);
+    let stem = v8 && crate::ops::maxpool::MaxPool2dNhwcBackwardOffsetsSum::applies(p, c);
+    if g2.is_some() && !stem {
+        candle_core::bail!(
+            "{op} (cuda): needs the 3x3 stride-2 padding-1 pool, c % 8 == 0 and aligned operands, got {p:?}, {dims:?}"
+        );
+    }
     let (v, cells) = if stem { ("_k3s2p1_v8", h.div_ceil(2) * w.div_ceil(2)) } else { (v, h * w) };
-    let func = dev.get_or_load_custom_func(&format!("maxpool2d_nhwc_bwd_argmax{v}_{sfx}"), module, image)?;
+    let two = if g2.is_some() { "2" } else { "" };
+    let func = dev.get_or_load_custom_func(&format!("maxpool2d_nhwc_bwd{two}_argmax{v}_{sfx}"), module, image)?;
     let mut builder = func.builder();
-    builder.arg(arg).arg(g).arg(dx);
+    builder.arg(arg).arg(g);
+    if let Some(g2) = g2 {
+        builder.arg(g2);
+    }
+    builder.arg(dx);
     for v in &args {
         builder.arg(v);
     }
     // SAFETY: argument types and count match maxpool2d_nhwc_bwd_argmax[_v8|_k3s2p1_v8]_* (arg, dy, dx, n, h, w, c,
-    // oh, ow, k, s, p); arg and dy hold n*oh*ow*c elements, dx n*h*w*c (v8: all 16-byte aligned, c % 8 == 0);
-    // the grid covers one image's cells (or 2 x 2 blocks of cells) in 8-channel groups a thread, y over images.
+    // oh, ow, k, s, p) or, with g2, maxpool2d_nhwc_bwd2_argmax_k3s2p1_v8_* (arg, dy, dy2, dx, ...); arg, dy (and
+    // dy2) hold n*oh*ow*c elements, dx n*h*w*c (v8: all 16-byte aligned, offsets 8-byte, c % 8 == 0); the grid
+    // covers one image's cells (or 2 x 2 blocks of cells) in 8-channel groups a thread, y over images.
     unsafe { builder.launch(if v8 { nhwc_v8_cfg(cells * c / 8, n) } else { grid_for(n * h * w * c) }) }.w()?;
     Ok(())
 }
@@ -451,12 +464,12 @@ fn bwd_offsets_run<T: CudaDType + DeviceRepr + WithDType + 'static>(
     dev: &CudaDevice,
     p: &MaxPool2d,
     arg: &CudaView<u8>,
-    g: &CudaView<T>,
+    grads: (&CudaView<T>, Option<&CudaView<T>>),
     v8: bool,
     dims: (usize, usize, usize, usize),
 ) -> Result<CudaStorage> {
     let dx = alloc_out::<T>(dev, dims.0 * dims.1 * dims.2 * dims.3)?;
-    bwd_offsets_t::<T>(dev, p, arg, g, &dx, v8, dims)?;
+    bwd_offsets_t::<T>(dev, p, arg, grads, &dx, v8, dims)?;
     Ok(CudaStorage::wrap_cuda_slice(dx, dev.clone()))
 }
 
@@ -478,7 +491,7 @@ pub fn maxpool_nhwc_bwd_offsets(
     // 04 reads the offsets 8 at a time: their start on an 8-byte boundary too.
     let v8 = nhwc_v8(p, dims, &[a]) && oa % 8 == 0;
     cuda_float!(gs.dtype(), OP, [F32: f32, BF16: bf16, F16: f16], |T| {
-        bwd_offsets_run(dev, p, &arg, &gs.as_cuda_slice::<T>()?.slice(a..b), v8, dims)
+        bwd_offsets_run(dev, p, &arg, (&gs.as_cuda_slice::<T>()?.slice(a..b), None), v8, dims)
     })
 }
 
@@ -499,35 +512,14 @@ pub fn maxpool_nhwc_bwd_offsets_sum(
     let arg = os.as_cuda_slice::<u8>()?.slice(oa..ob);
     let (a, b) = input_range(gl, OP, "grad")?;
     let (a2, b2) = input_range(gl2, OP, "second grad")?;
-    if !(nhwc_v8(p, dims, &[a, a2]) && oa % 8 == 0 && (p.kernel, p.stride, p.padding) == (3, 2, 1)) {
-        candle_core::bail!(
-            "{OP} (cuda): needs the 3x3 stride-2 padding-1 pool, c % 8 == 0 and aligned operands, got {p:?}, {dims:?}"
-        );
-    }
     if gs.dtype() != gs2.dtype() {
         candle_core::bail!("{OP} (cuda): gradients of dtypes {:?} and {:?}", gs.dtype(), gs2.dtype());
     }
     let dev = &gs.device;
-    let (n, h, w, c) = dims;
-    let args = nhwc_geom_args(p, dims)?;
+    // bwd_offsets_t checks the pool and the channel count (the stem's kernel only).
+    let v8 = nhwc_v8(p, dims, &[a, a2]) && oa % 8 == 0;
     cuda_float!(gs.dtype(), OP, [F32: f32, BF16: bf16, F16: f16], |T| {
         let (g, g2) = (gs.as_cuda_slice::<T>()?.slice(a..b), gs2.as_cuda_slice::<T>()?.slice(a2..b2));
-        let dx = alloc_out::<T>(dev, n * h * w * c)?;
-        let (module, image, _) = argmax_module(true);
-        let func = dev.get_or_load_custom_func(
-            &format!("maxpool2d_nhwc_bwd2_argmax_k3s2p1_v8_{}", suffix(T::DTYPE, OP)?),
-            module,
-            image,
-        )?;
-        let mut builder = func.builder();
-        builder.arg(&arg).arg(&g).arg(&g2).arg(&dx);
-        for v in &args {
-            builder.arg(v);
-        }
-        // SAFETY: argument types and count match maxpool2d_nhwc_bwd2_argmax_k3s2p1_v8_* (arg, dy, dy2, dx, n, h, w,
-        // c, oh, ow, k, s, p); arg, dy and dy2 hold n*oh*ow*c elements, dx n*h*w*c, all 16-byte aligned (offsets
-        // 8-byte), c % 8 == 0; the grid covers one image's 2 x 2 blocks of cells in 8-channel groups, y over images.
-        unsafe { builder.launch(nhwc_v8_cfg(h.div_ceil(2) * w.div_ceil(2) * c / 8, n)) }.w()?;
-        Ok(CudaStorage::wrap_cuda_slice(dx, dev.clone()))
+        bwd_offsets_run(dev, p, &arg, (&g, Some(&g2)), v8, dims)
     })
 }

@@ -453,10 +453,8 @@ pub fn max_pool2d_nhwc_backward_offsets_sum(
     g2: &Tensor,
     op: MaxPool2dNhwcBackwardOffsets,
 ) -> Result<Tensor> {
-    let p = op.pool;
     let fused = g1.device().is_cuda()
-        && (p.kernel, p.stride, p.padding) == (3, 2, 1)
-        && g1.dims().last().is_some_and(|c| c % 8 == 0)
+        && g1.dims().last().is_some_and(|&c| MaxPool2dNhwcBackwardOffsetsSum::applies(&op.pool, c))
         && g1.dtype() == g2.dtype();
     if fused {
         #[cfg(feature = "cuda")]
@@ -472,6 +470,12 @@ pub fn max_pool2d_nhwc_backward_offsets_sum(
 }
 
 impl MaxPool2dNhwcBackwardOffsetsSum {
+    /// Whether the one-pass CUDA kernel serves pool `p` at `c` channels: the stem's pool (kernel 3, stride 2,
+    /// padding 1) and c % 8 == 0. Its operands must also start on 16-byte boundaries (the offsets on 8-byte ones).
+    pub fn applies(p: &MaxPool2d, c: usize) -> bool {
+        (p.kernel, p.stride, p.padding) == (3, 2, 1) && c.is_multiple_of(8)
+    }
+
     /// (n, h, w, c) of the input gradient: both gradients of one shape, checked with the offsets as the
     /// one-gradient op checks them.
     fn dims(&self, off: &Layout, g1: &Layout, g2: &Layout) -> Result<(usize, usize, usize, usize)> {
