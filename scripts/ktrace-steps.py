@@ -8,7 +8,14 @@
   python3 scripts/ktrace-steps.py diff A.tsv B.tsv [--top N]
       Pairs the launches of two steps of the same schedule by position (e.g. the bf16 and the fp16 step; names
       compared without their dtype suffix; launches only one step has are listed apart) and prints the step
-      times, the kernels whose total differs most, and the single launches that differ most."""
+      times, the kernels whose total differs most, and the single launches that differ most.
+  python3 scripts/ktrace-steps.py bn STEP.tsv [--arch resnet152] [--batch 256] [--elem 2] [--ref-tbs R]
+      The BatchNorm launches of a fused bottleneck-ResNet step (the cooperative kernels: bn_nhwc_train_v8,
+      train2_v8, train_bwd_v8, train_join_bwd_{1,2}_v8) against the bytes each must move: the step's schedule is
+      rebuilt from the architecture, each launch is matched to its layer by position (the kind of kernel checked
+      at every position), and the passes over its tensors are counted (a moments pass, the normalisation's read
+      and write, ...). Prints the achieved TB/s per (kernel, stage) and the time each group would take at R TB/s
+      (default: the best group's rate), so the launches that lose time to fixed costs stand out."""
 import argparse, collections, csv, difflib, re, sys
 
 DTYPE = re.compile(r"_(bf16|f16|fp16|f32|half|bfloat16)(?=$|_)")
@@ -44,6 +51,83 @@ def load_step(path):
     return out
 
 
+# Bottleneck ResNets (torchvision v1.5: the stride on the 3x3 conv): blocks per stage.
+BOTTLENECK = {"resnet50": (3, 4, 6, 3), "resnet101": (3, 4, 23, 3), "resnet152": (3, 8, 36, 3)}
+
+
+def bn_schedule(arch, n):
+    """The cooperative BatchNorm launches of one fused step in launch order: (kernel kind, group, elements of one
+    tensor, passes over tensors of that size). Forward: the stem (moments, read, write: 3 passes), each block's
+    bn1 and bn2 (3 passes, bn1 at the block input's resolution), then its output: relu(bn3(x) + shortcut) as
+    train_v8 with the residual (moments of x; read x and the shortcut, write: 4 passes) or, in a downsample block,
+    train2 (moments of x and of the shortcut conv's output r; read both, write: 5 passes). Backward, last block
+    first: the output's ReLU gradient with bn3's backward (join_bwd_2 reads a, b, y, x, writes g, then reads x, g,
+    writes dx: 8 passes; join_bwd_1, the last block, has no b: 7), bn2 and bn1 (read x, dy; read x, dy, write dx:
+    5), a downsample block's shortcut BatchNorm (5), and last the stem's (5)."""
+    fwd, bwd = [("train", "stem", n * 112 * 112 * 64, 3)], []
+    res_in = 56
+    blocks = []
+    for si, count in enumerate(BOTTLENECK[arch]):
+        c, res = 64 << si, 56 >> si
+        for b in range(count):
+            blocks.append((f"layer{si + 1}", c, res_in if b == 0 else res, res, b == 0))
+        res_in = res
+    for stage, c, rin, res, ds in blocks:
+        fwd.append(("train", f"{stage} bn1", n * rin * rin * c, 3))
+        fwd.append(("train", f"{stage} bn2", n * res * res * c, 3))
+        if ds:
+            fwd.append(("train2", f"{stage} out+ds", n * res * res * 4 * c, 5))
+        else:
+            fwd.append(("train", f"{stage} out", n * res * res * 4 * c, 4))
+    for i, (stage, c, rin, res, ds) in enumerate(reversed(blocks)):
+        last = i == 0
+        bwd.append(("join_bwd_1" if last else "join_bwd_2", f"{stage} out", n * res * res * 4 * c, 7 if last else 8))
+        bwd.append(("train_bwd", f"{stage} bn2", n * res * res * c, 5))
+        bwd.append(("train_bwd", f"{stage} bn1", n * rin * rin * c, 5))
+        if ds:
+            bwd.append(("train_bwd", f"{stage} ds", n * res * res * 4 * c, 5))
+    bwd.append(("train_bwd", "stem", n * 112 * 112 * 64, 5))
+    return fwd + bwd
+
+
+def bn_kind(name):
+    m = re.match(r"bn_nhwc_(train_join_bwd_[12]|train_bwd|train2|train)_v8_", name)
+    if not m:
+        return None
+    return m.group(1).replace("train_join_bwd", "join_bwd")
+
+
+def bn_report(step, arch, batch, elem, ref):
+    launches = [(d, n) for _, d, n, _ in step if bn_kind(n)]
+    want = bn_schedule(arch, batch)
+    if len(launches) != len(want):
+        sys.exit(f"ktrace-steps bn: {len(launches)} BatchNorm launches in the step, the {arch} schedule has "
+                 f"{len(want)} (another architecture, or not the cooperative path?)")
+    groups = collections.OrderedDict()
+    for i, ((dur, name), (kind, label, elems, passes)) in enumerate(zip(launches, want)):
+        if bn_kind(name) != kind:
+            sys.exit(f"ktrace-steps bn: BatchNorm launch {i} is {name}, the schedule expects {kind} ({label})")
+        stage = label.split()[0]
+        part = label.split()[1] if " " in label else ""
+        key = (kind, stage, "inner" if part in ("bn1", "bn2") else part or "stem")
+        g = groups.setdefault(key, [0, 0.0, 0.0])
+        g[0] += 1
+        g[1] += dur
+        g[2] += elems * elem * passes
+    rates = {k: v[2] / (v[1] * 1e-6) / 1e12 for k, v in groups.items()}
+    ref = ref or max(rates.values())
+    total = sum(v[1] for v in groups.values())
+    at_ref = sum(v[2] / (ref * 1e12) * 1e6 for v in groups.values())
+    print(f"BatchNorm launches: {len(launches)}, {total / 1e3:.2f} ms; {sum(v[2] for v in groups.values()) / 1e9:.1f}"
+          f" GB moved; at {ref:.2f} TB/s: {at_ref / 1e3:.2f} ms ({(total - at_ref) / 1e3:.2f} ms lost)")
+    print(f"{'kernel':<12}{'stage':<8}{'part':<8}{'launches':>9}{'us each':>9}{'ms':>8}{'MB each':>9}{'TB/s':>7}"
+          f"{'lost ms':>9}")
+    for (kind, stage, part), (cnt, us, by) in groups.items():
+        lost = (us - by / (ref * 1e12) * 1e6) / 1e3
+        print(f"{kind:<12}{stage:<8}{part:<8}{cnt:>9}{us / cnt:>9.1f}{us / 1e3:>8.2f}{by / cnt / 1e6:>9.1f}"
+              f"{rates[(kind, stage, part)]:>7.2f}{lost:>9.2f}")
+
+
 def norm(name):
     return DTYPE.sub("", name)
 
@@ -58,7 +142,17 @@ def main():
     df.add_argument("a")
     df.add_argument("b")
     df.add_argument("--top", type=int, default=25)
+    bn = sub.add_parser("bn")
+    bn.add_argument("step")
+    bn.add_argument("--arch", default="resnet152", choices=sorted(BOTTLENECK))
+    bn.add_argument("--batch", type=int, default=256)
+    bn.add_argument("--elem", type=int, default=2, help="bytes per activation element (2: bf16 / fp16)")
+    bn.add_argument("--ref-tbs", type=float, default=None)
     a = ap.parse_args()
+
+    if a.cmd == "bn":
+        bn_report(load_step(a.step), a.arch, a.batch, a.elem, a.ref_tbs)
+        return
 
     if a.cmd == "step":
         step = load_trace(a.csv, a.marker)
