@@ -21,7 +21,8 @@
 // Exported: bn_nhwc_{moments,apply,bwd_sum,bwd_dx}_v8_{f32,bf16,f16}, bn_nhwc_join_sum_{1,2}_v8_{f32,bf16,f16}
 // (the block output's ReLU gradient with its BatchNorm's backward sums), bn_nhwc_moments_final,
 // bn_nhwc_bwd_final_v8, bn_nhwc_running_update; the cooperative one-launch kernels (kernels.bn_cooperative, at the
-// end): bn_nhwc_train_v8, bn_nhwc_train2_v8, bn_nhwc_train_bwd_v8, bn_nhwc_train_join_bwd_{1,2}_v8, each
+// end): bn_nhwc_train_v8, bn_nhwc_train2_v8, bn_nhwc_train_bwd_v8, bn_nhwc_train_join_bwd_{1,2}_v8, and the
+// stem's bn_nhwc_train_pool_v8 (BatchNorm + ReLU + the 3x3/2 max-pool with its window argmax), each
 // _{f32,bf16,f16}.
 
 #include "common.cuh"
@@ -504,12 +505,13 @@ extern "C" __global__ void __launch_bounds__(FX * FY)
 // chunks' partials in bn_nhwc_moments_v8's layout, written by the convolution's epilogue (kernels.bn_stats with
 // kernels.bn_cooperative; rpc = the epilogue's 128 rows a chunk), so the launch is bit for bit
 // bn_nhwc_moments_final + the element-wise pass over them.
+// Phases 1 and 2 of bn_nhwc_train_v8 (and bn_nhwc_train_pool_v8), each ending at a grid-wide barrier: the
+// chunks' partials (unless have_moments), then stats and the running update.
 template <typename T>
-__device__ void bnv_train(const T* __restrict__ x, const T* __restrict__ res, float* __restrict__ part,
-                          float* __restrict__ stats, const float* __restrict__ weight, const float* __restrict__ bias,
-                          T* __restrict__ y, int64_t rows, int c, int64_t rpc, int chunks, float eps,
-                          float* running_mean, float* running_var, long long* num_batches_tracked, float momentum,
-                          int relu, int have_moments, int rev) {
+__device__ void bnv_train_stats(const T* __restrict__ x, float* __restrict__ part, float* __restrict__ stats,
+                                int64_t rows, int c, int64_t rpc, int chunks, float eps, float* running_mean,
+                                float* running_var, long long* num_batches_tracked, float momentum, int have_moments,
+                                int rev) {
     cg::grid_group grid = cg::this_grid();
     if (!have_moments) {
         for (int k = blockIdx.x; k < chunks; k += gridDim.x) {
@@ -525,6 +527,16 @@ __device__ void bnv_train(const T* __restrict__ x, const T* __restrict__ res, fl
     }
     if (num_batches_tracked != nullptr && blockIdx.x == 0 && threadIdx.x == 0) num_batches_tracked[0] += 1;
     grid.sync();
+}
+
+template <typename T>
+__device__ void bnv_train(const T* __restrict__ x, const T* __restrict__ res, float* __restrict__ part,
+                          float* __restrict__ stats, const float* __restrict__ weight, const float* __restrict__ bias,
+                          T* __restrict__ y, int64_t rows, int c, int64_t rpc, int chunks, float eps,
+                          float* running_mean, float* running_var, long long* num_batches_tracked, float momentum,
+                          int relu, int have_moments, int rev) {
+    bnv_train_stats<T>(x, part, stats, rows, c, rpc, chunks, eps, running_mean, running_var, num_batches_tracked,
+                       momentum, have_moments, rev);
     if (res != nullptr) {
         bnv_apply_res<T, RES_RAW>(x, res, stats, weight, bias, nullptr, nullptr, nullptr, y, rows, c, 1);
     } else {
@@ -616,6 +628,70 @@ __device__ void bnv_train_join_bwd(const T* __restrict__ a, const T* __restrict_
     bnv_bwd_dx<T>(x, gout, stats, weight, bias, sums, dx, rows, c, count, 0);
 }
 
+// bn_nhwc_train_pool_v8: the ImageNet stem's BatchNorm + ReLU and its max-pool (kernel 3, stride 2, padding 1)
+// in one launch, bit for bit bn_nhwc_train_v8 (relu) followed by maxpool/04_nhwc_vec.cu's maxpool2d_nhwc_fwd_v8 and
+// maxpool2d_nhwc_argmax_v8 on its output: phases 1 and 2 as bn_nhwc_train_v8's, phase 3 the pool over
+// v = relu(bn(x)) rounded to T (apply8's expression), computed as the windows read x, so the full-resolution
+// activation (ResNet-152 at batch 256: 411 MB) is never written nor read back twice. x (n, h, w, c) -> y (n, oh,
+// ow, c) and arg (n, oh, ow, c) bytes, the winner's offset ky * 3 + kx in its window (window8's rules: the first
+// maximum wins, a NaN always wins). One thread per (output pixel, 8 channels), grid-stride; the stride is a
+// multiple of G = c / 8, so a thread keeps its channel group and loads its constants once.
+template <typename T>
+__device__ void bnv_pool_k3s2p1(const T* __restrict__ x, const float* stats, const float* __restrict__ weight,
+                                const float* __restrict__ bias, T* __restrict__ y, uint8_t* __restrict__ arg, int n,
+                                int h, int w, int c, int oh, int ow) {
+    const int G = c >> 3;
+    const int64_t plane = (int64_t)oh * ow;
+    const int64_t groups = (int64_t)n * plane * G;
+    const int64_t g0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    const int ch0 = (int)(g0 % G) * 8;
+    const Consts k = load_consts(stats, weight, bias, c, ch0);
+    for (int64_t i = g0; i < groups; i += stride) {
+        const int64_t pix = i / G;
+        const int64_t img = pix / plane;
+        const int rem = (int)(pix - img * plane);
+        const int oy = rem / ow, ox = rem - oy * ow;
+        const int y0 = 2 * oy - 1, x0 = 2 * ox - 1;
+        const int ky0 = max(0, -y0), ky1 = min(3, h - y0);
+        const int kx0 = max(0, -x0), kx1 = min(3, w - x0);
+        const T* src = x + img * h * w * (int64_t)c + ch0;
+        int a[8];
+        float best[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            a[j] = -1;
+            best[j] = -INFINITY;
+        }
+        for (int ky = ky0; ky < ky1; ++ky) {
+            for (int kx = kx0; kx < kx1; ++kx) {
+                const Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(src + ((int64_t)(y0 + ky) * w + x0 + kx) * c);
+                const int off = ky * 3 + kx;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    float f = bn_pre(to_f32(v.v[j]), k.mean[j], k.scale[j], k.shift[j]);
+                    f = f > 0.0f ? f : 0.0f;
+                    const float r = to_f32(from_f32<T>(f));
+                    if (a[j] < 0 || r > best[j] || isnan(r)) {
+                        best[j] = r;
+                        a[j] = off;
+                    }
+                }
+            }
+        }
+        Vec8<T> out;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) out.v[j] = from_f32<T>(best[j]);
+        *reinterpret_cast<Vec8<T>*>(y + pix * c + ch0) = out;
+        uint2 packed;
+        packed.x = (uint32_t)(a[0] & 255) | ((uint32_t)(a[1] & 255) << 8) | ((uint32_t)(a[2] & 255) << 16) |
+                   ((uint32_t)(a[3] & 255) << 24);
+        packed.y = (uint32_t)(a[4] & 255) | ((uint32_t)(a[5] & 255) << 8) | ((uint32_t)(a[6] & 255) << 16) |
+                   ((uint32_t)(a[7] & 255) << 24);
+        *reinterpret_cast<uint2*>(arg + pix * c + ch0) = packed;
+    }
+}
+
 #define BNV_TRAIN_EXPORT(T, NAME)                                                                                   \
     extern "C" __global__ void __launch_bounds__(VB, 4)                                                             \
         bn_nhwc_train_v8_##NAME(const T* x, const T* res, float* part, float* stats, const float* weight,           \
@@ -660,6 +736,21 @@ __device__ void bnv_train_join_bwd(const T* __restrict__ a, const T* __restrict_
 BNV_TRAIN_EXPORT(float, f32)
 BNV_TRAIN_EXPORT(__nv_bfloat16, bf16)
 BNV_TRAIN_EXPORT(__half, f16)
+
+#define BNV_POOL_EXPORT(T, NAME)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(VB, 3) bn_nhwc_train_pool_v8_##NAME(                               \
+        const T* x, float* part, float* stats, const float* weight, const float* bias, T* y, uint8_t* arg,          \
+        long long rows, int c, long long rpc, int chunks, float eps, float* running_mean, float* running_var,       \
+        long long* num_batches_tracked, float momentum, int have_moments, int rev, int n, int h, int w, int oh,     \
+        int ow) {                                                                                                   \
+        bnv_train_stats<T>(x, part, stats, rows, c, rpc, chunks, eps, running_mean, running_var,                   \
+                           num_batches_tracked, momentum, have_moments, rev);                                      \
+        bnv_pool_k3s2p1<T>(x, stats, weight, bias, y, arg, n, h, w, c, oh, ow);                                    \
+    }
+
+BNV_POOL_EXPORT(float, f32)
+BNV_POOL_EXPORT(__nv_bfloat16, bf16)
+BNV_POOL_EXPORT(__half, f16)
 
 // PyTorch's running update from finished statistics (3, c), for the 01 path whose finalisers do not take it: one
 // thread per channel, grid-stride; num_batches_tracked (non-null) += 1 by thread 0.

@@ -207,3 +207,64 @@ fn batchnorm2d_fused_matches_composed() {
         assert!(e < 1e-5, "output {i}: max err {e:e}");
     }
 }
+
+/// The stem's BatchNorm + ReLU + 3x3/2/1 max-pool op (kernels::ops::batchnorm::batch_norm_train_relu_max_pool,
+/// its CPU path) against the candle composition and a max-pool by hand: y within 1e-5 of each window's maximum of
+/// relu(bn(x)), every offset naming a cell of its window that holds that maximum, the running statistics updated
+/// with the unbiased variance; a tensor that is not (n, h, w, c) is a one-line error.
+#[test]
+fn stem_bn_relu_max_pool_matches_composition() {
+    use kernels::ops::batchnorm::{batch_norm_train_relu_max_pool, Running, TrainBn};
+    use kernels::MaxPool2d;
+    let pool = MaxPool2d { kernel: 3, stride: 2, padding: 1 };
+    let diff = |a: &[f32], b: &[f32]| a.iter().zip(b).fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+    for (n, h, w, c) in [(2, 7, 9, 16), (1, 8, 8, 8), (3, 5, 4, 24)] {
+        let x = (Tensor::randn(0f32, 2.0, (n, h, w, c), &Device::Cpu).unwrap() + 0.5).unwrap();
+        let wt = Tensor::randn(0f32, 1.0, c, &Device::Cpu).unwrap();
+        let bt = Tensor::randn(0f32, 0.5, c, &Device::Cpu).unwrap();
+        let (rm, rv) =
+            (Var::zeros(c, DType::F32, &Device::Cpu).unwrap(), Var::ones(c, DType::F32, &Device::Cpu).unwrap());
+        let nb = Var::from_tensor(&Tensor::new(0i64, &Device::Cpu).unwrap()).unwrap();
+        let running = Running { mean: &rm, var: &rv, num_batches_tracked: &nb, momentum: 0.1 };
+        let bn = TrainBn { weight: wt.clone(), bias: bt.clone(), eps: EPS, running };
+        let (stats, y, off) = batch_norm_train_relu_max_pool(&x, None, &bn, pool).unwrap();
+        let (oh, ow) = ((h - 1) / 2 + 1, (w - 1) / 2 + 1);
+        assert_eq!(y.dims(), &[n, oh, ow, c]);
+        assert_eq!(off.dims(), &[n, oh, ow, c]);
+        assert_eq!(off.dtype(), DType::U8);
+        let (a, mean, var) = composed(&x, &wt, &bt, true);
+        let a = flat(&a);
+        let (y, off) = (flat(&y), off.flatten_all().unwrap().to_vec1::<u8>().unwrap());
+        for (i, (&yv, &o)) in y.iter().zip(&off).enumerate() {
+            let (ch, pix) = (i % c, i / c);
+            let (img, oy, ox) = (pix / (oh * ow), pix / ow % oh, pix % ow);
+            let cell = |ky: usize, kx: usize| -> Option<f32> {
+                let (iy, ix) = ((2 * oy + ky).checked_sub(1)?, (2 * ox + kx).checked_sub(1)?);
+                (iy < h && ix < w).then(|| a[((img * h + iy) * w + ix) * c + ch])
+            };
+            let max = (0..9).filter_map(|k| cell(k / 3, k % 3)).fold(f32::NEG_INFINITY, f32::max);
+            assert!((yv - max).abs() <= 1e-5, "{:?} y[{i}] = {yv}, window maximum {max}", (n, h, w, c));
+            let at = cell(o as usize / 3, o as usize % 3);
+            assert!(
+                o < 9 && at.is_some_and(|v| (v - max).abs() <= 1e-5),
+                "{:?} offset[{i}] = {o} names {at:?}, window maximum {max}",
+                (n, h, w, c)
+            );
+        }
+        let s = flat(&stats);
+        assert!(diff(&s[..c], &flat(&mean)) < 1e-5 && diff(&s[c..2 * c], &flat(&var)) < 1e-4);
+        let rows = (n * h * w) as f32;
+        let want_rv: Vec<f32> = flat(&var).iter().map(|v| 0.9 + 0.1 * v * rows / (rows - 1.0)).collect();
+        assert!(diff(&flat(rm.as_tensor()), &flat(&mean).iter().map(|m| 0.1 * m).collect::<Vec<_>>()) < 1e-6);
+        assert!(diff(&flat(rv.as_tensor()), &want_rv) < 1e-5);
+        assert_eq!(nb.as_tensor().to_scalar::<i64>().unwrap(), 1);
+    }
+    let (rm, rv) = (Var::zeros(4, DType::F32, &Device::Cpu).unwrap(), Var::ones(4, DType::F32, &Device::Cpu).unwrap());
+    let nb = Var::from_tensor(&Tensor::new(0i64, &Device::Cpu).unwrap()).unwrap();
+    let running = Running { mean: &rm, var: &rv, num_batches_tracked: &nb, momentum: 0.1 };
+    let ones = Tensor::ones(4, DType::F32, &Device::Cpu).unwrap();
+    let bn = TrainBn { weight: ones.clone(), bias: ones.zeros_like().unwrap(), eps: EPS, running };
+    let flat3 = Tensor::zeros((6, 5, 4), DType::F32, &Device::Cpu).unwrap();
+    let e = batch_norm_train_relu_max_pool(&flat3, None, &bn, pool).unwrap_err().to_string();
+    assert!(e.contains("(n, h, w, c)") && !e.contains('\n'), "{e}");
+}

@@ -624,6 +624,66 @@ fn cooperative_batchnorm_matches_the_three_launches() -> Result<()> {
     Ok(())
 }
 
+/// The ImageNet stem's BatchNorm + ReLU + 3x3/2/1 max-pool in one cooperative launch (`bn_nhwc_train_pool_v8`,
+/// kernels::ops::batchnorm::batch_norm_train_relu_max_pool) against the cooperative BatchNorm + ReLU followed by
+/// the 8-channel max-pool forward and argmax offsets: stats, pooled y, offsets, running mean, running var and
+/// num_batches_tracked bit for bit, on the stem's shape, odd sizes and other channel counts, in f32 / bf16 / f16.
+#[test]
+fn cooperative_stem_bn_relu_pool_matches_the_separate_launches() -> Result<()> {
+    use kernels::ops::batchnorm::{batch_norm_train, batch_norm_train_relu_max_pool, Running, TrainBn};
+    use kernels::ops::maxpool::MaxPool2dNhwc;
+    let gpu = cuda()?;
+    let _poison = poison_outputs();
+    let pool = MaxPool2d { kernel: 3, stride: 2, padding: 1 };
+    for dims in [(16, 112, 112, 64), (2, 15, 13, 64), (3, 9, 10, 16), (1, 7, 7, 128), (2, 2, 3, 8)] {
+        let c = dims.3;
+        let x = (Tensor::randn(0f32, 2.0, dims, &Device::Cpu)? + 0.5)?;
+        let w = Tensor::randn(0f32, 1.0, c, &gpu)?;
+        let b = Tensor::randn(0f32, 0.5, c, &gpu)?;
+        let rm0 = Tensor::randn(0f32, 1.0, c, &gpu)?;
+        let rv0 = (Tensor::rand(0f32, 1.0, c, &gpu)? + 0.5)?;
+        for &dt in &DTYPES {
+            let what = format!("stem bn + relu + pool {dims:?} {dt:?}");
+            let xd = x.to_dtype(dt)?.to_device(&gpu)?;
+            // (stats, y, offsets, running_mean, running_var, num_batches_tracked)
+            let run = |fused: bool| -> Result<Vec<Vec<f32>>> {
+                let (rm, rv) = (Var::from_tensor(&rm0.copy()?)?, Var::from_tensor(&rv0.copy()?)?);
+                let nb = Var::from_tensor(&Tensor::new(3i64, &gpu)?)?;
+                let r = Running { mean: &rm, var: &rv, num_batches_tracked: &nb, momentum: 0.1 };
+                let bn = TrainBn { weight: w.clone(), bias: b.clone(), eps: 1e-5, running: r };
+                let (stats, y, off) = if fused {
+                    batch_norm_train_relu_max_pool(&xd, None, &bn, pool)?
+                } else {
+                    let (stats, a) = batch_norm_train(&xd, &bn, true)?;
+                    let y = a.apply_op1_no_bwd(&MaxPool2dNhwc(pool))?;
+                    let off = a.apply_op1_no_bwd(&MaxPool2dNhwcOffsets(pool))?;
+                    (stats, y, off)
+                };
+                let (off, nbt) = (off.to_dtype(DType::F32)?, nb.as_tensor().to_dtype(DType::F32)?);
+                [&stats, &y, &off, rm.as_tensor(), rv.as_tensor(), &nbt].iter().map(|t| host_f32(t)).collect()
+            };
+            let before = kernels::cuda::bn::train_pool_launches();
+            let one = run(true)?;
+            let launched = kernels::cuda::bn::train_pool_launches() - before;
+            ensure!(launched == 1, "{what}: {launched} fused stem launches, expected 1 (the path fell back)");
+            let separate = run(false)?;
+            const NAMES: [&str; 6] = ["stats", "y", "offsets", "running_mean", "running_var", "num_batches_tracked"];
+            for (k, (a, bb)) in one.iter().zip(&separate).enumerate() {
+                let differ = a.iter().zip(bb).filter(|(p, q)| p.to_bits() != q.to_bits()).count();
+                ensure!(
+                    differ == 0 && a.len() == bb.len(),
+                    "{what}: {} differs in {differ} of {} values",
+                    NAMES[k],
+                    a.len()
+                );
+            }
+            ensure!(one[5] == [4.0], "{what}: num_batches_tracked {:?}, expected 4", one[5]);
+            println!("{what}: bit for bit");
+        }
+    }
+    Ok(())
+}
+
 fn tiny_config(stem: Stem) -> ResNetConfig {
     ResNetConfig {
         arch: Arch::ResNet18,

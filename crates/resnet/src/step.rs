@@ -33,7 +33,7 @@ use crate::model::{Block, ResNet, Stem};
 use crate::Precision;
 use candle_core::{DType, Result, Tensor, TensorId};
 use kernels::ops::avgpool::{GlobalAvgPoolNhwc, GlobalAvgPoolNhwcBackward};
-use kernels::ops::batchnorm::{BnApply, BnGrad};
+use kernels::ops::batchnorm::{batch_norm_train_relu_max_pool, stem_pool_fused, BnApply, BnGrad};
 use kernels::ops::maxpool::{
     max_pool2d_nhwc_backward_offsets_sum, MaxPool2dNhwc, MaxPool2dNhwcBackwardOffsets, MaxPool2dNhwcOffsets,
 };
@@ -899,18 +899,27 @@ impl ResNet {
 
         // ----- forward
         let stem_w = e.weight(&m.conv1)?;
-        let (stem, a0) = e.conv_bn_relu(&input, &stem_w, &m.bn1)?;
         let pool = MaxPool2d { kernel: 3, stride: 2, padding: 1 };
-        // The ImageNet stem's max-pool keeps its windows' argmax offsets (one byte per output element) for the
-        // backward, and its input (4x the output, in the activation dtype) is freed here.
-        let (mut h, pool_offsets) = match m.config.stem {
-            Stem::ImageNet => {
+        let imagenet = matches!(m.config.stem, Stem::ImageNet);
+        let (stem, stem_hw, mut h, pool_offsets) = if imagenet && e.cooperative(&m.bn1) && stem_pool_fused() {
+            // BatchNorm + ReLU + max-pool in one launch (KERNELS_STEM_POOL_FUSED=1): relu(bn(z)) at full
+            // resolution is never written.
+            let (z, moments) = e.conv_moments(&input, &stem_w)?;
+            let (stats, y, off) = batch_norm_train_relu_max_pool(&z, moments.as_ref(), &train_bn(&m.bn1), pool)?;
+            let hw = (z.dim(1)?, z.dim(2)?);
+            (BnSaved { z: Some(z), stats, global_rows: None }, hw, y, Some(off))
+        } else {
+            let (stem, a0) = e.conv_bn_relu(&input, &stem_w, &m.bn1)?;
+            // The ImageNet stem's max-pool keeps its windows' argmax offsets (one byte per output element) for
+            // the backward, and its input (4x the output, in the activation dtype) is freed here.
+            let (h, off) = if imagenet {
                 (a0.apply_op1_no_bwd(&MaxPool2dNhwc(pool))?, Some(a0.apply_op1_no_bwd(&MaxPool2dNhwcOffsets(pool))?))
-            }
-            Stem::Cifar => (a0.clone(), None),
+            } else {
+                (a0.clone(), None)
+            };
+            let hw = (a0.dim(1)?, a0.dim(2)?);
+            (stem, hw, h, off)
         };
-        let stem_hw = (a0.dim(1)?, a0.dim(2)?);
-        drop(a0);
         let blocks: Vec<&Block> = m.stages.iter().flatten().collect();
         let mut saved = Vec::with_capacity(blocks.len());
         for b in &blocks {

@@ -772,6 +772,100 @@ pub fn train(
     Ok(Some(out))
 }
 
+/// Cooperative stem launches with the max-pool fused ([`train_pool`]) made so far by this process: tests check
+/// that the fused path ran.
+static POOL_LAUNCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many [`train_pool`] launches this process has made.
+pub fn train_pool_launches() -> u64 {
+    POOL_LAUNCHES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+fn train_pool_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
+    (x, moments): (Arg, Option<Arg>),
+    (w, b): (Arg, Arg),
+    sp: Split,
+    (n, h, wd, oh, ow): (i32, i32, i32, i32, i32),
+    eps: f64,
+    running: Option<RunningAddrs>,
+) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
+    const OP: &str = "batch_norm_nhwc_train_relu_max_pool";
+    let dev = &x.0.device;
+    let sp = if moments.is_some() { epilogue_split(sp) } else { sp };
+    let c = sp.c as usize;
+    let len = sp.rows as usize * c;
+    let out_len = n as usize * oh as usize * ow as usize * c;
+    let xv = view::<T>(x, len, dev, OP, "x")?;
+    let wv = view::<f32>(w, c, dev, OP, "weight")?;
+    let bv = view::<f32>(b, c, dev, OP, "bias")?;
+    let have_moments = moments.is_some() as i32;
+    COOP_FROM_MOMENTS.fetch_add(have_moments as u64, std::sync::atomic::Ordering::Relaxed);
+    let part = Partials::new(moments, &sp, dev, OP, "epilogue moments")?;
+    let stats = alloc_out::<f32>(dev, 3 * c)?;
+    let y = alloc_out::<T>(dev, out_len)?;
+    // SAFETY: phase 3 writes every (pixel, channel) byte (one 8-byte store per 8-channel group).
+    let arg = unsafe { dev.alloc::<u8>(out_len)? };
+    let name = format!("bn_nhwc_train_pool_v8_{}", suffix(T::DTYPE, OP)?);
+    let f = dev.get_or_load_custom_func(&name, MODULE_V8, ptx::BATCHNORM_02_NHWC_VEC)?;
+    let blocks = coop_blocks(dev, &f, &name, sp.chunks)?;
+    let (chunks, eps) = (sp.chunks as i32, eps as f32);
+    let (rm, rv_addr, nb, momentum) = RunningAddrs::kernel_args(running);
+    let mut bld = f.builder();
+    bld.arg(&xv);
+    part.push(&mut bld);
+    bld.arg(&stats).arg(&wv).arg(&bv).arg(&y).arg(&arg);
+    bld.arg(&sp.rows).arg(&sp.c).arg(&sp.rows_per_chunk).arg(&chunks).arg(&eps);
+    let rev = reverse_chunks();
+    bld.arg(&rm).arg(&rv_addr).arg(&nb).arg(&momentum).arg(&have_moments).arg(&rev);
+    bld.arg(&n).arg(&h).arg(&wd).arg(&oh).arg(&ow);
+    POOL_LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    // SAFETY: matches bn_nhwc_train_pool_v8_* (x, part, stats, weight, bias, y, arg, rows, c, rpc, chunks, eps,
+    // running_mean, running_var, num_batches_tracked, momentum, have_moments, rev, n, h, w, oh, ow); x holds
+    // rows = n*h*w rows of c elements (c % 8 == 0, 256 % (c / 8) == 0, 16-byte aligned: v8_applies), y and arg
+    // n*oh*ow*c (fresh; oh, ow the 3x3/2/1 pool's), part (2 chunks + 1) c (checked when given), stats 3 c, weight
+    // and bias c; the running addresses are null or c / c / 1 elements ([`RunningAddrs`]); every chunk has a row.
+    // A cooperative launch of at most the resident blocks ([`coop_blocks`]): the grid barriers need it.
+    unsafe { bld.launch_cooperative(coop_cfg(blocks)) }.w()?;
+    Ok((
+        CudaStorage::wrap_cuda_slice(stats, dev.clone()),
+        CudaStorage::wrap_cuda_slice(y, dev.clone()),
+        CudaStorage::wrap_cuda_slice(arg, dev.clone()),
+    ))
+}
+
+/// The ImageNet stem's training-mode BatchNorm + ReLU and its max-pool (kernel 3, stride 2, padding 1) in one
+/// cooperative launch (`bn_nhwc_train_pool_v8_*`): x (n, h, w, c), weight and bias (c) f32 -> (stats (3, c) f32,
+/// y (n, oh, ow, c) like x, the windows' argmax offsets (n, oh, ow, c) u8), the running statistics updated in
+/// place when `running` is given; bit for bit [`train`] (relu) and the 8-channel max-pool forward and offsets on
+/// its output, without writing the full-resolution activation. With `moments` as [`train`]. None where the
+/// 8-channel kernels do not apply ([`v8_applies`]): the caller runs the separate launches.
+pub fn train_pool(
+    (x, moments): (Arg, Option<Arg>),
+    (w, b): (Arg, Arg),
+    (n, h, wd, c): (usize, usize, usize, usize),
+    eps: f64,
+    running: Option<RunningAddrs>,
+) -> Result<Option<(CudaStorage, CudaStorage, CudaStorage)>> {
+    const OP: &str = "batch_norm_nhwc_train_relu_max_pool";
+    if !v8_applies(c, &[x.1], &[w.1, b.1]) || n == 0 || h == 0 || wd == 0 {
+        return Ok(None);
+    }
+    let stem = crate::geom::MaxPool2d { kernel: 3, stride: 2, padding: 1 };
+    let (_, oh, ow, _) = stem.out_shape_nhwc((n, h, wd, c));
+    let i = |v: usize, what: &str| super::i32_of(v, OP, what);
+    let geom = (i(n, "n")?, i(h, "h")?, i(wd, "w")?, i(oh, "oh")?, i(ow, "ow")?);
+    let sp = Split::v8(n * h * wd, c, OP)?;
+    let out = cuda_float!(x.0.dtype(), OP, [F32: f32, BF16: bf16, F16: f16], |T| train_pool_t::<T>(
+        (x, moments),
+        (w, b),
+        sp,
+        geom,
+        eps,
+        running
+    ))?;
+    Ok(Some(out))
+}
+
 fn train_bwd_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     x: Arg,
     dy: Arg,

@@ -18,6 +18,7 @@
 //! updated too (on CUDA inside the statistics' finaliser). The CUDA kernels are in `kernels/batchnorm/01_nhwc.cu`
 //! and `02_nhwc_vec.cu` (launchers in `cuda/bn.rs`).
 
+use super::maxpool::{MaxPool2d, MaxPool2dNhwc, MaxPool2dNhwcOffsets};
 use super::round_f32;
 use crate::dispatch::contiguous;
 use candle_core::backend::BackendStorage;
@@ -351,6 +352,52 @@ pub fn batch_norm_train_with(
         None => x.apply_op3_no_bwd(&bn.weight, &bn.bias, &BnApply { relu, stats: stats.clone() })?,
     };
     Ok((stats, y))
+}
+
+/// Whether `KERNELS_STEM_POOL_FUSED=1` is set: the explicit training step then runs the ImageNet stem's
+/// BatchNorm + ReLU + max-pool as [`batch_norm_train_relu_max_pool`]'s one launch. Off by default until the
+/// kernel has run on a GPU (scripts/gpu-step.sh's `fused-stempool` times it against the default).
+pub fn stem_pool_fused() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("KERNELS_STEM_POOL_FUSED").is_some_and(|v| v == "1"))
+}
+
+/// The ImageNet stem after its convolution: training-mode BatchNorm of x (n, h, w, c) with its batch statistics
+/// (running statistics updated), ReLU, and the max-pool `pool` with its windows' argmax offsets: (stats (3, c),
+/// y (n, oh, ow, c), offsets (n, oh, ow, c) u8), what [`batch_norm_train_with`] (relu) followed by
+/// [`MaxPool2dNhwc`] and [`MaxPool2dNhwcOffsets`] on its output give, bit for bit. On CUDA, for the stem's pool
+/// (kernel 3, stride 2, padding 1) where the 8-channel kernels apply, in one cooperative launch
+/// (`bn_nhwc_train_pool_v8_*`) that never writes relu(bn(x)) at full resolution; elsewhere those three ops.
+/// With `moments` as [`batch_norm_train_with`].
+pub fn batch_norm_train_relu_max_pool(
+    x: &Tensor,
+    moments: Option<&Tensor>,
+    bn: &TrainBn,
+    pool: MaxPool2d,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (n, h, w, c) = pool.check_nhwc(x.dims())?;
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda()
+        && x.is_contiguous()
+        && n * h * w >= 2
+        && (pool.kernel, pool.stride, pool.padding) == (3, 2, 1)
+    {
+        let addrs = running_addrs(&bn.running, c)?;
+        let ts: Vec<&Tensor> = [Some(x), Some(&bn.weight), Some(&bn.bias), moments].into_iter().flatten().collect();
+        let out = with_cuda(&ts, "batch_norm_train_relu_max_pool", |a| {
+            let m = moments.map(|_| a[3]);
+            crate::cuda::bn::train_pool((a[0], m), (a[1], a[2]), (n, h, w, c), bn.eps, Some(addrs))
+        })?;
+        if let Some((stats, y, off)) = out {
+            let out = pool.out_shape_nhwc((n, h, w, c));
+            return Ok((from_cuda(stats, (3, c)), from_cuda(y, out), from_cuda(off, out)));
+        }
+    }
+    let _ = (n, h, w, c);
+    let (stats, a) = batch_norm_train_with(x, None, moments, bn, true)?;
+    let y = a.apply_op1_no_bwd(&MaxPool2dNhwc(pool))?;
+    let off = a.apply_op1_no_bwd(&MaxPool2dNhwcOffsets(pool))?;
+    Ok((stats, y, off))
 }
 
 impl TrainBn<'_> {
