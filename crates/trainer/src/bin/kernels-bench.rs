@@ -2,8 +2,9 @@
 //! - `convs`: every distinct ResNet-152 convolution at batch N (forward, grad-input, grad-weight) on our
 //!   implicit-GEMM kernels and on candle's;
 //! - `matmul`: our GEMM against cuBLAS (candle's matmul) at 8192^3 and at the FC layer's shapes;
-//! - `pool`: max-pool (NCHW, NHWC) of the stem (and its backward of two gradients from the offsets), the NHWC
-//!   global average pool, forward and backward, and the stem's explicit im2col (both kernels);
+//! - `pool`: max-pool (NCHW, NHWC) of the stem (and its backward of two gradients from the offsets), the stem's
+//!   BatchNorm + ReLU + max-pool in one launch against the separate passes, the NHWC global average pool,
+//!   forward and backward, and the stem's explicit im2col (both kernels);
 //! - `bn`: the channels-last BatchNorm(+ReLU) passes on ResNet's first and last BatchNorm shapes;
 //! - `optim`: the multi-tensor kernels over ResNet-152's parameters (gradient gather + unscale + sum of squares,
 //!   SGD, AdamW) and the fused step's conv weight conversions (FP32 (k, c, r, s) <-> bf16/f16 (k, r, s, c)).
@@ -431,6 +432,35 @@ fn pools(timer: &Timer, dev: &Device, dt: DType, n: usize) -> Result<Value> {
         timer.time(|| off.apply_op2_no_bwd(&(&g + &g2)?, &bwd_o))?,
         (nx + 4.0 * ny) * es + ny,
     ));
+    // The stem's BatchNorm + ReLU + max-pool with its offsets in one launch (KERNELS_STEM_POOL_FUSED=1), against
+    // the cooperative BatchNorm + ReLU, the pool and the offsets pass it replaces (x here is the conv output).
+    {
+        use kernels::ops::batchnorm::{batch_norm_train, batch_norm_train_relu_max_pool, Running, TrainBn};
+        let var = |v: f32| candle_core::Var::from_tensor(&(Tensor::ones(c, DType::F32, dev)? * v as f64)?);
+        let (rm, rv) = (var(0.0)?, var(1.0)?);
+        let nb = candle_core::Var::from_tensor(&Tensor::new(0i64, dev)?)?;
+        let (weight, bias) = (Tensor::ones(c, DType::F32, dev)?, Tensor::zeros(c, DType::F32, dev)?);
+        let bn = || TrainBn {
+            weight: weight.clone(),
+            bias: bias.clone(),
+            eps: 1e-5,
+            running: Running { mean: &rm, var: &rv, num_batches_tracked: &nb, momentum: 0.1 },
+        };
+        rows.push(mem_row(
+            &format!("stem bn+relu+maxpool nhwc {tag} + offsets, one launch"),
+            timer.time(|| Ok(batch_norm_train_relu_max_pool(&x, None, &bn(), p)?.1))?,
+            (2.0 * nx + ny) * es + ny,
+        ));
+        rows.push(mem_row(
+            "  separate: bn+relu, maxpool fwd, offsets",
+            timer.time(|| {
+                let (_, a) = batch_norm_train(&x, &bn(), true)?;
+                a.apply_op1_no_bwd(&MaxPool2dNhwcOffsets(p))?;
+                a.apply_op1_no_bwd(&kernels::ops::maxpool::MaxPool2dNhwc(p))
+            })?,
+            (5.0 * nx + ny) * es + ny,
+        ));
+    }
     // The stem's explicit im2col (7x7, stride 2, padding 3 over 3 channels at 224: K' = 152 columns a pixel), both
     // kernels (16-bit dtypes only).
     if dt != DType::F32 {
