@@ -22,7 +22,8 @@
 // (the block output's ReLU gradient with its BatchNorm's backward sums), bn_nhwc_moments_final,
 // bn_nhwc_bwd_final_v8, bn_nhwc_running_update; the cooperative one-launch kernels (kernels.bn_cooperative, at the
 // end): bn_nhwc_train_v8, bn_nhwc_train2_v8, bn_nhwc_train_bwd_v8, bn_nhwc_train_join_bwd_{1,2}_v8, and the
-// stem's bn_nhwc_train_pool_v8 (BatchNorm + ReLU + the 3x3/2 max-pool with its window argmax), each
+// stem's bn_nhwc_train_pool_v8 (BatchNorm + ReLU + the 3x3/2 max-pool with its window argmax) and
+// bn_nhwc_train_bwd_pool_v8 (that pool's backward from the offsets inside the BatchNorm + ReLU backward), each
 // _{f32,bf16,f16}.
 
 #include "common.cuh"
@@ -692,6 +693,116 @@ __device__ void bnv_pool_k3s2p1(const T* __restrict__ x, const float* stats, con
     }
 }
 
+// ----- the stem's max-pool backward inside its BatchNorm backward (bn_nhwc_train_bwd_pool_v8) --------------------
+// The gradient at stem cell (iy, ix) (8 channels from ch0) of image img, gathered from the pooled gradient g1 (+ g2,
+// the first block's two gradients: each window's sum rounded to T first) through the windows' argmax offsets arg:
+// bit for bit maxpool/04_nhwc_vec.cu's maxpool_bwd_k3s2p1_v8 (cell (2m + cy, 2q + cx) lies in windows (m + wy,
+// q + wx), wy <= cy, wx <= cx, at offset (cy + 1 - 2 wy) * 3 + (cx + 1 - 2 wx); the windows that chose it summed
+// from 0 in that order, then rounded to T).
+template <typename T>
+__device__ __forceinline__ Vec8<T> pool_grad8(const uint8_t* __restrict__ arg, const T* __restrict__ g1,
+                                              const T* __restrict__ g2, int64_t img, int iy, int ix, int c, int oh,
+                                              int ow, int ch0) {
+    const int m = iy >> 1, cy = iy & 1, q = ix >> 1, cx = ix & 1;
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int wy = 0; wy <= cy; ++wy) {
+        for (int wx = 0; wx <= cx; ++wx) {
+            const int oy = m + wy, ox = q + wx;
+            if (oy >= oh || ox >= ow) continue;
+            const int64_t o = ((img * oh + oy) * ow + ox) * c + ch0;
+            const uint2 a = *reinterpret_cast<const uint2*>(arg + o);
+            Vec8<T> d = *reinterpret_cast<const Vec8<T>*>(g1 + o);
+            if (g2 != nullptr) {
+                const Vec8<T> d2 = *reinterpret_cast<const Vec8<T>*>(g2 + o);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) d.v[j] = d.v[j] + d2.v[j];
+            }
+            const int want = (cy + 1 - 2 * wy) * 3 + (cx + 1 - 2 * wx);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const uint32_t word = j < 4 ? a.x : a.y;
+                if ((int)((word >> (8 * (j & 3))) & 255u) == want) acc[j] += to_f32(d.v[j]);
+            }
+        }
+    }
+    Vec8<T> out;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) out.v[j] = from_f32<T>(acc[j]);
+    return out;
+}
+
+// The stem's pool geometry and its gradients, for pool_grad8 at a row (cell) of the stem's (n h w, c) rows.
+template <typename T>
+struct PoolDy {
+    const uint8_t* __restrict__ arg;
+    const T* __restrict__ g1;
+    const T* __restrict__ g2;
+    int h, w, c, oh, ow;
+    __device__ __forceinline__ Vec8<T> at(int64_t row, int ch0) const {
+        const int64_t hw = (int64_t)h * w;
+        const int64_t img = row / hw;
+        const int rem = (int)(row - img * hw);
+        const int iy = rem / w;
+        return pool_grad8<T>(arg, g1, g2, img, iy, rem - iy * w, c, oh, ow, ch0);
+    }
+};
+
+// bn_nhwc_train_bwd_pool_v8: the stem's max-pool backward (from the offsets, of g1 + g2) and its BatchNorm + ReLU
+// backward in one launch, bit for bit maxpool2d_nhwc_bwd2_argmax_k3s2p1_v8 (or the one-gradient kernel) followed
+// by bn_nhwc_train_bwd_v8 (relu) on its output: phases 1 and 3 are bnv_bwd_partial's and bnv_bwd_dx's with dy
+// gathered per cell by pool_grad8 instead of read, so the full-resolution gradient (ResNet-152 at batch 256:
+// 411 MB) is never written nor read back twice.
+template <typename T>
+__device__ void bnv_train_bwd_pool(const T* __restrict__ x, PoolDy<T> src, const float* __restrict__ stats,
+                                   const float* __restrict__ weight, const float* __restrict__ bias,
+                                   float* __restrict__ part, float* __restrict__ sums, T* __restrict__ dx,
+                                   int64_t rows, int c, int64_t rpc, int chunks, float count, int rev) {
+    cg::grid_group grid = cg::this_grid();
+    const int G = c >> 3;
+    {
+        __shared__ float shp[8 * VB];
+        const int t = threadIdx.x, rstep = VB / G, ch0 = (t % G) * 8;
+        const Consts k = load_consts(stats, weight, bias, c, ch0);
+        for (int kk = blockIdx.x; kk < chunks; kk += gridDim.x) {
+            const int chunk = rev ? chunks - 1 - kk : kk;
+            const int64_t r0 = (int64_t)chunk * rpc, r1 = min(rows, r0 + rpc);
+            float ag[8] = {0, 0, 0, 0, 0, 0, 0, 0}, agx[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            for (int64_t r = r0 + t / G; r < r1; r += rstep) {
+                const Vec8<T> xv = *reinterpret_cast<const Vec8<T>*>(x + r * c + ch0);
+                add_grad_row(xv, src.at(r, ch0), k, 1, ag, agx);
+            }
+            write_grad_partials(ag, agx, shp, G, part, c, ch0, chunk, chunks);
+        }
+    }
+    grid.sync();
+    __shared__ float sh[FY][2];
+    const int tx = threadIdx.x & 1, ty = threadIdx.x >> 1;
+    for (int p = blockIdx.x; p < (c >> 1); p += gridDim.x) bwd_final_cols<2>(part, sums, chunks, c, 2 * p + tx, tx, ty, sh);
+    grid.sync();
+    const int64_t groups = rows * (int64_t)G;
+    const int64_t g0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int ch0 = (int)(g0 % G) * 8;
+    const Consts k = load_consts(stats, weight, bias, c, ch0);
+    float a[8], k1[8], k2[8];
+    {
+        float w[8], s1[8], s2[8];
+        load8f(weight + ch0, w);
+        load8f(sums + ch0, s1);
+        load8f(sums + c + ch0, s2);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            a[j] = w[j] * k.invstd[j];
+            k1[j] = s1[j] / count;
+            k2[j] = s2[j] / count;
+        }
+    }
+    for (int64_t g = g0; g < groups; g += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t row = g / G;
+        const Vec8<T> xv = *reinterpret_cast<const Vec8<T>*>(x + g * 8);
+        *reinterpret_cast<Vec8<T>*>(dx + g * 8) = dx8<T>(xv, src.at(row, ch0), k, a, k1, k2, 1);
+    }
+}
+
 #define BNV_TRAIN_EXPORT(T, NAME)                                                                                   \
     extern "C" __global__ void __launch_bounds__(VB, 4)                                                             \
         bn_nhwc_train_v8_##NAME(const T* x, const T* res, float* part, float* stats, const float* weight,           \
@@ -747,6 +858,19 @@ BNV_TRAIN_EXPORT(__half, f16)
                            num_batches_tracked, momentum, have_moments, rev);                                      \
         bnv_pool_k3s2p1<T>(x, stats, weight, bias, y, arg, n, h, w, c, oh, ow);                                    \
     }
+
+#define BNV_POOL_BWD_EXPORT(T, NAME)                                                                                \
+    extern "C" __global__ void __launch_bounds__(VB, 2) bn_nhwc_train_bwd_pool_v8_##NAME(                           \
+        const T* x, const uint8_t* arg, const T* g1, const T* g2, const float* stats, const float* weight,          \
+        const float* bias, float* part, float* sums, T* dx, long long rows, int c, long long rpc, int chunks,       \
+        float count, int rev, int h, int w, int oh, int ow) {                                                       \
+        bnv_train_bwd_pool<T>(x, PoolDy<T>{arg, g1, g2, h, w, c, oh, ow}, stats, weight, bias, part, sums, dx,      \
+                              rows, c, rpc, chunks, count, rev);                                                    \
+    }
+
+BNV_POOL_BWD_EXPORT(float, f32)
+BNV_POOL_BWD_EXPORT(__nv_bfloat16, bf16)
+BNV_POOL_BWD_EXPORT(__half, f16)
 
 BNV_POOL_EXPORT(float, f32)
 BNV_POOL_EXPORT(__nv_bfloat16, bf16)

@@ -268,3 +268,69 @@ fn stem_bn_relu_max_pool_matches_composition() {
     let e = batch_norm_train_relu_max_pool(&flat3, None, &bn, pool).unwrap_err().to_string();
     assert!(e.contains("(n, h, w, c)") && !e.contains('\n'), "{e}");
 }
+
+/// The backward of the stem's BatchNorm + ReLU + max-pool (kernels::ops::batchnorm::
+/// batch_norm_train_relu_max_pool_backward, its CPU path: the pool's backward of g1 + g2 from the offsets, then
+/// the BatchNorm + ReLU backward) against candle's autograd through the composition (BatchNorm in FP32 candle
+/// ops, ReLU, the NHWC max-pool op with its own backward), for the loss sum(pool(relu(bn(x))) * (g1 + g2)): dx,
+/// dweight and dbias; mis-shaped gradients are one-line errors.
+#[test]
+fn stem_bn_relu_max_pool_backward_matches_autograd() {
+    use kernels::ops::batchnorm::{
+        batch_norm_train_relu_max_pool, batch_norm_train_relu_max_pool_backward, BnGrad, Running, TrainBn,
+    };
+    use kernels::MaxPool2d;
+    let pool = MaxPool2d { kernel: 3, stride: 2, padding: 1 };
+    let cpu = Device::Cpu;
+    let diff = |a: &[f32], b: &[f32]| a.iter().zip(b).fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+    for (n, h, w, c) in [(2, 7, 9, 16), (1, 8, 8, 8), (3, 5, 4, 24)] {
+        let x = (Tensor::randn(0f32, 2.0, (n, h, w, c), &cpu).unwrap() + 0.5).unwrap();
+        let (wt, bt) = (Tensor::randn(0f32, 1.0, c, &cpu).unwrap(), Tensor::randn(0f32, 0.5, c, &cpu).unwrap());
+        let (oh, ow) = ((h - 1) / 2 + 1, (w - 1) / 2 + 1);
+        let g1 = Tensor::randn(0f32, 1.0, (n, oh, ow, c), &cpu).unwrap();
+        let g2 = Tensor::randn(0f32, 1.0, (n, oh, ow, c), &cpu).unwrap();
+        let (rm, rv) = (Var::zeros(c, DType::F32, &cpu).unwrap(), Var::ones(c, DType::F32, &cpu).unwrap());
+        let nb = Var::from_tensor(&Tensor::new(0i64, &cpu).unwrap()).unwrap();
+        let running = Running { mean: &rm, var: &rv, num_batches_tracked: &nb, momentum: 0.1 };
+        let bn = TrainBn { weight: wt.clone(), bias: bt.clone(), eps: EPS, running };
+        let (stats, _, off) = batch_norm_train_relu_max_pool(&x, None, &bn, pool).unwrap();
+        let op = BnGrad { relu: true, stats, weight: wt.clone(), bias: bt.clone(), sums: None };
+        let (sums, dx) = batch_norm_train_relu_max_pool_backward(&x, &off, (&g1, Some(&g2)), &op, pool).unwrap();
+        assert_eq!(sums.dims(), &[2, c]);
+        assert_eq!(dx.dims(), x.dims());
+
+        let (xv, wv, bv) =
+            (Var::from_tensor(&x).unwrap(), Var::from_tensor(&wt).unwrap(), Var::from_tensor(&bt).unwrap());
+        let xs = xv.as_tensor().reshape(((), c)).unwrap();
+        let mean = xs.mean_keepdim(0).unwrap();
+        let xc = xs.broadcast_sub(&mean).unwrap();
+        let var = xc.sqr().unwrap().mean_keepdim(0).unwrap();
+        let inv = (var + EPS).unwrap().sqrt().unwrap().recip().unwrap();
+        let y = xc
+            .broadcast_mul(&inv)
+            .unwrap()
+            .broadcast_mul(&wv.as_tensor().reshape((1, c)).unwrap())
+            .unwrap()
+            .broadcast_add(&bv.as_tensor().reshape((1, c)).unwrap())
+            .unwrap()
+            .relu()
+            .unwrap()
+            .reshape((n, h, w, c))
+            .unwrap();
+        let pooled = kernels::ops::maxpool::max_pool2d_nhwc(&y, 3, 2, 1).unwrap();
+        let loss = (pooled * (&g1 + &g2).unwrap()).unwrap().sum_all().unwrap();
+        let grads = loss.backward().unwrap();
+        let (gx, gw, gb) = (grads.get(&xv).unwrap(), grads.get(&wv).unwrap(), grads.get(&bv).unwrap());
+        let s = flat(&sums);
+        let scale = flat(gx).iter().fold(1f32, |m, v| m.max(v.abs()));
+        let what = format!("{:?}", (n, h, w, c));
+        assert!(diff(&flat(&dx), &flat(gx)) <= 1e-4 * scale, "{what}: dx {}", diff(&flat(&dx), &flat(gx)));
+        assert!(diff(&s[c..], &flat(gw)) <= 1e-3, "{what}: dweight {}", diff(&s[c..], &flat(gw)));
+        assert!(diff(&s[..c], &flat(gb)) <= 1e-3, "{what}: dbias {}", diff(&s[..c], &flat(gb)));
+
+        let bad = Tensor::zeros((n, oh + 1, ow, c), DType::F32, &cpu).unwrap();
+        let e = batch_norm_train_relu_max_pool_backward(&x, &off, (&g1, Some(&bad)), &op, pool).unwrap_err();
+        let e = e.to_string();
+        assert!(e.contains("second grad") && !e.contains('\n'), "{e}");
+    }
+}

@@ -627,10 +627,16 @@ fn cooperative_batchnorm_matches_the_three_launches() -> Result<()> {
 /// The ImageNet stem's BatchNorm + ReLU + 3x3/2/1 max-pool in one cooperative launch (`bn_nhwc_train_pool_v8`,
 /// kernels::ops::batchnorm::batch_norm_train_relu_max_pool) against the cooperative BatchNorm + ReLU followed by
 /// the 8-channel max-pool forward and argmax offsets: stats, pooled y, offsets, running mean, running var and
-/// num_batches_tracked bit for bit, on the stem's shape, odd sizes and other channel counts, in f32 / bf16 / f16.
+/// num_batches_tracked bit for bit; and its backward (`bn_nhwc_train_bwd_pool_v8`: the pool's backward of one
+/// or two gradients inside the BatchNorm + ReLU backward) against the pool's backward then the cooperative
+/// BatchNorm backward: sums and dx bit for bit. On the stem's shape, odd sizes and other channel counts, in
+/// f32 / bf16 / f16.
 #[test]
 fn cooperative_stem_bn_relu_pool_matches_the_separate_launches() -> Result<()> {
-    use kernels::ops::batchnorm::{batch_norm_train, batch_norm_train_relu_max_pool, Running, TrainBn};
+    use kernels::ops::batchnorm::{
+        batch_norm_train, batch_norm_train_backward, batch_norm_train_relu_max_pool,
+        batch_norm_train_relu_max_pool_backward, BnGrad, Running, TrainBn,
+    };
     use kernels::ops::maxpool::MaxPool2dNhwc;
     let gpu = cuda()?;
     let _poison = poison_outputs();
@@ -679,6 +685,43 @@ fn cooperative_stem_bn_relu_pool_matches_the_separate_launches() -> Result<()> {
             }
             ensure!(one[5] == [4.0], "{what}: num_batches_tracked {:?}, expected 4", one[5]);
             println!("{what}: bit for bit");
+
+            // The backward: the pool's backward from the offsets (of g1 + g2, and of g1 alone) inside the
+            // BatchNorm + ReLU backward, against max_pool2d_nhwc_backward_offsets_sum (or the one-gradient op)
+            // followed by the cooperative BatchNorm backward: sums and dx bit for bit.
+            let (rm, rv) = (Var::from_tensor(&rm0.copy()?)?, Var::from_tensor(&rv0.copy()?)?);
+            let nb = Var::from_tensor(&Tensor::new(0i64, &gpu)?)?;
+            let r = Running { mean: &rm, var: &rv, num_batches_tracked: &nb, momentum: 0.1 };
+            let bn = TrainBn { weight: w.clone(), bias: b.clone(), eps: 1e-5, running: r };
+            let (stats, _, off) = batch_norm_train_relu_max_pool(&xd, None, &bn, pool)?;
+            let (_, oh, ow, _) = pool.out_shape_nhwc(dims);
+            let g1 = Tensor::randn(0f32, 1.0, (dims.0, oh, ow, c), &gpu)?.to_dtype(dt)?;
+            let g2 = Tensor::randn(0f32, 1.0, (dims.0, oh, ow, c), &gpu)?.to_dtype(dt)?;
+            let op = BnGrad { relu: true, stats, weight: w.clone(), bias: b.clone(), sums: None };
+            let bwd = MaxPool2dNhwcBackwardOffsets { pool, in_hw: (dims.1, dims.2) };
+            for two in [true, false] {
+                let what = format!("stem pool + bn + relu backward {dims:?} {dt:?} two={two}");
+                let g2o = two.then_some(&g2);
+                let before = kernels::cuda::bn::train_pool_launches();
+                let (s1, d1) = batch_norm_train_relu_max_pool_backward(&xd, &off, (&g1, g2o), &op, pool)?;
+                let launched = kernels::cuda::bn::train_pool_launches() - before;
+                ensure!(launched == 1, "{what}: {launched} fused stem launches, expected 1 (the path fell back)");
+                let g = match g2o {
+                    Some(g2) => max_pool2d_nhwc_backward_offsets_sum(&off, &g1, g2, bwd)?,
+                    None => off.apply_op2_no_bwd(&g1, &bwd)?,
+                };
+                let (s3, d3) = batch_norm_train_backward(&xd, &g, &op)?;
+                for (name, a, bb) in [("sums", &s1, &s3), ("dx", &d1, &d3)] {
+                    let (a, bb) = (host_f32(a)?, host_f32(bb)?);
+                    let differ = a.iter().zip(&bb).filter(|(p, q)| p.to_bits() != q.to_bits()).count();
+                    ensure!(
+                        differ == 0 && a.len() == bb.len(),
+                        "{what}: {name} differs in {differ} of {} values",
+                        a.len()
+                    );
+                }
+                println!("{what}: bit for bit");
+            }
         }
     }
     Ok(())

@@ -33,7 +33,9 @@ use crate::model::{Block, ResNet, Stem};
 use crate::Precision;
 use candle_core::{DType, Result, Tensor, TensorId};
 use kernels::ops::avgpool::{GlobalAvgPoolNhwc, GlobalAvgPoolNhwcBackward};
-use kernels::ops::batchnorm::{batch_norm_train_relu_max_pool, stem_pool_fused, BnApply, BnGrad};
+use kernels::ops::batchnorm::{
+    batch_norm_train_relu_max_pool, batch_norm_train_relu_max_pool_backward, stem_pool_fused, BnApply, BnGrad,
+};
 use kernels::ops::maxpool::{
     max_pool2d_nhwc_backward_offsets_sum, MaxPool2dNhwc, MaxPool2dNhwcBackwardOffsets, MaxPool2dNhwcOffsets,
 };
@@ -965,16 +967,23 @@ impl ResNet {
         let (gm, gs) = g_stem.expect("a ResNet has blocks");
 
         // ----- backward: stem (the pool's backward adds the first block's two gradients as it reads them)
-        let g_a0 = match pool_offsets {
-            Some(off) => max_pool2d_nhwc_backward_offsets_sum(
-                &off,
-                &gm,
-                &gs,
-                MaxPool2dNhwcBackwardOffsets { pool, in_hw: stem_hw },
-            )?,
-            None => (gm + gs)?,
+        let dz0 = match pool_offsets {
+            Some(off) if stem_pool_fused() && e.cooperative_backward() && !frozen(&m.bn1) => {
+                // The pool's backward inside the BatchNorm + ReLU backward, one launch (KERNELS_STEM_POOL_FUSED=1).
+                let p = Engine::bn_params(&m.bn1, &stem.stats);
+                let op = BnGrad { relu: true, stats: p.stats, weight: p.weight, bias: p.bias, sums: None };
+                let (sums, dz) = batch_norm_train_relu_max_pool_backward(stem.z()?, &off, (&gm, Some(&gs)), &op, pool)?;
+                e.put(&m.bn1.weight, || sums.get(1))?;
+                e.put(&m.bn1.bias, || sums.get(0))?;
+                dz
+            }
+            Some(off) => {
+                let bwd = MaxPool2dNhwcBackwardOffsets { pool, in_hw: stem_hw };
+                let g_a0 = max_pool2d_nhwc_backward_offsets_sum(&off, &gm, &gs, bwd)?;
+                e.bn_backward(&stem, &g_a0, &m.bn1, true, None)?
+            }
+            None => e.bn_backward(&stem, &(gm + gs)?, &m.bn1, true, None)?,
         };
-        let dz0 = e.bn_backward(&stem, &g_a0, &m.bn1, true, None)?;
         drop(stem);
         e.conv_backward(&stem_w, &input, &dz0, false)?;
         let (grads, buckets_held) = e.buckets.finish()?;

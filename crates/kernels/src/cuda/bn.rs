@@ -772,11 +772,11 @@ pub fn train(
     Ok(Some(out))
 }
 
-/// Cooperative stem launches with the max-pool fused ([`train_pool`]) made so far by this process: tests check
-/// that the fused path ran.
+/// Cooperative stem launches with the max-pool fused ([`train_pool`], [`train_backward_pool`]) made so far by
+/// this process: tests check that the fused path ran.
 static POOL_LAUNCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-/// How many [`train_pool`] launches this process has made.
+/// How many [`train_pool`] and [`train_backward_pool`] launches this process has made.
 pub fn train_pool_launches() -> u64 {
     POOL_LAUNCHES.load(std::sync::atomic::Ordering::Relaxed)
 }
@@ -917,6 +917,92 @@ pub fn train_backward(
     }
     let sp = Split::v8(rows, c, OP)?;
     let out = cuda_float!(x.0.dtype(), OP, [F32: f32, BF16: bf16, F16: f16], |T| train_bwd_t::<T>(x, dy, op, sp))?;
+    Ok(Some(out))
+}
+
+fn train_bwd_pool_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
+    (x, off, g1, g2): (Arg, Arg, Arg, Option<Arg>),
+    op: &GradArgs,
+    sp: Split,
+    (h, wd, oh, ow): (i32, i32, i32, i32),
+    out_len: usize,
+) -> Result<(CudaStorage, CudaStorage)> {
+    const OP: &str = "batch_norm_nhwc_train_backward_max_pool";
+    let dev = &x.0.device;
+    let c = sp.c as usize;
+    let len = sp.rows as usize * c;
+    let xv = view::<T>(x, len, dev, OP, "x")?;
+    let ov = view::<u8>(off, out_len, dev, OP, "offsets")?;
+    let gv = view::<T>(g1, out_len, dev, OP, "grad")?;
+    let g2v = g2.map(|g| view::<T>(g, out_len, dev, OP, "second grad")).transpose()?;
+    chan_views!(op, c, dev, OP => sv, wv, bv);
+    // SAFETY: phase 1 writes every (2, chunk, channel) element.
+    let part = unsafe { dev.alloc::<f32>(2 * sp.chunks * c)? };
+    let sums = alloc_out::<f32>(dev, 2 * c)?;
+    let dx = alloc_out::<T>(dev, len)?;
+    let name = format!("bn_nhwc_train_bwd_pool_v8_{}", suffix(T::DTYPE, OP)?);
+    let f = dev.get_or_load_custom_func(&name, MODULE_V8, ptx::BATCHNORM_02_NHWC_VEC)?;
+    let blocks = coop_blocks(dev, &f, &name, sp.chunks)?;
+    let (chunks, count) = (sp.chunks as i32, sp.count());
+    let null = 0u64;
+    let mut bld = f.builder();
+    bld.arg(&xv).arg(&ov).arg(&gv);
+    match &g2v {
+        Some(g) => bld.arg(g),
+        None => bld.arg(&null),
+    };
+    bld.arg(&sv).arg(&wv).arg(&bv).arg(&part).arg(&sums).arg(&dx);
+    let rev = reverse_chunks();
+    bld.arg(&sp.rows).arg(&sp.c).arg(&sp.rows_per_chunk).arg(&chunks).arg(&count).arg(&rev);
+    bld.arg(&h).arg(&wd).arg(&oh).arg(&ow);
+    POOL_LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    // SAFETY: matches bn_nhwc_train_bwd_pool_v8_* (x, arg, g1, g2, stats, weight, bias, part, sums, dx, rows, c,
+    // rpc, chunks, count, rev, h, w, oh, ow); x and dx hold rows = n*h*w rows of c elements (dx fresh), the
+    // offsets, g1 and g2 (or null) n*oh*ow*c (the 3x3/2/1 pool's output), all 16-byte aligned (offsets 8-byte)
+    // with c % 8 == 0 and 256 % (c / 8) == 0 (checked by the caller); stats 3 c, weight and bias c, part 2 chunks
+    // c, sums 2 c. Cooperative, at most the resident blocks ([`coop_blocks`]).
+    unsafe { bld.launch_cooperative(coop_cfg(blocks)) }.w()?;
+    Ok((CudaStorage::wrap_cuda_slice(sums, dev.clone()), CudaStorage::wrap_cuda_slice(dx, dev.clone())))
+}
+
+/// The ImageNet stem's max-pool backward (kernel 3, stride 2, padding 1, from the windows' argmax offsets `off`,
+/// of the gradient g1 (+ g2)) and its BatchNorm + ReLU backward (`op`, relu, sums None) in one cooperative launch
+/// (`bn_nhwc_train_bwd_pool_v8_*`): x (n, h, w, c) the BatchNorm's input, off/g1/g2 (n, oh, ow, c) -> (sums (2, c)
+/// f32 = [dbias, dweight], dx like x); bit for bit the pool's backward of the sum
+/// ([`super::pool::maxpool_nhwc_bwd_offsets_sum`], or of g1 alone) followed by [`train_backward`], without
+/// writing the full-resolution gradient. None where the 8-channel kernels do not apply (the offsets on an 8-byte
+/// boundary too): the caller runs the separate launches.
+pub fn train_backward_pool(
+    (x, off, g1, g2): (Arg, Arg, Arg, Option<Arg>),
+    op: &GradArgs,
+    (n, h, wd, c): (usize, usize, usize, usize),
+) -> Result<Option<(CudaStorage, CudaStorage)>> {
+    const OP: &str = "batch_norm_nhwc_train_backward_max_pool";
+    if op.sums.is_some() || !op.relu {
+        candle_core::bail!("{OP}: the stem's BatchNorm + ReLU backward (relu, GradArgs::sums None)");
+    }
+    let grads: Vec<&Layout> = std::iter::once(g1.1).chain(g2.map(|g| g.1)).collect();
+    if !v8_applies(c, &[&[x.1][..], &grads].concat(), &chan_layouts(op))
+        || off.1.start_offset() % 8 != 0
+        || g2.is_some_and(|g| g.0.dtype() != g1.0.dtype())
+        || g1.0.dtype() != x.0.dtype()
+        || n == 0
+    {
+        return Ok(None);
+    }
+    let stem = crate::geom::MaxPool2d { kernel: 3, stride: 2, padding: 1 };
+    let (_, oh, ow, _) = stem.out_shape_nhwc((n, h, wd, c));
+    let i = |v: usize, what: &str| super::i32_of(v, OP, what);
+    let geom = (i(h, "h")?, i(wd, "w")?, i(oh, "oh")?, i(ow, "ow")?);
+    let sp = Split::v8(n * h * wd, c, OP)?;
+    let out_len = n * oh * ow * c;
+    let out = cuda_float!(x.0.dtype(), OP, [F32: f32, BF16: bf16, F16: f16], |T| train_bwd_pool_t::<T>(
+        (x, off, g1, g2),
+        op,
+        sp,
+        geom,
+        out_len
+    ))?;
     Ok(Some(out))
 }
 

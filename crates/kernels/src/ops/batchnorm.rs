@@ -481,6 +481,64 @@ pub fn batch_norm_train_backward(x: &Tensor, dy: &Tensor, grad: &BnGrad) -> Resu
     Ok((sums, dx))
 }
 
+/// The backward of [`batch_norm_train_relu_max_pool`] for the gradient g1 (+ g2: the ResNet stem's gradient is the
+/// first block's main path plus its shortcut) of its pooled output: the max-pool's backward from the offsets
+/// `off`, then the BatchNorm + ReLU backward over x (`grad`: relu, the forward's statistics, sums None):
+/// (sums (2, c) f32 = [dbias, dweight], dx like x), bit for bit [`max_pool2d_nhwc_backward_offsets_sum`] (or the
+/// one-gradient backward) followed by [`batch_norm_train_backward`]. On CUDA, for the stem's pool (kernel 3,
+/// stride 2, padding 1) where the 8-channel kernels apply, in one cooperative launch
+/// (`bn_nhwc_train_bwd_pool_v8_*`) that gathers each cell's gradient from the pooled ones as it needs it, so the
+/// full-resolution gradient is never written; elsewhere those ops.
+///
+/// [`max_pool2d_nhwc_backward_offsets_sum`]: crate::ops::maxpool::max_pool2d_nhwc_backward_offsets_sum
+pub fn batch_norm_train_relu_max_pool_backward(
+    x: &Tensor,
+    off: &Tensor,
+    (g1, g2): (&Tensor, Option<&Tensor>),
+    grad: &BnGrad,
+    pool: MaxPool2d,
+) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "batch_norm_train_relu_max_pool_backward";
+    if grad.sums.is_some() || !grad.relu {
+        candle_core::bail!("{OP}: the BatchNorm + ReLU backward from its statistics (BnGrad relu, sums None)");
+    }
+    let (n, h, w, c) = pool.check_nhwc(x.dims())?;
+    let out = pool.out_shape_nhwc((n, h, w, c));
+    for (t, what) in [(off, "offsets"), (g1, "grad")].into_iter().chain(g2.map(|g| (g, "second grad"))) {
+        if t.dims() != [out.0, out.1, out.2, out.3] {
+            let dims = t.dims();
+            return Err(candle_core::Error::Msg(format!(
+                "{OP}: {what} of shape {dims:?}, expected the pooled {out:?}"
+            )));
+        }
+    }
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() && x.is_contiguous() && (pool.kernel, pool.stride, pool.padding) == (3, 2, 1) {
+        let args = crate::cuda::bn::GradArgs {
+            relu: true,
+            stats: &grad.stats,
+            weight: &grad.weight,
+            bias: &grad.bias,
+            sums: None,
+        };
+        let (off, g1) = (off.contiguous()?, super::aligned(g1)?);
+        let g2 = g2.map(super::aligned).transpose()?;
+        let ts: Vec<&Tensor> = [Some(x), Some(&off), Some(&g1), g2.as_ref()].into_iter().flatten().collect();
+        let res = with_cuda(&ts, OP, |a| {
+            crate::cuda::bn::train_backward_pool((a[0], a[1], a[2], a.get(3).copied()), &args, (n, h, w, c))
+        })?;
+        if let Some((sums, dx)) = res {
+            return Ok((from_cuda(sums, (2, c)), from_cuda(dx, x.shape().clone())));
+        }
+    }
+    let bwd = super::maxpool::MaxPool2dNhwcBackwardOffsets { pool, in_hw: (h, w) };
+    let g = match g2 {
+        Some(g2) => super::maxpool::max_pool2d_nhwc_backward_offsets_sum(off, g1, g2, bwd)?,
+        None => off.apply_op2_no_bwd(g1, &bwd)?,
+    };
+    batch_norm_train_backward(x, &g, grad)
+}
+
 /// A residual block's output gradient joined with its last BatchNorm's whole backward: g = `a` (+ `b`) where the
 /// block's ReLU output `y` is positive ([`join_grad_sums`]'s g), then that BatchNorm's (`p`, over its input `z`, no
 /// ReLU of its own) sums (2, c) and grad-input: (g, sums, dz). On CUDA, where the 8-channel kernels apply, in one
