@@ -3,8 +3,8 @@
 //!   implicit-GEMM kernels and on candle's;
 //! - `matmul`: our GEMM against cuBLAS (candle's matmul) at 8192^3 and at the FC layer's shapes;
 //! - `pool`: max-pool (NCHW, NHWC) of the stem (and its backward of two gradients from the offsets), the stem's
-//!   BatchNorm + ReLU + max-pool in one launch against the separate passes, the NHWC global average pool,
-//!   forward and backward, and the stem's explicit im2col (both kernels);
+//!   BatchNorm + ReLU + max-pool in one launch (forward and backward) against the separate passes, the NHWC
+//!   global average pool, forward and backward, and the stem's explicit im2col (both kernels);
 //! - `bn`: the channels-last BatchNorm(+ReLU) passes on ResNet's first and last BatchNorm shapes;
 //! - `optim`: the multi-tensor kernels over ResNet-152's parameters (gradient gather + unscale + sum of squares,
 //!   SGD, AdamW) and the fused step's conv weight conversions (FP32 (k, c, r, s) <-> bf16/f16 (k, r, s, c)).
@@ -459,6 +459,27 @@ fn pools(timer: &Timer, dev: &Device, dt: DType, n: usize) -> Result<Value> {
                 a.apply_op1_no_bwd(&kernels::ops::maxpool::MaxPool2dNhwc(p))
             })?,
             (5.0 * nx + ny) * es + ny,
+        ));
+        // Its backward: the pool's backward of g1 + g2 from the offsets inside the BatchNorm + ReLU backward,
+        // against the one-pass pool backward of the sum and the cooperative BatchNorm backward.
+        use kernels::ops::batchnorm::{batch_norm_train_backward, batch_norm_train_relu_max_pool_backward, BnGrad};
+        let (stats, _, off) = batch_norm_train_relu_max_pool(&x, None, &bn(), p)?;
+        let op = BnGrad { relu: true, stats, weight: weight.clone(), bias: bias.clone(), sums: None };
+        let g2 = Tensor::randn(0f32, 1.0, g.dims(), dev)?.to_dtype(dt)?;
+        rows.push(mem_row(
+            &format!("stem maxpool bwd (g1 + g2) + bn+relu bwd nhwc {tag}, one launch"),
+            timer.time(|| Ok(batch_norm_train_relu_max_pool_backward(&x, &off, (&g, Some(&g2)), &op, p)?.1))?,
+            // x twice, dx once, g1 + g2 and the offsets in both passes
+            3.0 * nx * es + 2.0 * (2.0 * ny * es + ny),
+        ));
+        let bwd_o = MaxPool2dNhwcBackwardOffsets { pool: p, in_hw: (h, h) };
+        rows.push(mem_row(
+            "  separate: maxpool bwd of g1 + g2, bn+relu bwd",
+            timer.time(|| {
+                let ga = max_pool2d_nhwc_backward_offsets_sum(&off, &g, &g2, bwd_o)?;
+                Ok(batch_norm_train_backward(&x, &ga, &op)?.1)
+            })?,
+            (nx + 2.0 * ny) * es + ny + 5.0 * nx * es,
         ));
     }
     // The stem's explicit im2col (7x7, stride 2, padding 3 over 3 channels at 224: K' = 152 columns a pixel), both
