@@ -104,7 +104,9 @@ def bn_report(step, arch, batch, elem, ref):
         sys.exit(f"ktrace-steps bn: {len(launches)} BatchNorm launches in the step, the {arch} schedule has "
                  f"{len(want)} (another architecture, or not the cooperative path?)")
     groups = collections.OrderedDict()
+    per_kind = collections.defaultdict(list)
     for i, ((dur, name), (kind, label, elems, passes)) in enumerate(zip(launches, want)):
+        per_kind[kind].append((elems * elem * passes, dur))
         if bn_kind(name) != kind:
             sys.exit(f"ktrace-steps bn: BatchNorm launch {i} is {name}, the schedule expects {kind} ({label})")
         stage = label.split()[0]
@@ -126,6 +128,19 @@ def bn_report(step, arch, batch, elem, ref):
         lost = (us - by / (ref * 1e12) * 1e6) / 1e3
         print(f"{kind:<12}{stage:<8}{part:<8}{cnt:>9}{us / cnt:>9.1f}{us / 1e3:>8.2f}{by / cnt / 1e6:>9.1f}"
               f"{rates[(kind, stage, part)]:>7.2f}{lost:>9.2f}")
+    # Least squares of each kernel's launches: duration = F + bytes / B (F: the fixed cost of a launch, its
+    # barriers and finaliser; B: the rate of its passes).
+    print("fit per kernel: duration = F + bytes / B")
+    for kind, pts in per_kind.items():
+        n = len(pts)
+        if n < 3 or len({b for b, _ in pts}) < 2:
+            continue
+        mb, md = sum(b for b, _ in pts) / n, sum(d for _, d in pts) / n
+        sxx = sum((b - mb) ** 2 for b, _ in pts)
+        slope = sum((b - mb) * (d - md) for b, d in pts) / sxx
+        f = md - slope * mb
+        print(f"  {kind:<12} {n:>4} launches  F = {f:6.1f} us  B = {1e-6 / slope:5.2f} TB/s  "
+              f"(F x launches = {f * n / 1e3:.2f} ms)")
 
 
 def norm(name):

@@ -33,6 +33,29 @@ const V8_TARGET_BLOCKS: usize = 1056;
 /// rows per thread (ResNet-152's 14x14x256 BatchNorms at batch 256: 6 rows) cost as much as the loads.
 const V8_MIN_ROWS_PER_THREAD: usize = 16;
 
+/// Row chunks 02's reductions aim for: [`V8_TARGET_BLOCKS`] (132 SMs x 8: one block a chunk for the separate
+/// launches), or 132 x N with `KERNELS_BN_CHUNKS_PER_SM=N` (1 to 8; empty: the default) in the environment, for
+/// timing fewer, larger chunks against the default in one run (scripts/gpu-step.sh `fused-chunks3`). The
+/// cooperative launches loop
+/// over the chunks with 3 or 4 resident blocks an SM: 1056 chunks are 2.67 rounds of 396 blocks, and their
+/// finalisers read 1056 partials a channel (ResNet-152's ktrace: a fixed 10-40 us a launch beyond its bytes,
+/// `scripts/ktrace-steps.py bn`). Both paths take the same split, so their results stay equal bit for bit.
+fn v8_target_chunks() -> Result<usize> {
+    static PER_SM: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
+    let per_sm = PER_SM.get_or_init(|| match std::env::var("KERNELS_BN_CHUNKS_PER_SM") {
+        Err(_) => Ok(V8_TARGET_BLOCKS / 132),
+        Ok(v) if v.trim().is_empty() => Ok(V8_TARGET_BLOCKS / 132),
+        Ok(v) => match v.trim().parse::<usize>() {
+            Ok(n) if (1..=8).contains(&n) => Ok(n),
+            _ => Err(format!("KERNELS_BN_CHUNKS_PER_SM must be an integer from 1 to 8, got {v:?}")),
+        },
+    });
+    match per_sm {
+        Ok(n) => Ok(132 * n),
+        Err(e) => Err(candle_core::Error::Msg(e.clone())),
+    }
+}
+
 /// Whether 02 (8 channels per thread) runs a (rows, c) problem: c a multiple of 8 whose 8-channel groups divide
 /// 256, every activation operand (`elems`) starting on a 16-byte boundary (8 elements: 32 bytes for f32) and every
 /// per-channel f32 tensor (`chans`) on a 16-byte boundary.
@@ -82,12 +105,12 @@ impl Split {
         let chunks = rows.div_ceil(rows_per_chunk);
         Ok(Self { rows: rows as i64, c: c32, ctiles: ctiles as u32, chunks, rows_per_chunk: rows_per_chunk as i64 })
     }
-    /// 02's row split: at most [`V8_TARGET_BLOCKS`] chunks, each thread stepping over at least
+    /// 02's row split: at most [`v8_target_chunks`] chunks, each thread stepping over at least
     /// [`V8_MIN_ROWS_PER_THREAD`] rows.
     fn v8(rows: usize, c: usize, op: &str) -> Result<Self> {
         let base = Self::new(rows, c, op)?;
         let rstep = V8_THREADS / (c / 8);
-        let chunks = V8_TARGET_BLOCKS.clamp(1, rows.div_ceil(V8_MIN_ROWS_PER_THREAD * rstep).max(1));
+        let chunks = v8_target_chunks()?.clamp(1, rows.div_ceil(V8_MIN_ROWS_PER_THREAD * rstep).max(1));
         let rows_per_chunk = rows.div_ceil(chunks);
         let chunks = rows.div_ceil(rows_per_chunk);
         Ok(Self { chunks, rows_per_chunk: rows_per_chunk as i64, ..base })
