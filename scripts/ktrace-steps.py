@@ -13,8 +13,8 @@
       The BatchNorm launches of a fused bottleneck-ResNet step (the cooperative kernels: bn_nhwc_train_v8,
       train2_v8, train_bwd_v8, train_join_bwd_{1,2}_v8) against the bytes each must move: the step's schedule is
       rebuilt from the architecture, each launch is matched to its layer by position (the kind of kernel checked
-      at every position), and the passes over its tensors are counted (a moments pass, the normalisation's read
-      and write, ...). Prints the achieved TB/s per (kernel, stage) and the time each group would take at R TB/s
+      at every position; the stem's kernels fused with its max-pool are recognised), and the passes over its
+      tensors are counted (a moments pass, the normalisation's read and write, ...). Prints the achieved TB/s per (kernel, stage) and the time each group would take at R TB/s
       (default: the best group's rate), so the launches that lose time to fixed costs stand out."""
 import argparse, collections, csv, difflib, re, sys
 
@@ -55,16 +55,20 @@ def load_step(path):
 BOTTLENECK = {"resnet50": (3, 4, 6, 3), "resnet101": (3, 4, 23, 3), "resnet152": (3, 8, 36, 3)}
 
 
-def bn_schedule(arch, n):
-    """The cooperative BatchNorm launches of one fused step in launch order: (kernel kind, group, elements of one
-    tensor, passes over tensors of that size). Forward: the stem (moments, read, write: 3 passes), each block's
-    bn1 and bn2 (3 passes, bn1 at the block input's resolution), then its output: relu(bn3(x) + shortcut) as
-    train_v8 with the residual (moments of x; read x and the shortcut, write: 4 passes) or, in a downsample block,
-    train2 (moments of x and of the shortcut conv's output r; read both, write: 5 passes). Backward, last block
-    first: the output's ReLU gradient with bn3's backward (join_bwd_2 reads a, b, y, x, writes g, then reads x, g,
-    writes dx: 8 passes; join_bwd_1, the last block, has no b: 7), bn2 and bn1 (read x, dy; read x, dy, write dx:
-    5), a downsample block's shortcut BatchNorm (5), and last the stem's (5)."""
-    fwd, bwd = [("train", "stem", n * 112 * 112 * 64, 3)], []
+def bn_schedule(arch, n, elem):
+    """The cooperative BatchNorm launches of one fused step in launch order: (label, {kernel kind: bytes it must
+    move}). Forward: the stem (moments, read, write: 3 passes; fused with its max-pool, train_pool: moments and one
+    read, then the pooled output and its offsets), each block's bn1 and bn2 (3 passes, bn1 at the block input's
+    resolution), then its output: relu(bn3(x) + shortcut) as train_v8 with the residual (moments of x; read x and
+    the shortcut, write: 4 passes) or, in a downsample block, train2 (moments of x and of the shortcut conv's
+    output r; read both, write: 5 passes). Backward, last block first: the output's ReLU gradient with bn3's
+    backward (join_bwd_2 reads a, b, y, x, writes g, then reads x, g, writes dx: 8 passes; join_bwd_1, the last
+    block, has no b: 7), bn2 and bn1 (read x, dy; read x, dy, write dx: 5), a downsample block's shortcut
+    BatchNorm (5), and last the stem's (5; fused with the pool's backward, train_bwd_pool: x twice, dx, and the
+    two pooled gradients with the offsets in both passes)."""
+    stem, pooled = n * 112 * 112 * 64, n * 56 * 56 * 64
+    fwd = [("stem", {"train": 3 * stem * elem, "train_pool": 2 * stem * elem + pooled * (elem + 1)})]
+    bwd = []
     res_in = 56
     blocks = []
     for si, count in enumerate(BOTTLENECK[arch]):
@@ -73,25 +77,23 @@ def bn_schedule(arch, n):
             blocks.append((f"layer{si + 1}", c, res_in if b == 0 else res, res, b == 0))
         res_in = res
     for stage, c, rin, res, ds in blocks:
-        fwd.append(("train", f"{stage} bn1", n * rin * rin * c, 3))
-        fwd.append(("train", f"{stage} bn2", n * res * res * c, 3))
-        if ds:
-            fwd.append(("train2", f"{stage} out+ds", n * res * res * 4 * c, 5))
-        else:
-            fwd.append(("train", f"{stage} out", n * res * res * 4 * c, 4))
+        fwd.append((f"{stage} bn1", {"train": 3 * n * rin * rin * c * elem}))
+        fwd.append((f"{stage} bn2", {"train": 3 * n * res * res * c * elem}))
+        out = n * res * res * 4 * c * elem
+        fwd.append((f"{stage} out+ds", {"train2": 5 * out}) if ds else (f"{stage} out", {"train": 4 * out}))
     for i, (stage, c, rin, res, ds) in enumerate(reversed(blocks)):
-        last = i == 0
-        bwd.append(("join_bwd_1" if last else "join_bwd_2", f"{stage} out", n * res * res * 4 * c, 7 if last else 8))
-        bwd.append(("train_bwd", f"{stage} bn2", n * res * res * c, 5))
-        bwd.append(("train_bwd", f"{stage} bn1", n * rin * rin * c, 5))
+        out = n * res * res * 4 * c * elem
+        bwd.append((f"{stage} out", {"join_bwd_1": 7 * out} if i == 0 else {"join_bwd_2": 8 * out}))
+        bwd.append((f"{stage} bn2", {"train_bwd": 5 * n * res * res * c * elem}))
+        bwd.append((f"{stage} bn1", {"train_bwd": 5 * n * rin * rin * c * elem}))
         if ds:
-            bwd.append(("train_bwd", f"{stage} ds", n * res * res * 4 * c, 5))
-    bwd.append(("train_bwd", "stem", n * 112 * 112 * 64, 5))
+            bwd.append((f"{stage} ds", {"train_bwd": 5 * out}))
+    bwd.append(("stem", {"train_bwd": 5 * stem * elem, "train_bwd_pool": 3 * stem * elem + 2 * pooled * (2 * elem + 1)}))
     return fwd + bwd
 
 
 def bn_kind(name):
-    m = re.match(r"bn_nhwc_(train_join_bwd_[12]|train_bwd|train2|train)_v8_", name)
+    m = re.match(r"bn_nhwc_(train_join_bwd_[12]|train_bwd_pool|train_bwd|train_pool|train2|train)_v8_", name)
     if not m:
         return None
     return m.group(1).replace("train_join_bwd", "join_bwd")
@@ -99,23 +101,26 @@ def bn_kind(name):
 
 def bn_report(step, arch, batch, elem, ref):
     launches = [(d, n) for _, d, n, _ in step if bn_kind(n)]
-    want = bn_schedule(arch, batch)
+    want = bn_schedule(arch, batch, elem)
     if len(launches) != len(want):
         sys.exit(f"ktrace-steps bn: {len(launches)} BatchNorm launches in the step, the {arch} schedule has "
                  f"{len(want)} (another architecture, or not the cooperative path?)")
     groups = collections.OrderedDict()
     per_kind = collections.defaultdict(list)
-    for i, ((dur, name), (kind, label, elems, passes)) in enumerate(zip(launches, want)):
-        per_kind[kind].append((elems * elem * passes, dur))
-        if bn_kind(name) != kind:
-            sys.exit(f"ktrace-steps bn: BatchNorm launch {i} is {name}, the schedule expects {kind} ({label})")
+    for i, ((dur, name), (label, kinds)) in enumerate(zip(launches, want)):
+        kind = bn_kind(name)
+        if kind not in kinds:
+            sys.exit(f"ktrace-steps bn: BatchNorm launch {i} is {name}, the schedule expects "
+                     f"{' or '.join(kinds)} ({label})")
+        by = kinds[kind]
+        per_kind[kind].append((by, dur))
         stage = label.split()[0]
         part = label.split()[1] if " " in label else ""
         key = (kind, stage, "inner" if part in ("bn1", "bn2") else part or "stem")
         g = groups.setdefault(key, [0, 0.0, 0.0])
         g[0] += 1
         g[1] += dur
-        g[2] += elems * elem * passes
+        g[2] += by
     rates = {k: v[2] / (v[1] * 1e-6) / 1e12 for k, v in groups.items()}
     ref = ref or max(rates.values())
     total = sum(v[1] for v in groups.values())
