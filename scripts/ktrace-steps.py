@@ -127,11 +127,11 @@ def bn_report(step, arch, batch, elem, ref):
     at_ref = sum(v[2] / (ref * 1e12) * 1e6 for v in groups.values())
     print(f"BatchNorm launches: {len(launches)}, {total / 1e3:.2f} ms; {sum(v[2] for v in groups.values()) / 1e9:.1f}"
           f" GB moved; at {ref:.2f} TB/s: {at_ref / 1e3:.2f} ms ({(total - at_ref) / 1e3:.2f} ms lost)")
-    print(f"{'kernel':<12}{'stage':<8}{'part':<8}{'launches':>9}{'us each':>9}{'ms':>8}{'MB each':>9}{'TB/s':>7}"
+    print(f"{'kernel':<15}{'stage':<8}{'part':<8}{'launches':>9}{'us each':>9}{'ms':>8}{'MB each':>9}{'TB/s':>7}"
           f"{'lost ms':>9}")
     for (kind, stage, part), (cnt, us, by) in groups.items():
         lost = (us - by / (ref * 1e12) * 1e6) / 1e3
-        print(f"{kind:<12}{stage:<8}{part:<8}{cnt:>9}{us / cnt:>9.1f}{us / 1e3:>8.2f}{by / cnt / 1e6:>9.1f}"
+        print(f"{kind:<15}{stage:<8}{part:<8}{cnt:>9}{us / cnt:>9.1f}{us / 1e3:>8.2f}{by / cnt / 1e6:>9.1f}"
               f"{rates[(kind, stage, part)]:>7.2f}{lost:>9.2f}")
     # Least squares of each kernel's launches: duration = F + bytes / B (F: the fixed cost of a launch, its
     # barriers and finaliser; B: the rate of its passes).
@@ -144,7 +144,7 @@ def bn_report(step, arch, batch, elem, ref):
         sxx = sum((b - mb) ** 2 for b, _ in pts)
         slope = sum((b - mb) * (d - md) for b, d in pts) / sxx
         f = md - slope * mb
-        print(f"  {kind:<12} {n:>4} launches  F = {f:6.1f} us  B = {1e-6 / slope:5.2f} TB/s  "
+        print(f"  {kind:<15} {n:>4} launches  F = {f:6.1f} us  B = {1e-6 / slope:5.2f} TB/s  "
               f"(F x launches = {f * n / 1e3:.2f} ms)")
 
 
