@@ -305,6 +305,23 @@ __device__ __forceinline__ Vec8<T> dx8(const Vec8<T>& xv, const Vec8<T>& gv, con
     return o;
 }
 
+// The grad-input factors of channels ch0 .. ch0 + 7: a = weight * invstd, k1 = sum g / count, k2 = sum g xhat /
+// count (sums (2, c), written by an earlier phase in the cooperative kernels: not __restrict__).
+__device__ __forceinline__ void dx_factors(const float* __restrict__ weight, const float* sums, const Consts& k,
+                                           int c, int ch0, float count, float (&a)[8], float (&k1)[8],
+                                           float (&k2)[8]) {
+    float w[8], s1[8], s2[8];
+    load8f(weight + ch0, w);
+    load8f(sums + ch0, s1);
+    load8f(sums + c + ch0, s2);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        a[j] = w[j] * k.invstd[j];
+        k1[j] = s1[j] / count;
+        k2[j] = s2[j] / count;
+    }
+}
+
 template <typename T>
 __device__ void bnv_bwd_dx(const T* __restrict__ x, const T* dy, const float* stats,
                            const float* __restrict__ weight, const float* __restrict__ bias,
@@ -317,18 +334,7 @@ __device__ void bnv_bwd_dx(const T* __restrict__ x, const T* dy, const float* st
     const int ch0 = (int)(g0 % (c >> 3)) * 8;
     const Consts k = load_consts(stats, weight, bias, c, ch0);
     float a[8], k1[8], k2[8];
-    {
-        float w[8], s1[8], s2[8];
-        load8f(weight + ch0, w);
-        load8f(sums + ch0, s1);
-        load8f(sums + c + ch0, s2);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            a[j] = w[j] * k.invstd[j];
-            k1[j] = s1[j] / count;
-            k2[j] = s2[j] / count;
-        }
-    }
+    dx_factors(weight, sums, k, c, ch0, count, a, k1, k2);
     // Two groups at a time, loads first (as bnv_apply_res, for the loads in flight).
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
     int64_t g = g0;
@@ -784,18 +790,7 @@ __device__ void bnv_train_bwd_pool(const T* __restrict__ x, PoolDy<T> src, const
     const int ch0 = (int)(g0 % G) * 8;
     const Consts k = load_consts(stats, weight, bias, c, ch0);
     float a[8], k1[8], k2[8];
-    {
-        float w[8], s1[8], s2[8];
-        load8f(weight + ch0, w);
-        load8f(sums + ch0, s1);
-        load8f(sums + c + ch0, s2);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            a[j] = w[j] * k.invstd[j];
-            k1[j] = s1[j] / count;
-            k2[j] = s2[j] / count;
-        }
-    }
+    dx_factors(weight, sums, k, c, ch0, count, a, k1, k2);
     for (int64_t g = g0; g < groups; g += (int64_t)gridDim.x * blockDim.x) {
         const int64_t row = g / G;
         const Vec8<T> xv = *reinterpret_cast<const Vec8<T>*>(x + g * 8);

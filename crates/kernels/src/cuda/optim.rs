@@ -315,6 +315,10 @@ pub fn weights_krsc(weights: &[&Tensor], out: &candle_core::CudaStorage) -> Resu
 /// `entries` into the flat buffer at `dst`. The callers check that every entry's source holds its length and
 /// that every (offset + length) lies inside the buffer.
 fn relayout(dev: &CudaDevice, name: &str, entries: &[(u64, usize, usize, u64)], dst: u64) -> Result<()> {
+    // The kernels index within a tensor in 32 bits.
+    if let Some((i, e)) = entries.iter().enumerate().find(|(_, e)| e.2 > i32::MAX as usize) {
+        candle_core::bail!("{name}: tensor {i} has {} elements, more than the relayout's 2^31 - 1", e.2);
+    }
     let tb = tables(dev, entries)?;
     let f = dev.get_or_load_custom_func(name, MODULE, ptx::OPTIM_01_MULTI_TENSOR)?;
     let mut b = f.builder();
