@@ -647,22 +647,23 @@ template <typename T>
 __device__ void bnv_pool_k3s2p1(const T* __restrict__ x, const float* stats, const float* __restrict__ weight,
                                 const float* __restrict__ bias, T* __restrict__ y, uint8_t* __restrict__ arg, int n,
                                 int h, int w, int c, int oh, int ow) {
-    const int G = c >> 3;
-    const int64_t plane = (int64_t)oh * ow;
-    const int64_t groups = (int64_t)n * plane * G;
-    const int64_t g0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-    const int ch0 = (int)(g0 % G) * 8;
+    // 32-bit coordinates (the launcher checks n * oh * ow * G < 2^31); G is a power of two.
+    const int G = c >> 3, gshift = __ffs(G) - 1;
+    const int plane = oh * ow;
+    const int groups = n * plane * G;
+    const int g0 = blockIdx.x * blockDim.x + threadIdx.x;
+    const int stride = gridDim.x * blockDim.x;
+    const int ch0 = (g0 & (G - 1)) * 8;
     const Consts k = load_consts(stats, weight, bias, c, ch0);
-    for (int64_t i = g0; i < groups; i += stride) {
-        const int64_t pix = i / G;
-        const int64_t img = pix / plane;
-        const int rem = (int)(pix - img * plane);
+    for (int i = g0; i < groups; i += stride) {
+        const int pix = i >> gshift;
+        const int img = pix / plane;
+        const int rem = pix - img * plane;
         const int oy = rem / ow, ox = rem - oy * ow;
         const int y0 = 2 * oy - 1, x0 = 2 * ox - 1;
         const int ky0 = max(0, -y0), ky1 = min(3, h - y0);
         const int kx0 = max(0, -x0), kx1 = min(3, w - x0);
-        const T* src = x + img * h * w * (int64_t)c + ch0;
+        const T* src = x + (int64_t)img * h * w * c + ch0;
         int a[8];
         float best[8];
 #pragma unroll
@@ -689,13 +690,13 @@ __device__ void bnv_pool_k3s2p1(const T* __restrict__ x, const float* stats, con
         Vec8<T> out;
 #pragma unroll
         for (int j = 0; j < 8; ++j) out.v[j] = from_f32<T>(best[j]);
-        *reinterpret_cast<Vec8<T>*>(y + pix * c + ch0) = out;
+        *reinterpret_cast<Vec8<T>*>(y + (int64_t)pix * c + ch0) = out;
         uint2 packed;
         packed.x = (uint32_t)(a[0] & 255) | ((uint32_t)(a[1] & 255) << 8) | ((uint32_t)(a[2] & 255) << 16) |
                    ((uint32_t)(a[3] & 255) << 24);
         packed.y = (uint32_t)(a[4] & 255) | ((uint32_t)(a[5] & 255) << 8) | ((uint32_t)(a[6] & 255) << 16) |
                    ((uint32_t)(a[7] & 255) << 24);
-        *reinterpret_cast<uint2*>(arg + pix * c + ch0) = packed;
+        *reinterpret_cast<uint2*>(arg + (int64_t)pix * c + ch0) = packed;
     }
 }
 
@@ -707,7 +708,7 @@ __device__ void bnv_pool_k3s2p1(const T* __restrict__ x, const float* stats, con
 // from 0 in that order, then rounded to T).
 template <typename T>
 __device__ __forceinline__ Vec8<T> pool_grad8(const uint8_t* __restrict__ arg, const T* __restrict__ g1,
-                                              const T* __restrict__ g2, int64_t img, int iy, int ix, int c, int oh,
+                                              const T* __restrict__ g2, int img, int iy, int ix, int c, int oh,
                                               int ow, int ch0) {
     const int m = iy >> 1, cy = iy & 1, q = ix >> 1, cx = ix & 1;
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -715,7 +716,7 @@ __device__ __forceinline__ Vec8<T> pool_grad8(const uint8_t* __restrict__ arg, c
         for (int wx = 0; wx <= cx; ++wx) {
             const int oy = m + wy, ox = q + wx;
             if (oy >= oh || ox >= ow) continue;
-            const int64_t o = ((img * oh + oy) * ow + ox) * c + ch0;
+            const int64_t o = ((int64_t)(img * oh + oy) * ow + ox) * c + ch0;
             const uint2 a = *reinterpret_cast<const uint2*>(arg + o);
             Vec8<T> d = *reinterpret_cast<const Vec8<T>*>(g1 + o);
             if (g2 != nullptr) {
@@ -744,10 +745,11 @@ struct PoolDy {
     const T* __restrict__ g1;
     const T* __restrict__ g2;
     int h, w, c, oh, ow;
-    __device__ __forceinline__ Vec8<T> at(int64_t row, int ch0) const {
-        const int64_t hw = (int64_t)h * w;
-        const int64_t img = row / hw;
-        const int rem = (int)(row - img * hw);
+    // Row (cell) `row` < 2^31 (the launcher checks rows * G < 2^31): 32-bit divisions.
+    __device__ __forceinline__ Vec8<T> at(int row, int ch0) const {
+        const int hw = h * w;
+        const int img = row / hw;
+        const int rem = row - img * hw;
         const int iy = rem / w;
         return pool_grad8<T>(arg, g1, g2, img, iy, rem - iy * w, c, oh, ow, ch0);
     }
@@ -775,7 +777,7 @@ __device__ void bnv_train_bwd_pool(const T* __restrict__ x, PoolDy<T> src, const
             float ag[8] = {0, 0, 0, 0, 0, 0, 0, 0}, agx[8] = {0, 0, 0, 0, 0, 0, 0, 0};
             for (int64_t r = r0 + t / G; r < r1; r += rstep) {
                 const Vec8<T> xv = *reinterpret_cast<const Vec8<T>*>(x + r * c + ch0);
-                add_grad_row(xv, src.at(r, ch0), k, 1, ag, agx);
+                add_grad_row(xv, src.at((int)r, ch0), k, 1, ag, agx);
             }
             write_grad_partials(ag, agx, shp, G, part, c, ch0, chunk, chunks);
         }
@@ -791,10 +793,10 @@ __device__ void bnv_train_bwd_pool(const T* __restrict__ x, PoolDy<T> src, const
     const Consts k = load_consts(stats, weight, bias, c, ch0);
     float a[8], k1[8], k2[8];
     dx_factors(weight, sums, k, c, ch0, count, a, k1, k2);
+    const int gshift = __ffs(G) - 1;
     for (int64_t g = g0; g < groups; g += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t row = g / G;
         const Vec8<T> xv = *reinterpret_cast<const Vec8<T>*>(x + g * 8);
-        *reinterpret_cast<Vec8<T>*>(dx + g * 8) = dx8<T>(xv, src.at(row, ch0), k, a, k1, k2, 1);
+        *reinterpret_cast<Vec8<T>*>(dx + g * 8) = dx8<T>(xv, src.at((int)(g >> gshift), ch0), k, a, k1, k2, 1);
     }
 }
 

@@ -875,6 +875,10 @@ pub fn train_pool(
     }
     let stem = crate::geom::MaxPool2d { kernel: 3, stride: 2, padding: 1 };
     let (_, oh, ow, _) = stem.out_shape_nhwc((n, h, wd, c));
+    // The pooling phase's coordinates are 32-bit: every output 8-channel group and every input row index.
+    if n * oh * ow * (c / 8) > i32::MAX as usize || n * h * wd > i32::MAX as usize {
+        return Ok(None);
+    }
     let i = |v: usize, what: &str| super::i32_of(v, OP, what);
     let geom = (i(n, "n")?, i(h, "h")?, i(wd, "w")?, i(oh, "oh")?, i(ow, "ow")?);
     let sp = Split::v8(n * h * wd, c, OP)?;
@@ -1015,6 +1019,10 @@ pub fn train_backward_pool(
     }
     let stem = crate::geom::MaxPool2d { kernel: 3, stride: 2, padding: 1 };
     let (_, oh, ow, _) = stem.out_shape_nhwc((n, h, wd, c));
+    // The gather's coordinates are 32-bit: every row (cell) index and every row's 8-channel group.
+    if n * h * wd * (c / 8) > i32::MAX as usize {
+        return Ok(None);
+    }
     let i = |v: usize, what: &str| super::i32_of(v, OP, what);
     let geom = (i(h, "h")?, i(wd, "w")?, i(oh, "oh")?, i(ow, "ow")?);
     let sp = Split::v8(n * h * wd, c, OP)?;
