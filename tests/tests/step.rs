@@ -111,6 +111,53 @@ fn explicit_step_matches_autograd_resnet18_with_frozen_batchnorm() {
     compare_with(Arch::ResNet18, Stem::ImageNet, 32, None, true);
 }
 
+/// The stem's BatchNorm + ReLU + max-pool through its fused ops (`KernelPolicy::stem_pool_fused`, on the CPU
+/// their composition of the same passes) gives the same step as the separate ops, bit for bit: the loss, every
+/// gradient and bn1's running statistics (the CUDA kernels are checked against the separate launches bit for bit
+/// in tests/tests/gpu.rs). Also with a frozen layer and with frozen BatchNorm statistics (the stem then takes the
+/// separate ops).
+#[test]
+fn stem_pool_fused_step_equals_the_separate_ops() {
+    let dev = Device::Cpu;
+    let x = Tensor::randn(0f32, 1., (4, 3, 40, 36), &dev).unwrap();
+    let labels = Tensor::new(&[3u32, 8, 0, 3], &dev).unwrap();
+    for (arch, freeze, bn_frozen) in
+        [(Arch::ResNet18, None, false), (Arch::ResNet50, Some("layer1"), false), (Arch::ResNet18, None, true)]
+    {
+        let run = |fused: bool| {
+            let mut c = model(arch, Stem::ImageNet).config.clone();
+            c.kernels.stem_pool_fused = fused;
+            let m = ResNet::new(c, &dev).unwrap();
+            if let Some(p) = freeze {
+                assert!(m.store().freeze_prefixes(&[p.to_string()]) > 0);
+            }
+            if bn_frozen {
+                integration_tests::freeze_bn_at_test_stats(&m).unwrap();
+            }
+            let out = m.train_step_explicit(&x, &labels, 0.1, 8.0, Precision::F32).unwrap();
+            let mut grads: Vec<(String, Vec<f32>)> = m
+                .store()
+                .trainable()
+                .iter()
+                .map(|(name, v)| (name.clone(), integration_tests::flat(&out.grads[&v.as_tensor().id()])))
+                .collect();
+            grads.sort_by(|a, b| a.0.cmp(&b.0));
+            let bn1 = m.store().get("bn1.running_var").map(|e| integration_tests::flat(e.param.var().as_tensor()));
+            (out.loss.to_scalar::<f32>().unwrap(), grads, bn1)
+        };
+        let (fused, separate) = (run(true), run(false));
+        let what = format!("{arch} freeze={freeze:?} bn_frozen={bn_frozen}");
+        assert_eq!(fused.0.to_bits(), separate.0.to_bits(), "{what}: loss {} vs {}", fused.0, separate.0);
+        assert_eq!(fused.1.len(), separate.1.len());
+        for ((n, a), (_, b)) in fused.1.iter().zip(&separate.1) {
+            let differ = a.iter().zip(b).filter(|(p, q)| p.to_bits() != q.to_bits()).count();
+            assert_eq!(differ, 0, "{what}: gradient {n} differs in {differ} of {} values", a.len());
+        }
+        assert!(fused.2.is_some(), "{what}: no bn1.running_var in the store");
+        assert_eq!(fused.2, separate.2, "{what}: bn1 running variance");
+    }
+}
+
 #[test]
 fn explicit_step_refuses_what_it_cannot_run() {
     let nchw = ResNet::new(

@@ -142,6 +142,11 @@ pub struct KernelPolicy {
     /// grid-wide barriers between the phases, instead of three launches each (CUDA; the results are the same bit
     /// for bit; `kernels.bn_cooperative`).
     pub bn_cooperative: bool,
+    /// The explicit training step runs the ImageNet stem's BatchNorm + ReLU + max-pool as one launch forward
+    /// (`bn_nhwc_train_pool_v8`) and the pool's backward inside the BatchNorm's backward (`bn_nhwc_train_bwd_pool_v8`)
+    /// on CUDA, where neither writes the full-resolution activation or gradient; on the CPU the same ops compose
+    /// the separate passes. Default: `KERNELS_STEM_POOL_FUSED=1` in the environment (off until timed on a GPU).
+    pub stem_pool_fused: bool,
 }
 
 impl Default for KernelPolicy {
@@ -157,6 +162,7 @@ impl Default for KernelPolicy {
             bn_sums_in_backward: false,
             bn_epilogue_by_timing: false,
             bn_cooperative: false,
+            stem_pool_fused: crate::ops::batchnorm::stem_pool_fused(),
         }
     }
 }

@@ -34,7 +34,7 @@ use crate::Precision;
 use candle_core::{DType, Result, Tensor, TensorId};
 use kernels::ops::avgpool::{GlobalAvgPoolNhwc, GlobalAvgPoolNhwcBackward};
 use kernels::ops::batchnorm::{
-    batch_norm_train_relu_max_pool, batch_norm_train_relu_max_pool_backward, stem_pool_fused, BnApply, BnGrad,
+    batch_norm_train_relu_max_pool, batch_norm_train_relu_max_pool_backward, BnApply, BnGrad,
 };
 use kernels::ops::maxpool::{
     max_pool2d_nhwc_backward_offsets_sum, MaxPool2dNhwc, MaxPool2dNhwcBackwardOffsets, MaxPool2dNhwcOffsets,
@@ -473,6 +473,12 @@ impl<'a> Engine<'a> {
         kernels::conv2d_nhwc_forward_stats(x, &cw.w, cw.conv.stride, cw.conv.padding, self.policy)
     }
 
+    /// Whether the ImageNet stem's BatchNorm + ReLU + max-pool run fused (`policy.stem_pool_fused`): its statistics
+    /// the batch's (not frozen, not synchronised).
+    fn stem_pool_fused(&self) -> bool {
+        self.policy.stem_pool_fused && !frozen(&self.model.bn1) && self.sync.is_none()
+    }
+
     /// Whether the backward of a (not frozen) BatchNorm runs as one launch: `policy.bn_cooperative`, no
     /// synchronised statistics, and no gradient buckets handed on during the backward (a cooperative grid
     /// takes every SM, so it could not start beside the buckets' all-reduces and would serialise with them).
@@ -903,8 +909,8 @@ impl ResNet {
         let stem_w = e.weight(&m.conv1)?;
         let pool = MaxPool2d { kernel: 3, stride: 2, padding: 1 };
         let imagenet = matches!(m.config.stem, Stem::ImageNet);
-        let (stem, stem_hw, mut h, pool_offsets) = if imagenet && e.cooperative(&m.bn1) && stem_pool_fused() {
-            // BatchNorm + ReLU + max-pool in one launch (KERNELS_STEM_POOL_FUSED=1): relu(bn(z)) at full
+        let (stem, stem_hw, mut h, pool_offsets) = if imagenet && e.stem_pool_fused() {
+            // BatchNorm + ReLU + max-pool in one launch on CUDA (policy.stem_pool_fused): relu(bn(z)) at full
             // resolution is never written.
             let (z, moments) = e.conv_moments(&input, &stem_w)?;
             let (stats, y, off) = batch_norm_train_relu_max_pool(&z, moments.as_ref(), &train_bn(&m.bn1), pool)?;
@@ -968,8 +974,9 @@ impl ResNet {
 
         // ----- backward: stem (the pool's backward adds the first block's two gradients as it reads them)
         let dz0 = match pool_offsets {
-            Some(off) if stem_pool_fused() && e.cooperative_backward() && !frozen(&m.bn1) => {
-                // The pool's backward inside the BatchNorm + ReLU backward, one launch (KERNELS_STEM_POOL_FUSED=1).
+            Some(off) if e.stem_pool_fused() && e.buckets.sink.is_none() => {
+                // The pool's backward inside the BatchNorm + ReLU backward, one launch on CUDA (a cooperative
+                // grid: not beside the buckets' all-reduces, as cooperative_backward).
                 let p = Engine::bn_params(&m.bn1, &stem.stats);
                 let op = BnGrad { relu: true, stats: p.stats, weight: p.weight, bias: p.bias, sums: None };
                 let (sums, dz) = batch_norm_train_relu_max_pool_backward(stem.z()?, &off, (&gm, Some(&gs)), &op, pool)?;

@@ -354,9 +354,11 @@ pub fn batch_norm_train_with(
     Ok((stats, y))
 }
 
-/// Whether `KERNELS_STEM_POOL_FUSED=1` is set: the explicit training step then runs the ImageNet stem's
-/// BatchNorm + ReLU + max-pool as [`batch_norm_train_relu_max_pool`]'s one launch. Off by default until the
-/// kernel has run on a GPU (scripts/gpu-step.sh's `fused-stempool` times it against the default).
+/// Whether `KERNELS_STEM_POOL_FUSED=1` is set: the default of [`crate::KernelPolicy::stem_pool_fused`] (the
+/// explicit training step then runs the ImageNet stem's BatchNorm + ReLU + max-pool as
+/// [`batch_norm_train_relu_max_pool`] and its backward as [`batch_norm_train_relu_max_pool_backward`], one launch
+/// each). Off by default until the kernels have run on a GPU (scripts/gpu-step.sh's `fused-stempool` times them
+/// against the default).
 pub fn stem_pool_fused() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var_os("KERNELS_STEM_POOL_FUSED").is_some_and(|v| v == "1"))
