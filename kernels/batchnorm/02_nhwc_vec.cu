@@ -27,16 +27,12 @@
 // _{f32,bf16,f16}.
 
 #include "common.cuh"
+#include "maxpool/nhwc.cuh"
 
 #include <cooperative_groups.h>
 namespace cg = cooperative_groups;
 
 #define VB 256
-
-template <typename T>
-struct alignas(sizeof(T) * 8) Vec8 {
-    T v[8];
-};
 
 __device__ __forceinline__ void load8f(const float* __restrict__ p, float (&v)[8]) {
     const float4 a = *reinterpret_cast<const float4*>(p);
@@ -643,6 +639,17 @@ __device__ void bnv_train_join_bwd(const T* __restrict__ a, const T* __restrict_
 // ow, c) and arg (n, oh, ow, c) bytes, the winner's offset ky * 3 + kx in its window (window8's rules: the first
 // maximum wins, a NaN always wins). One thread per (output pixel, 8 channels), grid-stride; the stride is a
 // multiple of G = c / 8, so a thread keeps its channel group and loads its constants once.
+// The value the stem's pool compares: relu(bn(x)) rounded to T, as apply8 writes it (window8's map).
+template <typename T>
+struct BnReluRounded {
+    const Consts& k;
+    __device__ __forceinline__ float operator()(float v, int j) const {
+        float f = bn_pre(v, k.mean[j], k.scale[j], k.shift[j]);
+        f = f > 0.0f ? f : 0.0f;
+        return to_f32(from_f32<T>(f));
+    }
+};
+
 template <typename T>
 __device__ void bnv_pool_k3s2p1(const T* __restrict__ x, const float* stats, const float* __restrict__ weight,
                                 const float* __restrict__ bias, T* __restrict__ y, uint8_t* __restrict__ arg, int n,
@@ -655,48 +662,20 @@ __device__ void bnv_pool_k3s2p1(const T* __restrict__ x, const float* stats, con
     const int stride = gridDim.x * blockDim.x;
     const int ch0 = (g0 & (G - 1)) * 8;
     const Consts k = load_consts(stats, weight, bias, c, ch0);
+    const PoolGeomNhwc g{h, w, c, oh, ow, 3, 2, 1};
     for (int i = g0; i < groups; i += stride) {
         const int pix = i >> gshift;
         const int img = pix / plane;
         const int rem = pix - img * plane;
         const int oy = rem / ow, ox = rem - oy * ow;
-        const int y0 = 2 * oy - 1, x0 = 2 * ox - 1;
-        const int ky0 = max(0, -y0), ky1 = min(3, h - y0);
-        const int kx0 = max(0, -x0), kx1 = min(3, w - x0);
-        const T* src = x + (int64_t)img * h * w * c + ch0;
         int a[8];
         float best[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            a[j] = -1;
-            best[j] = -INFINITY;
-        }
-        for (int ky = ky0; ky < ky1; ++ky) {
-            for (int kx = kx0; kx < kx1; ++kx) {
-                const Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(src + ((int64_t)(y0 + ky) * w + x0 + kx) * c);
-                const int off = ky * 3 + kx;
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    float f = bn_pre(to_f32(v.v[j]), k.mean[j], k.scale[j], k.shift[j]);
-                    f = f > 0.0f ? f : 0.0f;
-                    const float r = to_f32(from_f32<T>(f));
-                    if (a[j] < 0 || r > best[j] || isnan(r)) {
-                        best[j] = r;
-                        a[j] = off;
-                    }
-                }
-            }
-        }
+        window8<T>(x + (int64_t)img * h * w * c, g, oy, ox, ch0, a, best, BnReluRounded<T>{k});
         Vec8<T> out;
 #pragma unroll
         for (int j = 0; j < 8; ++j) out.v[j] = from_f32<T>(best[j]);
         *reinterpret_cast<Vec8<T>*>(y + (int64_t)pix * c + ch0) = out;
-        uint2 packed;
-        packed.x = (uint32_t)(a[0] & 255) | ((uint32_t)(a[1] & 255) << 8) | ((uint32_t)(a[2] & 255) << 16) |
-                   ((uint32_t)(a[3] & 255) << 24);
-        packed.y = (uint32_t)(a[4] & 255) | ((uint32_t)(a[5] & 255) << 8) | ((uint32_t)(a[6] & 255) << 16) |
-                   ((uint32_t)(a[7] & 255) << 24);
-        *reinterpret_cast<uint2*>(arg + (int64_t)pix * c + ch0) = packed;
+        *reinterpret_cast<uint2*>(arg + (int64_t)pix * c + ch0) = pack_offsets8(a);
     }
 }
 

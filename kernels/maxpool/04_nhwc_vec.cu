@@ -19,39 +19,6 @@
 
 #include "maxpool/nhwc.cuh"
 
-template <typename T>
-struct alignas(sizeof(T) * 8) Vec8 {
-    T v[8];
-};
-
-// Window argmax of 8 channels ch0 .. ch0 + 7 of window (oy, ox): winners' offsets in the window and values.
-template <typename T>
-__device__ __forceinline__ void window8(const T* __restrict__ img, const PoolGeomNhwc& g, int oy, int ox, int ch0,
-                                        int (&arg)[8], float (&best)[8]) {
-    const int y0 = oy * g.s - g.p, x0 = ox * g.s - g.p;
-    const int ky0 = max(0, -y0), ky1 = min(g.k, g.h - y0);
-    const int kx0 = max(0, -x0), kx1 = min(g.k, g.w - x0);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        arg[j] = -1;
-        best[j] = -INFINITY;
-    }
-    for (int ky = ky0; ky < ky1; ++ky) {
-        for (int kx = kx0; kx < kx1; ++kx) {
-            const Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(img + ((y0 + ky) * g.w + x0 + kx) * g.c + ch0);
-            const int off = ky * g.k + kx;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const float f = to_f32(v.v[j]);
-                if (arg[j] < 0 || f > best[j] || isnan(f)) {
-                    best[j] = f;
-                    arg[j] = off;
-                }
-            }
-        }
-    }
-}
-
 // MODE 0: y; MODE 1: arg.
 template <typename T, int MODE>
 __device__ void maxpool_fwd_v8(const T* __restrict__ x, T* __restrict__ y, uint8_t* __restrict__ arg,
@@ -73,12 +40,7 @@ __device__ void maxpool_fwd_v8(const T* __restrict__ x, T* __restrict__ y, uint8
             for (int j = 0; j < 8; ++j) out.v[j] = from_f32<T>(b[j]);
             *reinterpret_cast<Vec8<T>*>(y + o) = out;
         } else {
-            uint2 packed;
-            packed.x = (uint32_t)(a[0] & 255) | ((uint32_t)(a[1] & 255) << 8) | ((uint32_t)(a[2] & 255) << 16) |
-                       ((uint32_t)(a[3] & 255) << 24);
-            packed.y = (uint32_t)(a[4] & 255) | ((uint32_t)(a[5] & 255) << 8) | ((uint32_t)(a[6] & 255) << 16) |
-                       ((uint32_t)(a[7] & 255) << 24);
-            *reinterpret_cast<uint2*>(arg + o) = packed;
+            *reinterpret_cast<uint2*>(arg + o) = pack_offsets8(a);
         }
     }
 }
