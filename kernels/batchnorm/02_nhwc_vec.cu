@@ -148,16 +148,28 @@ __device__ __forceinline__ Vec8<T> apply8(const Vec8<T>& v, const Vec8<T>& rv, c
     return o;
 }
 
+// A block output's ReLU mask of 8 elements: bit j set where o.v[j] > 0, the test the join's gradient makes on the
+// block output y (bnv_join_partial), so that the backward reads rows * c / 8 bytes instead of y.
+template <typename T>
+__device__ __forceinline__ uint8_t relu_bits8(const Vec8<T>& o) {
+    uint32_t m = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) m |= (to_f32(o.v[j]) > 0.0f ? 1u : 0u) << j;
+    return (uint8_t)m;
+}
+
 // y = [relu](bn(x) [+ shortcut]): one thread per 8 consecutive elements, grid-stride. The stride (gridDim.x * 256)
 // is a multiple of G = c / 8 (G divides 256): a thread keeps its channel group, so its constants load once.
 // The loop takes U groups at a time, all loads first: as a plain grid-stride loop (not unrolled by nvcc) each
 // thread had one 16-byte load in flight, and the inner BatchNorm + ReLU launches of a ResNet-152 step moved 34-49%
 // of the H100's DRAM peak (scripts/profile-bn.sh, 2026-12-05). Each element's arithmetic is unchanged.
-template <typename T, int RES>
+// With MASK (a block output) also each group's relu_bits8, at mask[group] (rows * c / 8 bytes); a template
+// parameter, so that the launches without it keep their registers (bnv_apply_masked picks it at run time).
+template <typename T, int RES, bool MASK = false>
 __device__ void bnv_apply_res(const T* __restrict__ x, const T* __restrict__ r, const float* stats,
                               const float* __restrict__ weight, const float* __restrict__ bias, const float* stats_r,
                               const float* __restrict__ weight_r, const float* __restrict__ bias_r,
-                              T* __restrict__ y, int64_t rows, int c, int relu) {
+                              T* __restrict__ y, int64_t rows, int c, int relu, uint8_t* __restrict__ mask) {
     constexpr int U = RES == RES_NONE ? 4 : 2;
     const int64_t groups = rows * (int64_t)(c >> 3);
     const int64_t g0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -177,7 +189,9 @@ __device__ void bnv_apply_res(const T* __restrict__ x, const T* __restrict__ r, 
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            *reinterpret_cast<Vec8<T>*>(y + (g + u * stride) * 8) = apply8<T, RES>(v[u], rv[u], k, kr, relu);
+            const Vec8<T> o = apply8<T, RES>(v[u], rv[u], k, kr, relu);
+            *reinterpret_cast<Vec8<T>*>(y + (g + u * stride) * 8) = o;
+            if (MASK) mask[g + u * stride] = relu_bits8(o);
         }
     }
     for (; g < groups; g += stride) {
@@ -185,14 +199,30 @@ __device__ void bnv_apply_res(const T* __restrict__ x, const T* __restrict__ r, 
         const Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(x + i);
         Vec8<T> rv;
         if (RES != RES_NONE) rv = *reinterpret_cast<const Vec8<T>*>(r + i);
-        *reinterpret_cast<Vec8<T>*>(y + i) = apply8<T, RES>(v, rv, k, kr, relu);
+        const Vec8<T> o = apply8<T, RES>(v, rv, k, kr, relu);
+        *reinterpret_cast<Vec8<T>*>(y + i) = o;
+        if (MASK) mask[g] = relu_bits8(o);
+    }
+}
+
+// bnv_apply_res with the mask where mask is non-null (the test made once per launch).
+template <typename T, int RES>
+__device__ void bnv_apply_masked(const T* __restrict__ x, const T* __restrict__ r, const float* stats,
+                                 const float* __restrict__ weight, const float* __restrict__ bias,
+                                 const float* stats_r, const float* __restrict__ weight_r,
+                                 const float* __restrict__ bias_r, T* __restrict__ y, int64_t rows, int c,
+                                 uint8_t* __restrict__ mask) {
+    if (mask != nullptr) {
+        bnv_apply_res<T, RES, true>(x, r, stats, weight, bias, stats_r, weight_r, bias_r, y, rows, c, 1, mask);
+    } else {
+        bnv_apply_res<T, RES>(x, r, stats, weight, bias, stats_r, weight_r, bias_r, y, rows, c, 1, nullptr);
     }
 }
 
 template <typename T>
 __device__ void bnv_apply(const T* __restrict__ x, const float* stats, const float* __restrict__ weight,
                           const float* __restrict__ bias, T* __restrict__ y, int64_t rows, int c, int relu) {
-    bnv_apply_res<T, RES_NONE>(x, nullptr, stats, weight, bias, nullptr, nullptr, nullptr, y, rows, c, relu);
+    bnv_apply_res<T, RES_NONE>(x, nullptr, stats, weight, bias, nullptr, nullptr, nullptr, y, rows, c, relu, nullptr);
 }
 
 // g (dy, masked by the ReLU recomputed from x when relu) and xhat of one element, as 01's bn_grad.
@@ -257,7 +287,7 @@ __device__ void bnv_bwd_partial(const T* __restrict__ x, const T* __restrict__ d
 // kernels' bit for bit, with one read of g and one launch fewer.
 template <typename T, bool TWO>
 __device__ void bnv_join_partial(const T* __restrict__ a, const T* __restrict__ b, const T* __restrict__ y,
-                                 T* __restrict__ gout, const T* __restrict__ x, const float* __restrict__ stats,
+                                 const uint8_t* __restrict__ mask, T* __restrict__ gout, const T* __restrict__ x, const float* __restrict__ stats,
                                  const float* __restrict__ weight, const float* __restrict__ bias,
                                  float* __restrict__ part, int64_t rows, int c, int64_t rpc, int chunk, int chunks) {
     __shared__ float sh[8 * VB];
@@ -269,7 +299,14 @@ __device__ void bnv_join_partial(const T* __restrict__ a, const T* __restrict__ 
     for (int64_t r = r0 + t / G; r < r1; r += rstep) {
         const int64_t i = r * c + ch0;
         const Vec8<T> av = *reinterpret_cast<const Vec8<T>*>(a + i);
-        const Vec8<T> yv = *reinterpret_cast<const Vec8<T>*>(y + i);
+        // The ReLU's mask: y > 0, or its bits (relu_bits8 of the same y) where the forward wrote them.
+        uint32_t m = 0;
+        Vec8<T> yv;
+        if (mask != nullptr) {
+            m = mask[i >> 3];
+        } else {
+            yv = *reinterpret_cast<const Vec8<T>*>(y + i);
+        }
         const Vec8<T> xv = *reinterpret_cast<const Vec8<T>*>(x + i);
         Vec8<T> bv;
         if (TWO) bv = *reinterpret_cast<const Vec8<T>*>(b + i);
@@ -277,7 +314,8 @@ __device__ void bnv_join_partial(const T* __restrict__ a, const T* __restrict__ 
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             const float s = TWO ? to_f32(av.v[j]) + to_f32(bv.v[j]) : to_f32(av.v[j]);
-            gv.v[j] = from_f32<T>(to_f32(yv.v[j]) > 0.0f ? s : 0.0f);
+            const bool on = mask != nullptr ? ((m >> j) & 1u) != 0u : to_f32(yv.v[j]) > 0.0f;
+            gv.v[j] = from_f32<T>(on ? s : 0.0f);
         }
         *reinterpret_cast<Vec8<T>*>(gout + i) = gv;
         add_grad_row(xv, gv, k, 0, ag, agx);
@@ -377,13 +415,15 @@ __device__ void bnv_bwd_dx(const T* __restrict__ x, const T* dy, const float* st
                                                             const float* stats, const float* weight,                \
                                                             const float* bias, float* part, long long rows, int c,  \
                                                             long long rpc) {                                        \
-        bnv_join_partial<T, false>(a, b, y, g, x, stats, weight, bias, part, rows, c, rpc, blockIdx.x, gridDim.x);  \
+        bnv_join_partial<T, false>(a, b, y, nullptr, g, x, stats, weight, bias, part, rows, c, rpc, blockIdx.x,     \
+                                   gridDim.x);                                                                      \
     }                                                                                                               \
     extern "C" __global__ void bn_nhwc_join_sum_2_v8_##NAME(const T* a, const T* b, const T* y, T* g, const T* x,   \
                                                             const float* stats, const float* weight,                \
                                                             const float* bias, float* part, long long rows, int c,  \
                                                             long long rpc) {                                        \
-        bnv_join_partial<T, true>(a, b, y, g, x, stats, weight, bias, part, rows, c, rpc, blockIdx.x, gridDim.x);   \
+        bnv_join_partial<T, true>(a, b, y, nullptr, g, x, stats, weight, bias, part, rows, c, rpc, blockIdx.x,      \
+                                  gridDim.x);                                                                       \
     }
 
 BNV_EXPORT(float, f32)
@@ -535,13 +575,13 @@ __device__ void bnv_train_stats(const T* __restrict__ x, float* __restrict__ par
 template <typename T>
 __device__ void bnv_train(const T* __restrict__ x, const T* __restrict__ res, float* __restrict__ part,
                           float* __restrict__ stats, const float* __restrict__ weight, const float* __restrict__ bias,
-                          T* __restrict__ y, int64_t rows, int c, int64_t rpc, int chunks, float eps,
-                          float* running_mean, float* running_var, long long* num_batches_tracked, float momentum,
-                          int relu, int have_moments, int rev) {
+                          T* __restrict__ y, uint8_t* __restrict__ mask, int64_t rows, int c, int64_t rpc,
+                          int chunks, float eps, float* running_mean, float* running_var,
+                          long long* num_batches_tracked, float momentum, int relu, int have_moments, int rev) {
     bnv_train_stats<T>(x, part, stats, rows, c, rpc, chunks, eps, running_mean, running_var, num_batches_tracked,
                        momentum, have_moments, rev);
     if (res != nullptr) {
-        bnv_apply_res<T, RES_RAW>(x, res, stats, weight, bias, nullptr, nullptr, nullptr, y, rows, c, 1);
+        bnv_apply_masked<T, RES_RAW>(x, res, stats, weight, bias, nullptr, nullptr, nullptr, y, rows, c, mask);
     } else {
         bnv_apply<T>(x, stats, weight, bias, y, rows, c, relu);
     }
@@ -556,7 +596,7 @@ __device__ void bnv_train2(const T* __restrict__ x, const T* __restrict__ r, flo
                            float* __restrict__ part_r, float* __restrict__ stats, float* __restrict__ stats_r,
                            const float* __restrict__ weight, const float* __restrict__ bias,
                            const float* __restrict__ weight_r, const float* __restrict__ bias_r, T* __restrict__ y,
-                           int64_t rows, int c, int64_t rpc, int chunks, float eps, float eps_r, float* running_mean,
+                           uint8_t* __restrict__ mask, int64_t rows, int c, int64_t rpc, int chunks, float eps, float eps_r, float* running_mean,
                            float* running_var, long long* num_batches_tracked, float* running_mean_r,
                            float* running_var_r, long long* num_batches_tracked_r, float momentum, float momentum_r,
                            int have_moments, int rev) {
@@ -588,7 +628,7 @@ __device__ void bnv_train2(const T* __restrict__ x, const T* __restrict__ r, flo
         if (num_batches_tracked_r != nullptr) num_batches_tracked_r[0] += 1;
     }
     grid.sync();
-    bnv_apply_res<T, RES_BN>(x, r, stats, weight, bias, stats_r, weight_r, bias_r, y, rows, c, 1);
+    bnv_apply_masked<T, RES_BN>(x, r, stats, weight, bias, stats_r, weight_r, bias_r, y, rows, c, mask);
 }
 
 template <typename T>
@@ -614,14 +654,14 @@ __device__ void bnv_train_bwd(const T* __restrict__ x, const T* __restrict__ dy,
 // and the sums' partials, phase 3 dx from (x, g).
 template <typename T, bool TWO>
 __device__ void bnv_train_join_bwd(const T* __restrict__ a, const T* __restrict__ b, const T* __restrict__ y,
-                                   T* __restrict__ gout, const T* __restrict__ x, const float* __restrict__ stats,
+                                   const uint8_t* __restrict__ mask, T* __restrict__ gout, const T* __restrict__ x, const float* __restrict__ stats,
                                    const float* __restrict__ weight, const float* __restrict__ bias,
                                    float* __restrict__ part, float* __restrict__ sums, T* __restrict__ dx,
                                    int64_t rows, int c, int64_t rpc, int chunks, float count, int rev) {
     cg::grid_group grid = cg::this_grid();
     for (int k = blockIdx.x; k < chunks; k += gridDim.x) {
         const int kc = rev ? chunks - 1 - k : k;
-        bnv_join_partial<T, TWO>(a, b, y, gout, x, stats, weight, bias, part, rows, c, rpc, kc, chunks);
+        bnv_join_partial<T, TWO>(a, b, y, mask, gout, x, stats, weight, bias, part, rows, c, rpc, kc, chunks);
     }
     grid.sync();
     __shared__ float sh[FY][2];
@@ -782,12 +822,12 @@ __device__ void bnv_train_bwd_pool(const T* __restrict__ x, PoolDy<T> src, const
 #define BNV_TRAIN_EXPORT(T, NAME)                                                                                   \
     extern "C" __global__ void __launch_bounds__(VB, 4)                                                             \
         bn_nhwc_train_v8_##NAME(const T* x, const T* res, float* part, float* stats, const float* weight,           \
-                                const float* bias, T* y, long long rows, int c, long long rpc, int chunks,          \
-                                float eps, float* running_mean, float* running_var,                                 \
+                                const float* bias, T* y, uint8_t* mask, long long rows, int c, long long rpc,       \
+                                int chunks, float eps, float* running_mean, float* running_var,                     \
                                 long long* num_batches_tracked, float momentum, int relu, int have_moments,        \
                                 int rev) {                                                                          \
-        bnv_train<T>(x, res, part, stats, weight, bias, y, rows, c, rpc, chunks, eps, running_mean, running_var,     \
-                     num_batches_tracked, momentum, relu, have_moments, rev);                                       \
+        bnv_train<T>(x, res, part, stats, weight, bias, y, mask, rows, c, rpc, chunks, eps, running_mean,            \
+                     running_var, num_batches_tracked, momentum, relu, have_moments, rev);                          \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(VB, 3)                                                             \
         bn_nhwc_train_bwd_v8_##NAME(const T* x, const T* dy, const float* stats, const float* weight,               \
@@ -797,27 +837,27 @@ __device__ void bnv_train_bwd_pool(const T* __restrict__ x, PoolDy<T> src, const
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(VB, 3) bn_nhwc_train2_v8_##NAME(                                   \
         const T* x, const T* r, float* part, float* part_r, float* stats, float* stats_r, const float* weight,      \
-        const float* bias, const float* weight_r, const float* bias_r, T* y, long long rows, int c, long long rpc,  \
-        int chunks, float eps, float eps_r, float* running_mean, float* running_var, long long* num_batches_tracked,\
-        float* running_mean_r, float* running_var_r, long long* num_batches_tracked_r, float momentum,              \
-        float momentum_r, int have_moments, int rev) {                                                              \
-        bnv_train2<T>(x, r, part, part_r, stats, stats_r, weight, bias, weight_r, bias_r, y, rows, c, rpc, chunks,   \
-                      eps, eps_r, running_mean, running_var, num_batches_tracked, running_mean_r, running_var_r,     \
-                      num_batches_tracked_r, momentum, momentum_r, have_moments, rev);                              \
+        const float* bias, const float* weight_r, const float* bias_r, T* y, uint8_t* mask, long long rows, int c,  \
+        long long rpc, int chunks, float eps, float eps_r, float* running_mean, float* running_var,                 \
+        long long* num_batches_tracked, float* running_mean_r, float* running_var_r,                                \
+        long long* num_batches_tracked_r, float momentum, float momentum_r, int have_moments, int rev) {            \
+        bnv_train2<T>(x, r, part, part_r, stats, stats_r, weight, bias, weight_r, bias_r, y, mask, rows, c, rpc,    \
+                      chunks, eps, eps_r, running_mean, running_var, num_batches_tracked, running_mean_r,           \
+                      running_var_r, num_batches_tracked_r, momentum, momentum_r, have_moments, rev);               \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(VB, 3) bn_nhwc_train_join_bwd_1_v8_##NAME(                         \
-        const T* a, const T* b, const T* y, T* g, const T* x, const float* stats, const float* weight,              \
-        const float* bias, float* part, float* sums, T* dx, long long rows, int c, long long rpc, int chunks,       \
-        float count, int rev) {                                                                                     \
-        bnv_train_join_bwd<T, false>(a, b, y, g, x, stats, weight, bias, part, sums, dx, rows, c, rpc, chunks,      \
-                                     count, rev);                                                                   \
+        const T* a, const T* b, const T* y, const uint8_t* mask, T* g, const T* x, const float* stats,              \
+        const float* weight, const float* bias, float* part, float* sums, T* dx, long long rows, int c,             \
+        long long rpc, int chunks, float count, int rev) {                                                          \
+        bnv_train_join_bwd<T, false>(a, b, y, mask, g, x, stats, weight, bias, part, sums, dx, rows, c, rpc,        \
+                                     chunks, count, rev);                                                           \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(VB, 3) bn_nhwc_train_join_bwd_2_v8_##NAME(                         \
-        const T* a, const T* b, const T* y, T* g, const T* x, const float* stats, const float* weight,              \
-        const float* bias, float* part, float* sums, T* dx, long long rows, int c, long long rpc, int chunks,       \
-        float count, int rev) {                                                                                     \
-        bnv_train_join_bwd<T, true>(a, b, y, g, x, stats, weight, bias, part, sums, dx, rows, c, rpc, chunks,       \
-                                    count, rev);                                                                    \
+        const T* a, const T* b, const T* y, const uint8_t* mask, T* g, const T* x, const float* stats,              \
+        const float* weight, const float* bias, float* part, float* sums, T* dx, long long rows, int c,             \
+        long long rpc, int chunks, float count, int rev) {                                                          \
+        bnv_train_join_bwd<T, true>(a, b, y, mask, g, x, stats, weight, bias, part, sums, dx, rows, c, rpc,         \
+                                    chunks, count, rev);                                                            \
     }
 
 BNV_TRAIN_EXPORT(float, f32)

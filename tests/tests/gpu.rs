@@ -463,14 +463,18 @@ fn batch_stats_with_running_update_cuda_matches_cpu() -> Result<()> {
 /// without the ReLU, and `batch_norm_train_add_relu` (a block output: + the identity shortcut, then the ReLU)
 /// against `batch_stats` + `bn_add_relu`, and `join_grad_backward` (a block output's ReLU gradient with its last
 /// BatchNorm's backward) against `join_grad_sums` + `BnGrad` with the sums, and `batch_norm_train2_add_relu` (a
-/// downsample block's output) against two `batch_stats` + `bn_add_relu` with the normalised shortcut: the statistics, y, running_mean / running_var / num_batches_tracked, the sums and dx must be
-/// equal bit for bit (same chunks, same reduction order). The shapes include ResNet-152's largest (802,816 rows of
-/// 64 at batch 256 / 4: more chunks than resident blocks, so blocks loop) and a single chunk.
+/// downsample block's output) against two `batch_stats` + `bn_add_relu` with the normalised shortcut: the
+/// statistics, y, running_mean / running_var / num_batches_tracked, the sums and dx must be equal bit for bit (same
+/// chunks, same reduction order). The block outputs' ReLU masks (`kernels.join_relu_mask`: written by the
+/// cooperative forwards with y) must equal `relu_mask` of y, and the join gated by a mask must give what it gives
+/// gated by the output, bit for bit. The shapes include ResNet-152's largest (802,816 rows of 64 at batch 256 / 4:
+/// more chunks than resident blocks, so blocks loop) and a single chunk.
 #[test]
 fn cooperative_batchnorm_matches_the_three_launches() -> Result<()> {
     use kernels::ops::batchnorm::{
-        batch_norm_train, batch_norm_train2_add_relu, batch_norm_train_add_relu, batch_norm_train_backward,
-        batch_stats, join_grad_backward, join_grad_sums, BnApply, BnGrad, Running, TrainBn,
+        batch_norm_train, batch_norm_train2_add_relu, batch_norm_train_add_relu, batch_norm_train_add_relu_masked,
+        batch_norm_train_backward, batch_stats, join_grad_backward, join_grad_sums, relu_mask, BnApply, BnGrad,
+        ReluGate, Running, TrainBn,
     };
     use kernels::ops::residual::BnParams;
     let gpu = cuda()?;
@@ -493,13 +497,22 @@ fn cooperative_batchnorm_matches_the_three_launches() -> Result<()> {
             for (relu, residual) in [(false, false), (true, false), (true, true)] {
                 let what = format!("cooperative batchnorm {dims:?} {dt:?} relu={relu} residual={residual}");
                 // (stats, y, running_mean, running_var, num_batches_tracked, sums, dx)
-                let run = |one: bool| -> Result<Vec<Vec<f32>>> {
+                let run = |one: bool, mask_run: bool| -> Result<Vec<Vec<f32>>> {
                     let (rm, rv) = (Var::from_tensor(&rm0.copy()?)?, Var::from_tensor(&rv0.copy()?)?);
                     let nb = Var::from_tensor(&Tensor::new(3i64, &gpu)?)?;
                     let r = Running { mean: &rm, var: &rv, num_batches_tracked: &nb, momentum: 0.1 };
                     let bn_of = |running| TrainBn { weight: w.clone(), bias: b.clone(), eps: 1e-5, running };
                     let (stats, y) = match (one, residual) {
                         (true, false) => batch_norm_train(&xd, &bn_of(r), relu)?,
+                        // The mask only with the residual (a block output): the launch without it, then with it,
+                        // compared below through the running statistics' second update.
+                        (true, true) if mask_run => {
+                            let (stats, y, m) = batch_norm_train_add_relu_masked(&xd, &rd, None, &bn_of(r))?;
+                            let m = m.context("the cooperative block output wrote no ReLU mask")?;
+                            let (want, got) = (relu_mask(&y)?.to_vec2::<u8>()?, m.to_vec2::<u8>()?);
+                            ensure!(want == got, "block output's ReLU mask differs from relu_mask(y)");
+                            (stats, y)
+                        }
                         (true, true) => batch_norm_train_add_relu(&xd, &rd, &bn_of(r))?,
                         (false, _) => {
                             let stats = batch_stats(&xd, 1e-5, &r)?;
@@ -524,10 +537,12 @@ fn cooperative_batchnorm_matches_the_three_launches() -> Result<()> {
                     [&stats, &y, rm.as_tensor(), rv.as_tensor(), &nbt, &sums, &dx].iter().map(|t| host_f32(t)).collect()
                 };
                 let before = kernels::cuda::bn::cooperative_launches();
-                let one = run(true)?;
+                let one = run(true, false)?;
                 let launched = kernels::cuda::bn::cooperative_launches() - before;
                 ensure!(launched == 2, "{what}: {launched} cooperative launches, expected 2 (the path fell back)");
-                let three = run(false)?;
+                let three = run(false, false)?;
+                let masked = run(true, true)?;
+                ensure!(masked == one, "{what}: the launch writing the ReLU mask changed its other outputs");
                 const NAMES: [&str; 7] =
                     ["stats", "y", "running_mean", "running_var", "num_batches_tracked", "sums", "dx"];
                 for (k, (a, b)) in one.iter().zip(&three).enumerate() {
@@ -554,7 +569,11 @@ fn cooperative_batchnorm_matches_the_three_launches() -> Result<()> {
                     let (s1, s2, y) = if one {
                         let main = TrainBn { weight: w.clone(), bias: b.clone(), eps: 1e-5, running: r1 };
                         let short = TrainBn { weight: w2.clone(), bias: b2.clone(), eps: 1e-3, running: r2 };
-                        batch_norm_train2_add_relu(&xd, &rd, &main, &short, None)?
+                        let (s1, s2, y, m) = batch_norm_train2_add_relu(&xd, &rd, &main, &short, None, true)?;
+                        let m = m.context("the cooperative downsample output wrote no ReLU mask")?;
+                        let (want, got) = (relu_mask(&y)?.to_vec2::<u8>()?, m.to_vec2::<u8>()?);
+                        ensure!(want == got, "downsample output's ReLU mask differs from relu_mask(y)");
+                        (s1, s2, y)
                     } else {
                         let s1 = batch_stats(&xd, 1e-5, &r1)?;
                         let s2 = batch_stats(&rd, 1e-3, &r2)?;
@@ -596,9 +615,22 @@ fn cooperative_batchnorm_matches_the_three_launches() -> Result<()> {
             for two in [false, true] {
                 let b2 = two.then_some(&rd);
                 let before = kernels::cuda::bn::cooperative_launches();
-                let (g1, s1, d1) = join_grad_backward(&gd, b2, &yo, &xd, &p)?;
+                let (g1, s1, d1) = join_grad_backward(&gd, b2, ReluGate::Output(&yo), &xd, &p)?;
                 let launched = kernels::cuda::bn::cooperative_launches() - before;
                 ensure!(launched == 1, "join {dims:?} {dt:?} two={two}: {launched} cooperative launches, expected 1");
+                let mask = relu_mask(&yo)?;
+                let before = kernels::cuda::bn::cooperative_launches();
+                let (gm, sm, dm) = join_grad_backward(&gd, b2, ReluGate::Mask(&mask), &xd, &p)?;
+                let launched = kernels::cuda::bn::cooperative_launches() - before;
+                ensure!(launched == 1, "masked join {dims:?} {dt:?} two={two}: {launched} launches, expected 1");
+                for (name, a, bb) in [("g", &gm, &g1), ("sums", &sm, &s1), ("dz", &dm, &d1)] {
+                    let (a, bb) = (host_f32(a)?, host_f32(bb)?);
+                    let differ = a.iter().zip(&bb).filter(|(p, q)| p.to_bits() != q.to_bits()).count();
+                    ensure!(
+                        differ == 0,
+                        "join gated by the mask {dims:?} {dt:?} two={two}: {name} differs in {differ}"
+                    );
+                }
                 let (g3, s3) = join_grad_sums(&gd, b2, &yo, &xd, &p)?;
                 let op = BnGrad {
                     relu: false,

@@ -294,7 +294,18 @@ fn recomputed_activations_give_the_same_step_with_less_memory() {
 /// One FP32 explicit step of `m` on (x, labels): the loss, every trainable gradient by name, then the buffers whose
 /// names `keep` accepts (as f32), after the step.
 fn step_values(m: &ResNet, x: &Tensor, labels: &Tensor, keep: impl Fn(&str) -> bool) -> (f32, Vec<(String, Vec<f32>)>) {
-    let out = m.train_step_explicit(x, labels, 0.1, 8.0, Precision::F32).unwrap();
+    step_values_with(m, x, labels, resnet::step::StepArgs::new(0.1, 8.0, Precision::F32), keep)
+}
+
+/// [`step_values`] with the step's arguments.
+fn step_values_with(
+    m: &ResNet,
+    x: &Tensor,
+    labels: &Tensor,
+    args: resnet::step::StepArgs,
+    keep: impl Fn(&str) -> bool,
+) -> (f32, Vec<(String, Vec<f32>)>) {
+    let out = m.train_step_explicit_with(x, labels, args).unwrap();
     let mut vals: Vec<(String, Vec<f32>)> = m
         .store()
         .trainable()
@@ -340,6 +351,49 @@ fn epilogue_statistics_fall_back_to_the_pass_on_the_cpu() {
         assert_eq!(a.0, b.0, "{on:?}");
         for ((n, ga), (_, gb)) in a.1.iter().zip(&b.1) {
             assert_eq!(ga, gb, "{on:?} {n}");
+        }
+    }
+}
+
+/// The block outputs' ReLU masks (`KernelPolicy::join_relu_mask`, with `kernels.bn_cooperative`): the forward
+/// keeps each block output's mask and the joined backward gates by it instead of the output, which must give the
+/// same step bit for bit (loss, every gradient, the running statistics). ResNet-18 (basic blocks, one downsample
+/// per stage: both the identity and the downsample outputs' masks), ResNet-50 (bottlenecks) with a frozen layer,
+/// and ResNet-18 with `kernels.recompute = "relu+conv"` (no joined backward there: no masks). The CUDA kernels'
+/// masks and the masked join are compared on the GPU: `cooperative_batchnorm_matches_the_three_launches`.
+#[test]
+fn join_relu_mask_gives_the_same_step() {
+    use resnet::step::Recompute;
+    let dev = Device::Cpu;
+    let x = Tensor::randn(0f32, 1., (3, 3, 32, 32), &dev).unwrap();
+    let labels = Tensor::new(&[3u32, 8, 0], &dev).unwrap();
+    for (arch, freeze, recompute) in [
+        (Arch::ResNet18, None, Recompute::None),
+        (Arch::ResNet50, Some("layer1"), Recompute::None),
+        (Arch::ResNet18, None, Recompute::ReluConv),
+    ] {
+        let run = |mask: bool| {
+            let mut m = model(arch, Stem::ImageNet);
+            m.config.kernels.bn_cooperative = true;
+            m.config.kernels.join_relu_mask = mask;
+            let m = ResNet::new(m.config.clone(), &dev).unwrap();
+            if let Some(p) = freeze {
+                assert!(m.store().freeze_prefixes(&[p.to_string()]) > 0);
+            }
+            let before = kernels::ops::batchnorm::masked_joins();
+            let args = resnet::step::StepArgs { recompute, ..resnet::step::StepArgs::new(0.1, 8.0, Precision::F32) };
+            let v = step_values_with(&m, &x, &labels, args, |n| n.contains("running"));
+            (v, kernels::ops::batchnorm::masked_joins() - before)
+        };
+        let ((a, joins), (b, _)) = (run(true), run(false));
+        let what = format!("{arch} freeze={freeze:?} recompute={recompute:?}");
+        if recompute == Recompute::None {
+            assert!(joins > 0, "{what}: no join gated by a mask");
+        }
+        assert_eq!(a.0, b.0, "{what}: loss");
+        assert_eq!(a.1.len(), b.1.len());
+        for ((n, va), (_, vb)) in a.1.iter().zip(&b.1) {
+            assert_eq!(va, vb, "{what}: {n}");
         }
     }
 }

@@ -196,6 +196,9 @@ struct BlockSaved {
     down: Option<BnSaved>,
     /// Block output (post-ReLU): the mask of its gradient.
     out: Tensor,
+    /// The block output's ReLU mask (1 bit an element), which the cooperative join reads instead of `out`
+    /// (`policy.join_relu_mask`, where the forward made it).
+    mask: Option<Tensor>,
     /// The convs' low-precision (k, r, r, c) weights made in the forward, reused by the grad-input passes.
     weights: Vec<Tensor>,
     down_weight: Option<Tensor>,
@@ -387,7 +390,11 @@ impl<'a> Engine<'a> {
                 if let (Some(z), false) = (&saved.z, frozen(bn)) {
                     // The ReLU gradient and the BatchNorm's whole backward in one launch on CUDA.
                     let p = Self::bn_params(bn, &saved.stats);
-                    let (g, sums, dz) = kernels::ops::batchnorm::join_grad_backward(a, b2, &s.out, z, &p)?;
+                    let gate = match &s.mask {
+                        Some(m) => kernels::ops::batchnorm::ReluGate::Mask(m),
+                        None => kernels::ops::batchnorm::ReluGate::Output(&s.out),
+                    };
+                    let (g, sums, dz) = kernels::ops::batchnorm::join_grad_backward(a, b2, gate, z, &p)?;
                     return Ok((g, Some(Pre::Done { sums, dz })));
                 }
             }
@@ -482,6 +489,12 @@ impl<'a> Engine<'a> {
     /// Whether the backward of a (not frozen) BatchNorm runs as one launch: `policy.bn_cooperative`, no
     /// synchronised statistics, and no gradient buckets handed on during the backward (a cooperative grid
     /// takes every SM, so it could not start beside the buckets' all-reduces and would serialise with them).
+    /// Whether block outputs keep their ReLU mask for the cooperative join (`policy.join_relu_mask`): only where
+    /// that join runs, and its last BatchNorm's input is kept (the join needs it; `Recompute::ReluConv` drops it).
+    fn join_mask(&self) -> bool {
+        self.policy.join_relu_mask && self.cooperative_backward() && self.recompute != Recompute::ReluConv
+    }
+
     fn cooperative_backward(&self) -> bool {
         self.policy.bn_cooperative && self.sync.is_none() && self.buckets.sink.is_none()
     }
@@ -579,8 +592,10 @@ impl<'a> Engine<'a> {
         let last = b.convs.len() - 1;
         let (mut bns, mut acts, mut weights) = (Vec::new(), Vec::new(), Vec::new());
         let mut inp = x.clone();
-        // The block output made with its last BatchNorm's statistics in one launch (identity shortcut).
+        // The block output made with its last BatchNorm's statistics in one launch (identity shortcut), and its
+        // ReLU mask when that launch wrote one.
         let mut joined = None;
+        let mut mask = None;
         for (i, (conv, bn)) in b.convs.iter().zip(&b.bns).enumerate() {
             let cw = self.weight(conv)?;
             let saved = if i != last {
@@ -592,13 +607,19 @@ impl<'a> Engine<'a> {
                 saved
             } else if b.downsample.is_none() && self.cooperative(bn) {
                 let (z, moments) = self.conv_moments(&inp, &cw)?;
-                let (stats, out) = kernels::ops::batchnorm::batch_norm_train_with(
-                    &z,
-                    Some(&x),
-                    moments.as_ref(),
-                    &train_bn(bn),
-                    true,
-                )?;
+                let (stats, out, m) = if self.join_mask() {
+                    kernels::ops::batchnorm::batch_norm_train_add_relu_masked(&z, &x, moments.as_ref(), &train_bn(bn))?
+                } else {
+                    let (stats, out) = kernels::ops::batchnorm::batch_norm_train_with(
+                        &z,
+                        Some(&x),
+                        moments.as_ref(),
+                        &train_bn(bn),
+                        true,
+                    )?;
+                    (stats, out, None)
+                };
+                mask = m;
                 joined = Some((out, None));
                 BnSaved { z: Some(z), stats, global_rows: None }
             } else if let Some(d) = b.downsample.as_ref().filter(|d| self.cooperative(bn) && self.cooperative(&d.bn)) {
@@ -609,8 +630,15 @@ impl<'a> Engine<'a> {
                 let (zd, md) = self.conv_moments(&x, &dcw)?;
                 let (bn_main, bn_down) = (train_bn(bn), train_bn(&d.bn));
                 let moments = m.as_ref().zip(md.as_ref());
-                let (stats, stats_d, out) =
-                    kernels::ops::batchnorm::batch_norm_train2_add_relu(&z, &zd, &bn_main, &bn_down, moments)?;
+                let (stats, stats_d, out, m) = kernels::ops::batchnorm::batch_norm_train2_add_relu(
+                    &z,
+                    &zd,
+                    &bn_main,
+                    &bn_down,
+                    moments,
+                    self.join_mask(),
+                )?;
+                mask = m;
                 joined = Some((out, Some((BnSaved { z: Some(zd), stats: stats_d, global_rows: None }, dcw.w))));
                 BnSaved { z: Some(z), stats, global_rows: None }
             } else {
@@ -638,7 +666,7 @@ impl<'a> Engine<'a> {
                 d.z = None;
             }
         }
-        Ok(BlockSaved { x, bns, acts, down, out, weights, down_weight })
+        Ok(BlockSaved { x, bns, acts, down, out, mask, weights, down_weight })
     }
 
     /// Backward of a block from the gradient `gp` at its output's pre-ReLU sum: returns the two gradient
@@ -651,8 +679,8 @@ impl<'a> Engine<'a> {
         gp: &Tensor,
         mut pre: Option<Pre>,
     ) -> Result<(Tensor, Tensor)> {
-        let BlockSaved { x, mut bns, mut acts, down, out, mut weights, down_weight } = s;
-        drop(out);
+        let BlockSaved { x, mut bns, mut acts, down, out, mask, mut weights, down_weight } = s;
+        drop((out, mask));
         let last = b.convs.len() - 1;
         // g: gradient at the output of bns[i] (pre-ReLU for the last, post-ReLU for the others).
         let mut g = gp.clone();
@@ -727,7 +755,7 @@ fn saved_bytes(saved: &[BlockSaved]) -> usize {
     let mut bytes = 0;
     for s in saved {
         let bns = s.bns.iter().chain(&s.down).filter_map(|b| b.z.as_ref());
-        for t in bns.chain(&s.acts).chain([&s.x, &s.out]) {
+        for t in bns.chain(&s.acts).chain([&s.x, &s.out]).chain(&s.mask) {
             if seen.insert(t.id()) {
                 bytes += t.elem_count() * t.dtype().size_in_bytes();
             }

@@ -713,13 +713,24 @@ impl<'a> Partials<'a> {
     }
 }
 
+/// A launch's outputs: the statistics, y, and with a shortcut and `mask` asked for, y's ReLU mask.
+type TrainOut = (CudaStorage, CudaStorage, Option<CudaStorage>);
+
+/// The ReLU mask a block output's launch writes: rows * c / 8 bytes (bit j of byte (row, group) set where
+/// y[row, 8 group + j] > 0), or none.
+fn mask_out(dev: &CudaDevice, len: usize, want: bool) -> Result<Option<CudaSlice<u8>>> {
+    want.then(|| alloc_out::<u8>(dev, len / 8)).transpose()
+}
+
+#[allow(clippy::too_many_arguments)]
 fn train_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     (x, w, b, res, moments): (Arg, Arg, Arg, Option<Arg>, Option<Arg>),
     sp: Split,
     eps: f64,
     relu: bool,
     running: Option<RunningAddrs>,
-) -> Result<(CudaStorage, CudaStorage)> {
+    mask: bool,
+) -> Result<TrainOut> {
     const OP: &str = "batch_norm_nhwc_train";
     let dev = &x.0.device;
     let sp = if moments.is_some() { epilogue_split(sp) } else { sp };
@@ -734,6 +745,7 @@ fn train_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     let part = Partials::new(moments, &sp, dev, OP, "epilogue moments")?;
     let stats = alloc_out::<f32>(dev, 3 * c)?;
     let y = alloc_out::<T>(dev, len)?;
+    let mask = mask_out(dev, len, mask && rv.is_some())?;
     let name = format!("bn_nhwc_train_v8_{}", suffix(T::DTYPE, OP)?);
     let f = dev.get_or_load_custom_func(&name, MODULE_V8, ptx::BATCHNORM_02_NHWC_VEC)?;
     let blocks = coop_blocks(dev, &f, &name, sp.chunks)?;
@@ -748,17 +760,23 @@ fn train_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     };
     part.push(&mut bld);
     bld.arg(&stats).arg(&wv).arg(&bv).arg(&y);
+    match &mask {
+        Some(m) => bld.arg(m),
+        None => bld.arg(&null),
+    };
     bld.arg(&sp.rows).arg(&sp.c).arg(&sp.rows_per_chunk).arg(&chunks).arg(&eps);
     let rev = reverse_chunks();
     bld.arg(&rm).arg(&rv_addr).arg(&nb).arg(&momentum).arg(&relu).arg(&have_moments).arg(&rev);
-    // SAFETY: matches bn_nhwc_train_v8_* (x, res, part, stats, weight, bias, y, rows, c, rpc, chunks, eps,
+    // SAFETY: matches bn_nhwc_train_v8_* (x, res, part, stats, weight, bias, y, mask, rows, c, rpc, chunks, eps,
     // running_mean, running_var, num_batches_tracked, momentum, relu, have_moments, rev); x, res (or null) and y
-    // hold rows*c elements (c % 8 == 0, 256 % (c / 8) == 0, 16-byte aligned: v8_applies; y fresh), part (2 chunks
+    // hold rows*c elements (c % 8 == 0, 256 % (c / 8) == 0, 16-byte aligned: v8_applies; y fresh), the mask (or
+    // null; only with res) rows*c/8 bytes, fresh, part (2 chunks
     // + 1) c (checked when given: the epilogue's chunks of 128 rows, read only under have_moments), stats 3 c, weight
     // and bias c; the running addresses are null or c / c / 1 elements ([`RunningAddrs`]); every chunk has a row.
     // A cooperative launch of at most the resident blocks ([`coop_blocks`]): the grid barriers need it.
     unsafe { bld.launch_cooperative(coop_cfg(blocks)) }.w()?;
-    Ok((CudaStorage::wrap_cuda_slice(stats, dev.clone()), CudaStorage::wrap_cuda_slice(y, dev.clone())))
+    let mask = mask.map(|m| CudaStorage::wrap_cuda_slice(m, dev.clone()));
+    Ok((CudaStorage::wrap_cuda_slice(stats, dev.clone()), CudaStorage::wrap_cuda_slice(y, dev.clone()), mask))
 }
 
 /// A training-mode BatchNorm forward in one cooperative launch (`bn_nhwc_train_v8_*`): x (rows, c), weight and
@@ -766,8 +784,10 @@ fn train_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
 /// x) y = relu(bn(x) + res)), with the running statistics updated in place when `running` is given; bit for bit
 /// what [`stats`] and [`apply`] (or the residual kernels' `bn_add_relu`) give. With `moments` (the partials a
 /// convolution's epilogue wrote for x: [`super::tma::stats_partials_len`]`(rows, c)` floats) the launch skips its
-/// own moments pass: bit for bit [`stats_from_partials`] and the same element-wise pass. None where the 8-channel
-/// kernels do not apply ([`v8_applies`]): the caller runs those.
+/// own moments pass: bit for bit [`stats_from_partials`] and the same element-wise pass. With `res` and `mask`
+/// also y's ReLU mask (rows * c / 8 bytes: bit j of byte (row, group) set where y[row, 8 group + j] > 0), which
+/// [`train_join_backward`] takes instead of y. None where the 8-channel kernels do not apply ([`v8_applies`]): the
+/// caller runs those.
 #[allow(clippy::too_many_arguments)]
 pub fn train(
     (x, res, moments): (Arg, Option<Arg>, Option<Arg>),
@@ -778,7 +798,8 @@ pub fn train(
     eps: f64,
     relu: bool,
     running: Option<RunningAddrs>,
-) -> Result<Option<(CudaStorage, CudaStorage)>> {
+    mask: bool,
+) -> Result<Option<TrainOut>> {
     const OP: &str = "batch_norm_nhwc_train";
     let elems: Vec<&Layout> = std::iter::once(x.1).chain(res.map(|r| r.1)).collect();
     if !v8_applies(c, &elems, &[w.1, b.1]) || res.is_some_and(|r| r.0.dtype() != x.0.dtype()) {
@@ -790,7 +811,8 @@ pub fn train(
         sp,
         eps,
         relu,
-        running
+        running,
+        mask
     ))?;
     Ok(Some(out))
 }
@@ -1037,8 +1059,17 @@ pub fn train_backward_pool(
     Ok(Some(out))
 }
 
+/// What gates a block output's gradient in [`train_join_backward`]: the block output y itself (its positive
+/// elements pass the gradient: rows * c elements read) or the ReLU mask [`train`] / [`train2`] wrote with it (rows
+/// * c / 8 bytes, the same test bit for bit).
+#[derive(Clone, Copy)]
+pub enum Gate<'a> {
+    Output(Arg<'a>),
+    Mask(Arg<'a>),
+}
+
 fn train_join_bwd_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
-    (a, b, y, x): (Arg, Option<Arg>, Arg, Arg),
+    (a, b, gate, x): (Arg, Option<Arg>, Gate, Arg),
     op: &GradArgs,
     sp: Split,
 ) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
@@ -1048,7 +1079,11 @@ fn train_join_bwd_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     let len = sp.rows as usize * c;
     let av = view::<T>(a, len, dev, OP, "a")?;
     let bv = view::<T>(b.unwrap_or(a), len, dev, OP, "b")?;
-    let yv = view::<T>(y, len, dev, OP, "y")?;
+    let (yv, mv) = match gate {
+        Gate::Output(y) => (Some(view::<T>(y, len, dev, OP, "y")?), None),
+        Gate::Mask(m) => (None, Some(view::<u8>(m, len / 8, dev, OP, "ReLU mask")?)),
+    };
+    let null = 0u64;
     let xv = view::<T>(x, len, dev, OP, "z")?;
     chan_views!(op, c, dev, OP => sv, wv, bnv);
     let g = alloc_out::<T>(dev, len)?;
@@ -1061,11 +1096,18 @@ fn train_join_bwd_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     let blocks = coop_blocks(dev, &f, &name, sp.chunks)?;
     let (chunks, count) = (sp.chunks as i32, sp.count());
     let mut bld = f.builder();
-    bld.arg(&av).arg(&bv).arg(&yv).arg(&g).arg(&xv).arg(&sv).arg(&wv).arg(&bnv).arg(&part).arg(&sums).arg(&dx);
+    bld.arg(&av).arg(&bv);
+    match (&yv, &mv) {
+        (Some(y), _) => bld.arg(y).arg(&null),
+        (None, Some(m)) => bld.arg(&null).arg(m),
+        (None, None) => unreachable!("a gate is y or its mask"),
+    };
+    bld.arg(&g).arg(&xv).arg(&sv).arg(&wv).arg(&bnv).arg(&part).arg(&sums).arg(&dx);
     let rev = reverse_chunks();
     bld.arg(&sp.rows).arg(&sp.c).arg(&sp.rows_per_chunk).arg(&chunks).arg(&count).arg(&rev);
-    // SAFETY: matches bn_nhwc_train_join_bwd_{1,2}_v8_* (a, b, y, g, x, stats, weight, bias, part, sums, dx, rows, c,
-    // rpc, chunks, count, rev); a, b, y, x, g and dx hold rows*c elements (g and dx fresh), stats 3 c, weight and
+    // SAFETY: matches bn_nhwc_train_join_bwd_{1,2}_v8_* (a, b, y, mask, g, x, stats, weight, bias, part, sums, dx,
+    // rows, c, rpc, chunks, count, rev); exactly one of y (rows*c elements) and the mask (rows*c/8 bytes) is
+    // non-null; a, b, x, g and dx hold rows*c elements (g and dx fresh), stats 3 c, weight and
     // bias c, all 16-byte aligned with c % 8 == 0 and 256 % (c / 8) == 0 (checked by the caller, v8_applies);
     // part 2 chunks c, sums 2 c. Cooperative, at most the resident blocks ([`coop_blocks`]).
     unsafe { bld.launch_cooperative(coop_cfg(blocks)) }.w()?;
@@ -1074,27 +1116,33 @@ fn train_join_bwd_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
 }
 
 /// A block output's ReLU gradient and its last BatchNorm's backward in one cooperative launch
-/// (`bn_nhwc_train_join_bwd_{1,2}_v8_*`): g = a (+ b) where the block's ReLU output y is positive, then the sums
-/// (2, c) and dx of the BatchNorm `op` (no ReLU of its own, `op.sums` None) over (x, g): (g, sums, dx), bit for bit
-/// what [`join_sums`] and [`grad`] with the sums give. None where the 8-channel kernels do not apply.
+/// (`bn_nhwc_train_join_bwd_{1,2}_v8_*`): g = a (+ b) where the block's ReLU output y is positive (read from y or
+/// from its mask, [`Gate`]), then the sums (2, c) and dx of the BatchNorm `op` (no ReLU of its own, `op.sums`
+/// None) over (x, g): (g, sums, dx), bit for bit what [`join_sums`] and [`grad`] with the sums give. None where the
+/// 8-channel kernels do not apply.
 pub fn train_join_backward(
-    (a, b, y, x): (Arg, Option<Arg>, Arg, Arg),
+    (a, b, gate, x): (Arg, Option<Arg>, Gate, Arg),
     op: &GradArgs,
     rows: usize,
     c: usize,
 ) -> Result<Option<(CudaStorage, CudaStorage, CudaStorage)>> {
     const OP: &str = "batch_norm_nhwc_train_join_backward";
-    let dts = [Some(a.0.dtype()), b.map(|b| b.0.dtype()), Some(y.0.dtype()), Some(x.0.dtype())];
+    let y = match gate {
+        Gate::Output(y) => Some(y),
+        Gate::Mask(m) if m.0.dtype() == candle_core::DType::U8 => None,
+        Gate::Mask(m) => candle_core::bail!("{OP}: the ReLU mask must be u8, got {:?}", m.0.dtype()),
+    };
+    let dts = [Some(a.0.dtype()), b.map(|b| b.0.dtype()), y.map(|y| y.0.dtype()), Some(x.0.dtype())];
     if op.sums.is_some() || op.relu || dts.iter().flatten().any(|d| *d != a.0.dtype()) {
         return Ok(None);
     }
-    let elems = [a.1, b.map_or(a.1, |b| b.1), y.1, x.1];
+    let elems = [a.1, b.map_or(a.1, |b| b.1), y.map_or(a.1, |y| y.1), x.1];
     if !v8_applies(c, &elems, &chan_layouts(op)) {
         return Ok(None);
     }
     let sp = Split::v8(rows, c, OP)?;
     let out = cuda_float!(a.0.dtype(), OP, [F32: f32, BF16: bf16, F16: f16], |T| train_join_bwd_t::<T>(
-        (a, b, y, x),
+        (a, b, gate, x),
         op,
         sp
     ))?;
@@ -1110,12 +1158,16 @@ pub struct TrainBn<'a> {
     pub running: Option<RunningAddrs>,
 }
 
+/// [`train2`]'s outputs: both statistics, y, and y's ReLU mask when asked for.
+type Train2Out = (CudaStorage, CudaStorage, CudaStorage, Option<CudaStorage>);
+
 fn train2_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     (x, r): (Arg, Arg),
     (bn, bn_r): (TrainBn, TrainBn),
     moments: Option<(Arg, Arg)>,
     sp: Split,
-) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
+    mask: bool,
+) -> Result<Train2Out> {
     const OP: &str = "batch_norm_nhwc_train2";
     let dev = &x.0.device;
     let sp = if moments.is_some() { epilogue_split(sp) } else { sp };
@@ -1131,6 +1183,8 @@ fn train2_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     let part_r = Partials::new(moments.map(|m| m.1), &sp, dev, OP, "shortcut's epilogue moments")?;
     let (stats, stats_r) = (alloc_out::<f32>(dev, 3 * c)?, alloc_out::<f32>(dev, 3 * c)?);
     let y = alloc_out::<T>(dev, len)?;
+    let mask = mask_out(dev, len, mask)?;
+    let null = 0u64;
     let name = format!("bn_nhwc_train2_v8_{}", suffix(T::DTYPE, OP)?);
     let f = dev.get_or_load_custom_func(&name, MODULE_V8, ptx::BATCHNORM_02_NHWC_VEC)?;
     let blocks = coop_blocks(dev, &f, &name, 2 * sp.chunks)?;
@@ -1143,12 +1197,16 @@ fn train2_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     part_r.push(&mut bld);
     bld.arg(&stats).arg(&stats_r);
     bld.arg(&wv).arg(&bv).arg(&wrv).arg(&brv).arg(&y);
+    match &mask {
+        Some(m) => bld.arg(m),
+        None => bld.arg(&null),
+    };
     bld.arg(&sp.rows).arg(&sp.c).arg(&sp.rows_per_chunk).arg(&chunks).arg(&eps).arg(&eps_r);
     bld.arg(&rm).arg(&rvar).arg(&nb).arg(&rm_r).arg(&rvar_r).arg(&nb_r).arg(&momentum).arg(&momentum_r);
     let rev = reverse_chunks();
     bld.arg(&have_moments).arg(&rev);
     // SAFETY: matches bn_nhwc_train2_v8_* (x, r, part, part_r, stats, stats_r, weight, bias, weight_r, bias_r, y,
-    // rows, c, rpc, chunks, eps, eps_r, running_mean, running_var, num_batches_tracked, running_mean_r,
+    // mask (or null: rows*c/8 fresh bytes), rows, c, rpc, chunks, eps, eps_r, running_mean, running_var, num_batches_tracked, running_mean_r,
     // running_var_r, num_batches_tracked_r, momentum, momentum_r, have_moments, rev); x, r and y hold rows*c elements
     // (16-byte aligned, c % 8 == 0, 256 % (c / 8) == 0: v8_applies; y fresh), the partials (2 chunks + 1) c each
     // (checked when given: the epilogues' 128-row chunks, read only under have_moments), the statistics 3 c each,
@@ -1156,14 +1214,16 @@ fn train2_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     // ([`coop_blocks`]).
     unsafe { bld.launch_cooperative(coop_cfg(blocks)) }.w()?;
     let wrap = |s| CudaStorage::wrap_cuda_slice(s, dev.clone());
-    Ok((wrap(stats), wrap(stats_r), CudaStorage::wrap_cuda_slice(y, dev.clone())))
+    let mask = mask.map(|m| CudaStorage::wrap_cuda_slice(m, dev.clone()));
+    Ok((wrap(stats), wrap(stats_r), CudaStorage::wrap_cuda_slice(y, dev.clone()), mask))
 }
 
 /// A downsample block's output in one cooperative launch (`bn_nhwc_train2_v8_*`): the statistics of its last conv
 /// output x and of the downsample conv output r (both (rows, c), one dtype), each BatchNorm's running statistics
 /// updated, and y = relu(bn(x) + bn_r(r)): (stats, stats_r, y), bit for bit two [`stats`] and the residual
 /// kernels' `bn_add_relu` with the normalised shortcut. With `moments` (both convolutions' epilogue partials, as
-/// [`train`] takes them) without the moments pass. None where the 8-channel kernels do not apply.
+/// [`train`] takes them) without the moments pass; with `mask` also y's ReLU mask, as [`train`] writes it. None
+/// where the 8-channel kernels do not apply.
 pub fn train2(
     (x, r): (Arg, Arg),
     bn: TrainBn,
@@ -1171,7 +1231,8 @@ pub fn train2(
     moments: Option<(Arg, Arg)>,
     rows: usize,
     c: usize,
-) -> Result<Option<(CudaStorage, CudaStorage, CudaStorage)>> {
+    mask: bool,
+) -> Result<Option<Train2Out>> {
     const OP: &str = "batch_norm_nhwc_train2";
     let chans = [bn.weight.1, bn.bias.1, bn_r.weight.1, bn_r.bias.1];
     if !v8_applies(c, &[x.1, r.1], &chans) || r.0.dtype() != x.0.dtype() {
@@ -1179,7 +1240,7 @@ pub fn train2(
     }
     let sp = Split::v8(rows, c, OP)?;
     let out = cuda_float!(x.0.dtype(), OP, [F32: f32, BF16: bf16, F16: f16], |T| {
-        train2_t::<T>((x, r), (bn, bn_r), moments, sp)
+        train2_t::<T>((x, r), (bn, bn_r), moments, sp, mask)
     })?;
     Ok(Some(out))
 }

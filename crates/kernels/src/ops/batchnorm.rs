@@ -321,6 +321,64 @@ pub fn batch_norm_train_with(
     bn: &TrainBn,
     relu: bool,
 ) -> Result<(Tensor, Tensor)> {
+    let (stats, y, _) = train_with(x, res, moments, bn, relu, false)?;
+    Ok((stats, y))
+}
+
+/// [`batch_norm_train_with`] of a block output (identity shortcut `res`, then the ReLU) that also returns the
+/// output's ReLU mask ([`relu_mask`]'s layout), for [`join_grad_backward`] to read instead of the output:
+/// (stats, y, mask). On CUDA the cooperative launch writes the mask with y (rows * c / 8 more bytes); where it
+/// does not run, the mask is None on CUDA and made from y elsewhere (the CPU tests' path).
+pub fn batch_norm_train_add_relu_masked(
+    x: &Tensor,
+    res: &Tensor,
+    moments: Option<&Tensor>,
+    bn: &TrainBn,
+) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+    train_with(x, Some(res), moments, bn, true, true)
+}
+
+/// The ReLU mask of a block output y (.., c), c % 8 == 0: u8 (rows, c / 8), bit j of byte (row, group) set where
+/// y[row, 8 group + j] > 0, what the cooperative forward kernels write with y (`relu_bits8`). Made on the host:
+/// the CPU path and the tests.
+pub fn relu_mask(y: &Tensor) -> Result<Tensor> {
+    let (rows, c) = rows_c(y.dims())?;
+    if c % 8 != 0 {
+        candle_core::bail!("relu_mask: {c} channels is not a multiple of 8");
+    }
+    let v = y.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+    let bits: Vec<u8> =
+        v.chunks_exact(8).map(|g| g.iter().enumerate().fold(0u8, |m, (j, &e)| m | (u8::from(e > 0.0) << j))).collect();
+    Tensor::from_vec(bits, (rows, c / 8), y.device())
+}
+
+/// A tensor like `like` that is 1 where `mask` ([`relu_mask`]'s layout) has its bit set and 0 elsewhere: the gate
+/// [`crate::relu_grad`] / [`crate::add_relu_grad`] test as y > 0, so that a gradient gated by it equals one gated
+/// by the output the mask was made from. Made on the host (the fallback of [`join_grad_backward`]).
+fn gate_from_mask(mask: &Tensor, like: &Tensor) -> Result<Tensor> {
+    let (rows, c) = rows_c(like.dims())?;
+    if mask.dims() != [rows, c / 8] || c % 8 != 0 || mask.dtype() != DType::U8 {
+        candle_core::bail!(
+            "ReLU mask {:?} {:?} does not fit an output of {:?}",
+            mask.dtype(),
+            mask.dims(),
+            like.dims()
+        );
+    }
+    let bits = mask.flatten_all()?.to_vec1::<u8>()?;
+    let v: Vec<f32> = bits.iter().flat_map(|&m| (0..8).map(move |j| f32::from((m >> j) & 1))).collect();
+    Tensor::from_vec(v, like.shape(), like.device())?.to_dtype(like.dtype())
+}
+
+/// [`batch_norm_train_with`], with y's ReLU mask when `mask` (a block output: `res` given).
+fn train_with(
+    x: &Tensor,
+    res: Option<&Tensor>,
+    moments: Option<&Tensor>,
+    bn: &TrainBn,
+    relu: bool,
+    mask: bool,
+) -> Result<(Tensor, Tensor, Option<Tensor>)> {
     if let Some(r) = res {
         if r.dims() != x.dims() {
             candle_core::bail!("batch_norm_train: residual {:?} and x {:?} differ", r.dims(), x.dims());
@@ -336,10 +394,11 @@ pub fn batch_norm_train_with(
         let out = with_cuda(&ts, "batch_norm_train", |a| {
             let m = moments.map(|_| a[3]);
             let r = res.map(|_| a[3 + usize::from(moments.is_some())]);
-            crate::cuda::bn::train((a[0], r, m), a[1], a[2], rows, c, bn.eps, relu, Some(addrs))
+            crate::cuda::bn::train((a[0], r, m), a[1], a[2], rows, c, bn.eps, relu, Some(addrs), mask)
         })?;
-        if let Some((stats, y)) = out {
-            return Ok((from_cuda(stats, (3, c)), from_cuda(y, x.shape().clone())));
+        if let Some((stats, y, m)) = out {
+            let m = m.map(|m| from_cuda(m, (rows, c / 8)));
+            return Ok((from_cuda(stats, (3, c)), from_cuda(y, x.shape().clone()), m));
         }
     }
     let _ = (rows, c);
@@ -351,7 +410,18 @@ pub fn batch_norm_train_with(
         Some(r) => crate::ops::residual::bn_add_relu(x, r, &bn.params(&stats), None)?,
         None => x.apply_op3_no_bwd(&bn.weight, &bn.bias, &BnApply { relu, stats: stats.clone() })?,
     };
-    Ok((stats, y))
+    let m = host_mask(&y, mask && res.is_some())?;
+    Ok((stats, y, m))
+}
+
+/// y's ReLU mask where asked for and the kernels did not write it: made on the host off CUDA (None on CUDA, whose
+/// fallback path keeps gating by y; and where c is not a multiple of 8).
+fn host_mask(y: &Tensor, want: bool) -> Result<Option<Tensor>> {
+    let c = y.dims().last().copied().unwrap_or(0);
+    if !want || y.device().is_cuda() || c % 8 != 0 {
+        return Ok(None);
+    }
+    relu_mask(y).map(Some)
 }
 
 /// Whether `KERNELS_STEM_POOL_FUSED=1` is set: the default of [`crate::KernelPolicy::stem_pool_fused`] (the
@@ -362,6 +432,14 @@ pub fn batch_norm_train_with(
 pub fn stem_pool_fused() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var_os("KERNELS_STEM_POOL_FUSED").is_some_and(|v| v == "1"))
+}
+
+/// Whether the explicit step's block outputs keep their ReLU mask ([`crate::KernelPolicy::join_relu_mask`]'s
+/// default): `KERNELS_JOIN_MASK=1` in the environment turns it on, anything else leaves it off (until it has been
+/// timed on a GPU; scripts/gpu-step.sh's `fused-joinmask`).
+pub fn join_relu_mask() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("KERNELS_JOIN_MASK").is_some_and(|v| v == "1"))
 }
 
 /// The ImageNet stem after its convolution: training-mode BatchNorm of x (n, h, w, c) with its batch statistics
@@ -414,14 +492,16 @@ impl TrainBn<'_> {
 /// On CUDA, where the 8-channel kernels apply, in one cooperative launch (`bn_nhwc_train2_v8_*`) instead of five;
 /// elsewhere two [`batch_stats`] and [`crate::ops::residual::bn_add_relu`]. The same values bit for bit.
 /// With `moments` (both convolutions' epilogue partials, x's then r's) without the moments pass, as
-/// [`batch_norm_train_with`].
+/// [`batch_norm_train_with`]. With `mask` also y's ReLU mask, as [`batch_norm_train_add_relu_masked`] gives it
+/// (None where it does not: the 4th output).
 pub fn batch_norm_train2_add_relu(
     x: &Tensor,
     r: &Tensor,
     bn: &TrainBn,
     bn_r: &TrainBn,
     moments: Option<(&Tensor, &Tensor)>,
-) -> Result<(Tensor, Tensor, Tensor)> {
+    mask: bool,
+) -> Result<(Tensor, Tensor, Tensor, Option<Tensor>)> {
     if r.dims() != x.dims() {
         candle_core::bail!("batch_norm_train2_add_relu: x {:?} and the shortcut {:?} differ", x.dims(), r.dims());
     }
@@ -435,10 +515,11 @@ pub fn batch_norm_train2_add_relu(
             let one = crate::cuda::bn::TrainBn { weight: a[2], bias: a[3], eps: bn.eps, running: Some(ra) };
             let two = crate::cuda::bn::TrainBn { weight: a[4], bias: a[5], eps: bn_r.eps, running: Some(rb) };
             let m = moments.map(|_| (a[6], a[7]));
-            crate::cuda::bn::train2((a[0], a[1]), one, two, m, rows, c)
+            crate::cuda::bn::train2((a[0], a[1]), one, two, m, rows, c, mask)
         })?;
-        if let Some((s1, s2, y)) = out {
-            return Ok((from_cuda(s1, (3, c)), from_cuda(s2, (3, c)), from_cuda(y, x.shape().clone())));
+        if let Some((s1, s2, y, m)) = out {
+            let m = m.map(|m| from_cuda(m, (rows, c / 8)));
+            return Ok((from_cuda(s1, (3, c)), from_cuda(s2, (3, c)), from_cuda(y, x.shape().clone()), m));
         }
     }
     let _ = (rows, c);
@@ -450,7 +531,8 @@ pub fn batch_norm_train2_add_relu(
         None => (batch_stats(x, bn.eps, &bn.running)?, batch_stats(r, bn_r.eps, &bn_r.running)?),
     };
     let y = crate::ops::residual::bn_add_relu(x, r, &bn.params(&s1), Some(&bn_r.params(&s2)))?;
-    Ok((s1, s2, y))
+    let m = host_mask(&y, mask)?;
+    Ok((s1, s2, y, m))
 }
 
 /// The backward of a training-mode BatchNorm (+ ReLU when `grad.relu`) over (x, dy) from `grad`'s statistics,
@@ -545,30 +627,46 @@ pub fn batch_norm_train_relu_max_pool_backward(
 /// block's ReLU output `y` is positive ([`join_grad_sums`]'s g), then that BatchNorm's (`p`, over its input `z`, no
 /// ReLU of its own) sums (2, c) and grad-input: (g, sums, dz). On CUDA, where the 8-channel kernels apply, in one
 /// cooperative launch (`bn_nhwc_train_join_bwd_*`) instead of four (the ReLU gradient, the sums, their finaliser,
-/// dz); elsewhere [`join_grad_sums`] then [`BnGrad`] with the sums. The same values bit for bit.
+/// dz); elsewhere [`join_grad_sums`] then [`BnGrad`] with the sums. The same values bit for bit. The ReLU's
+/// gate is the block output or its mask ([`ReluGate`]): the same g either way.
 pub fn join_grad_backward(
     a: &Tensor,
     b: Option<&Tensor>,
-    y: &Tensor,
+    gate: ReluGate,
     z: &Tensor,
     p: &crate::ops::residual::BnParams,
 ) -> Result<(Tensor, Tensor, Tensor)> {
+    let (gt, is_mask) = match gate {
+        ReluGate::Output(y) => (y, false),
+        ReluGate::Mask(m) => (m, true),
+    };
+    MASKED_JOINS.fetch_add(u64::from(is_mask), std::sync::atomic::Ordering::Relaxed);
     #[cfg(feature = "cuda")]
     if a.device().is_cuda()
-        && [Some(a), Some(y), Some(z), b].iter().flatten().all(|t| t.dims() == a.dims() && t.is_contiguous())
+        && [Some(a), Some(z), b].iter().flatten().all(|t| t.dims() == a.dims() && t.is_contiguous())
+        && (is_mask || gt.dims() == a.dims())
+        && gt.is_contiguous()
     {
         let (rows, c) = rows_c(a.dims())?;
         let args =
             crate::cuda::bn::GradArgs { relu: false, stats: &p.stats, weight: &p.weight, bias: &p.bias, sums: None };
-        let ts: Vec<&Tensor> = [Some(a), Some(y), Some(z), b].into_iter().flatten().collect();
+        let ts: Vec<&Tensor> = [Some(a), Some(gt), Some(z), b].into_iter().flatten().collect();
         let out = with_cuda(&ts, "join_grad_backward", |t| {
-            crate::cuda::bn::train_join_backward((t[0], t.get(3).copied(), t[1], t[2]), &args, rows, c)
+            let gate = if is_mask { crate::cuda::bn::Gate::Mask(t[1]) } else { crate::cuda::bn::Gate::Output(t[1]) };
+            crate::cuda::bn::train_join_backward((t[0], t.get(3).copied(), gate, t[2]), &args, rows, c)
         })?;
         if let Some((g, sums, dz)) = out {
             let shape = a.shape().clone();
             return Ok((from_cuda(g, shape.clone()), from_cuda(sums, (2, c)), from_cuda(dz, shape)));
         }
     }
+    let expanded;
+    let y = if is_mask {
+        expanded = gate_from_mask(gt, a)?;
+        &expanded
+    } else {
+        gt
+    };
     let (g, sums) = join_grad_sums(a, b, y, z, p)?;
     let op = BnGrad {
         relu: false,
@@ -579,6 +677,23 @@ pub fn join_grad_backward(
     };
     let dz = z.apply_op2_no_bwd(&g, &op)?;
     Ok((g, sums, dz))
+}
+
+/// [`join_grad_backward`] calls gated by a ReLU mask so far in this process (tests check the mask path ran).
+static MASKED_JOINS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many [`join_grad_backward`] calls this process has made with [`ReluGate::Mask`].
+pub fn masked_joins() -> u64 {
+    MASKED_JOINS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// What gates a block output's gradient (its ReLU's backward): the output y itself, whose positive elements pass
+/// it, or y's ReLU mask ([`relu_mask`]'s layout, which [`batch_norm_train_add_relu_masked`] and
+/// [`batch_norm_train2_add_relu`] return), read instead of y by the cooperative join (1/16 of y's bytes in bf16).
+#[derive(Clone, Copy, Debug)]
+pub enum ReluGate<'a> {
+    Output(&'a Tensor),
+    Mask(&'a Tensor),
 }
 
 /// The gradient at a residual block's output and its last BatchNorm's backward sums, as one pass where it can:
