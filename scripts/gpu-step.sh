@@ -14,7 +14,9 @@
 #      stem's im2col on the gather kernel, with the stem's BatchNorm + ReLU + max-pool in one launch
 #      (KERNELS_STEM_POOL_FUSED=1), and with the BatchNorm reductions in 132 x 3 row chunks
 #      (KERNELS_BN_CHUNKS_PER_SM=3; any fused-chunksN, N = 1 .. 8); fused-joinmask: with the block outputs'
-#      ReLU masks read by the joined backward instead of the outputs (KERNELS_JOIN_MASK=1)), with RECOMPUTE_BENCH=1 with kernels.recompute = "relu" and "relu+conv" (the peak memory against
+#      ReLU masks read by the joined backward instead of the outputs (KERNELS_JOIN_MASK=1); fused-compact: with the
+#      stride-2 downsamples' grad-inputs on their own grid (KERNELS_COMPACT_SHORTCUT=1); fused-maskcompact: both),
+#      with RECOMPUTE_BENCH=1 with kernels.recompute = "relu" and "relu+conv" (the peak memory against
 #      "none"), then
 #      autograd in AUTOGRAD_DTYPES (default bf16; empty skips it) -- figures first, as device time is short;
 #   3. gpu-step-tests: tests/tests/gpu_step.rs (residual kernels vs CPU, fused vs autograd loss and every gradient
@@ -124,13 +126,16 @@ main() {
         [ "$step" = fused-im2colgather ] && { coop=true; im2colgather=1; dts="${dtypes%%,*}"; }
         # fused-stempool: the stem's BatchNorm + ReLU + max-pool in one launch (KERNELS_STEM_POOL_FUSED=1; off by
         # default until timed here).
-        local stempool="" chunks="" joinmask=""
+        local stempool="" chunks="" joinmask="" compact=""
         [ "$step" = fused-stempool ] && { coop=true; stempool=1; dts="${dtypes%%,*}"; }
         # fused-chunksN (N = 1 .. 8): the BatchNorm reductions split into 132 x N row chunks
         # (KERNELS_BN_CHUNKS_PER_SM=N; the default is 8).
         case "$step" in fused-chunks[1-8]) coop=true; chunks=${step#fused-chunks}; dts="${dtypes%%,*}" ;; esac
         # fused-joinmask: the joined backward gated by the block outputs' ReLU masks (KERNELS_JOIN_MASK=1).
         [ "$step" = fused-joinmask ] && { coop=true; joinmask=1; dts="${dtypes%%,*}"; }
+        # fused-compact: the stride-2 downsamples' grad-inputs on their own grid (KERNELS_COMPACT_SHORTCUT=1).
+        [ "$step" = fused-compact ] && { coop=true; compact=1; dts="${dtypes%%,*}"; }
+        [ "$step" = fused-maskcompact ] && { coop=true; joinmask=1; compact=1; dts="${dtypes%%,*}"; }
         [ "$step" = fused-epistats ] && { stats=fused; dts="${dtypes%%,*}"; }
         # fused-rcrelu / fused-rcconv: kernels.recompute = "relu" / "relu+conv" (the peak memory against "none").
         [ "$step" = fused-rcrelu ] && { rc=relu; dts="${dtypes%%,*}"; }
@@ -140,7 +145,7 @@ main() {
         [ "$step" = fused-epibwd ] && { stats=backward; dts="${dtypes%%,*}"; }
         [ -n "$dts" ] || continue
         echo "== bench resnet152 b$batch $dts, kernels.step = ${step%%-*}, kernels.graph = $graph, kernels.bn_stats = $stats, kernels.bn_cooperative = $coop, kernels.recompute = $rc"
-        KERNELS_BN_CHUNKS_FORWARD="$fwdchunks" KERNELS_IM2COL_GATHER="$im2colgather" KERNELS_STEM_POOL_FUSED="$stempool" KERNELS_BN_CHUNKS_PER_SM="$chunks" KERNELS_JOIN_MASK="$joinmask" timeout "${BENCH_TIMEOUT:-150}" "$bin/trainer" bench --config "$here/configs/resnet152.toml" \
+        KERNELS_BN_CHUNKS_FORWARD="$fwdchunks" KERNELS_IM2COL_GATHER="$im2colgather" KERNELS_STEM_POOL_FUSED="$stempool" KERNELS_BN_CHUNKS_PER_SM="$chunks" KERNELS_JOIN_MASK="$joinmask" KERNELS_COMPACT_SHORTCUT="$compact" timeout "${BENCH_TIMEOUT:-150}" "$bin/trainer" bench --config "$here/configs/resnet152.toml" \
             --set "kernels.step=\"${step%%-*}\"" --set "kernels.graph=\"$graph\"" --set "kernels.bn_stats=\"$stats\"" \
             --set "kernels.bn_cooperative=$coop" --set "kernels.recompute=\"$rc\"" \
             --dtypes "$dts" --batch-sizes "$batch" --warmup 3 --steps 10 > "$out/bench-$step.log" 2>&1 \

@@ -285,17 +285,23 @@ __device__ void bnv_bwd_partial(const T* __restrict__ x, const T* __restrict__ d
 // (relu = 0) computes them from the rounded g: same chunks, the same per-row and per-chunk code (add_grad_row,
 // write_grad_partials), same partial layout (reduced by bn_nhwc_bwd_final_v8), so g and the sums equal the two
 // kernels' bit for bit, with one read of g and one launch fewer.
-template <typename T, bool TWO>
+// With STRIDED (TWO only) b is the shortcut gradient of a 1x1 stride-2 downsample on its own grid: (n, (bh + 1) / 2,
+// (bw + 1) / 2, c) for a block output of (n, bh, bw, c) rows, nonzero only at the even (y, x) cells, where it reads
+// b and elsewhere adds +0 (what the memset of the full-size strided grad-input holds), so g is the same bit for bit
+// without the full-size b (ResNet-152 at batch 256: 411 + 205 + 103 MB memset, then read here, a step).
+template <typename T, bool TWO, bool STRIDED = false>
 __device__ void bnv_join_partial(const T* __restrict__ a, const T* __restrict__ b, const T* __restrict__ y,
-                                 const uint8_t* __restrict__ mask, T* __restrict__ gout, const T* __restrict__ x, const float* __restrict__ stats,
-                                 const float* __restrict__ weight, const float* __restrict__ bias,
-                                 float* __restrict__ part, int64_t rows, int c, int64_t rpc, int chunk, int chunks) {
+                                 const uint8_t* __restrict__ mask, T* __restrict__ gout, const T* __restrict__ x,
+                                 const float* __restrict__ stats, const float* __restrict__ weight,
+                                 const float* __restrict__ bias, float* __restrict__ part, int64_t rows, int c,
+                                 int64_t rpc, int chunk, int chunks, int bh = 0, int bw = 0) {
     __shared__ float sh[8 * VB];
     const int G = c >> 3, t = threadIdx.x, cg = t % G, rstep = VB / G, ch0 = cg * 8;
     const int64_t r0 = (int64_t)chunk * rpc, r1 = min(rows, r0 + rpc);
     const Consts k = load_consts(stats, weight, bias, c, ch0);
     float ag[8] = {0, 0, 0, 0, 0, 0, 0, 0}, agx[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#pragma unroll 4
+    // STRIDED's coordinates take registers: 2 rows in flight there instead of 4 (no spills).
+#pragma unroll(STRIDED ? 2 : 4)
     for (int64_t r = r0 + t / G; r < r1; r += rstep) {
         const int64_t i = r * c + ch0;
         const Vec8<T> av = *reinterpret_cast<const Vec8<T>*>(a + i);
@@ -309,7 +315,21 @@ __device__ void bnv_join_partial(const T* __restrict__ a, const T* __restrict__ 
         }
         const Vec8<T> xv = *reinterpret_cast<const Vec8<T>*>(x + i);
         Vec8<T> bv;
-        if (TWO) bv = *reinterpret_cast<const Vec8<T>*>(b + i);
+        if (TWO && !STRIDED) bv = *reinterpret_cast<const Vec8<T>*>(b + i);
+        if (STRIDED) {
+            // 32-bit cell coordinates (the launcher checks rows < 2^31).
+            const int rr = (int)r, plane = bh * bw;
+            const int img = rr / plane, rem = rr - img * plane;
+            const int yy = rem / bw, xx = rem - yy * bw;
+            if (((yy | xx) & 1) == 0) {
+                const int oh = (bh + 1) >> 1, ow = (bw + 1) >> 1;
+                const int64_t o = (int64_t)((img * oh + (yy >> 1)) * ow + (xx >> 1)) * c + ch0;
+                bv = *reinterpret_cast<const Vec8<T>*>(b + o);
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) bv.v[j] = from_f32<T>(0.0f);
+            }
+        }
         Vec8<T> gv;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -596,10 +616,10 @@ __device__ void bnv_train2(const T* __restrict__ x, const T* __restrict__ r, flo
                            float* __restrict__ part_r, float* __restrict__ stats, float* __restrict__ stats_r,
                            const float* __restrict__ weight, const float* __restrict__ bias,
                            const float* __restrict__ weight_r, const float* __restrict__ bias_r, T* __restrict__ y,
-                           uint8_t* __restrict__ mask, int64_t rows, int c, int64_t rpc, int chunks, float eps, float eps_r, float* running_mean,
-                           float* running_var, long long* num_batches_tracked, float* running_mean_r,
-                           float* running_var_r, long long* num_batches_tracked_r, float momentum, float momentum_r,
-                           int have_moments, int rev) {
+                           uint8_t* __restrict__ mask, int64_t rows, int c, int64_t rpc, int chunks, float eps,
+                           float eps_r, float* running_mean, float* running_var, long long* num_batches_tracked,
+                           float* running_mean_r, float* running_var_r, long long* num_batches_tracked_r,
+                           float momentum, float momentum_r, int have_moments, int rev) {
     cg::grid_group grid = cg::this_grid();
     if (!have_moments) {
         for (int kk = blockIdx.x; kk < 2 * chunks; kk += gridDim.x) {
@@ -652,16 +672,19 @@ __device__ void bnv_train_bwd(const T* __restrict__ x, const T* __restrict__ dy,
 // _2) and its last BatchNorm's backward in one launch, bit for bit bn_nhwc_join_sum_{1,2}_v8 +
 // bn_nhwc_bwd_final_v8 + bn_nhwc_bwd_dx_v8 (relu = 0): phase 1 writes g (the gradient at the pre-ReLU block output)
 // and the sums' partials, phase 3 dx from (x, g).
-template <typename T, bool TWO>
+// With STRIDED, b on the stride-2 downsample's grid (bnv_join_partial): bn_nhwc_train_join_bwd_2s_v8.
+template <typename T, bool TWO, bool STRIDED = false>
 __device__ void bnv_train_join_bwd(const T* __restrict__ a, const T* __restrict__ b, const T* __restrict__ y,
-                                   const uint8_t* __restrict__ mask, T* __restrict__ gout, const T* __restrict__ x, const float* __restrict__ stats,
-                                   const float* __restrict__ weight, const float* __restrict__ bias,
-                                   float* __restrict__ part, float* __restrict__ sums, T* __restrict__ dx,
-                                   int64_t rows, int c, int64_t rpc, int chunks, float count, int rev) {
+                                   const uint8_t* __restrict__ mask, T* __restrict__ gout, const T* __restrict__ x,
+                                   const float* __restrict__ stats, const float* __restrict__ weight,
+                                   const float* __restrict__ bias, float* __restrict__ part, float* __restrict__ sums,
+                                   T* __restrict__ dx, int64_t rows, int c, int64_t rpc, int chunks, float count,
+                                   int rev, int bh = 0, int bw = 0) {
     cg::grid_group grid = cg::this_grid();
     for (int k = blockIdx.x; k < chunks; k += gridDim.x) {
         const int kc = rev ? chunks - 1 - k : k;
-        bnv_join_partial<T, TWO>(a, b, y, mask, gout, x, stats, weight, bias, part, rows, c, rpc, kc, chunks);
+        bnv_join_partial<T, TWO, STRIDED>(a, b, y, mask, gout, x, stats, weight, bias, part, rows, c, rpc, kc, chunks,
+                                          bh, bw);
     }
     grid.sync();
     __shared__ float sh[FY][2];
@@ -858,6 +881,13 @@ __device__ void bnv_train_bwd_pool(const T* __restrict__ x, PoolDy<T> src, const
         long long rpc, int chunks, float count, int rev) {                                                          \
         bnv_train_join_bwd<T, true>(a, b, y, mask, g, x, stats, weight, bias, part, sums, dx, rows, c, rpc,         \
                                     chunks, count, rev);                                                            \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(VB, 3) bn_nhwc_train_join_bwd_2s_v8_##NAME(                        \
+        const T* a, const T* b, const T* y, const uint8_t* mask, T* g, const T* x, const float* stats,              \
+        const float* weight, const float* bias, float* part, float* sums, T* dx, long long rows, int c,             \
+        long long rpc, int chunks, float count, int rev, int bh, int bw) {                                          \
+        bnv_train_join_bwd<T, true, true>(a, b, y, mask, g, x, stats, weight, bias, part, sums, dx, rows, c, rpc,   \
+                                          chunks, count, rev, bh, bw);                                              \
     }
 
 BNV_TRAIN_EXPORT(float, f32)

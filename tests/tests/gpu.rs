@@ -473,8 +473,8 @@ fn batch_stats_with_running_update_cuda_matches_cpu() -> Result<()> {
 fn cooperative_batchnorm_matches_the_three_launches() -> Result<()> {
     use kernels::ops::batchnorm::{
         batch_norm_train, batch_norm_train2_add_relu, batch_norm_train_add_relu, batch_norm_train_add_relu_masked,
-        batch_norm_train_backward, batch_stats, join_grad_backward, join_grad_sums, relu_mask, BnApply, BnGrad,
-        ReluGate, Running, TrainBn,
+        batch_norm_train_backward, batch_stats, expand_stride2, join_grad_backward, join_grad_sums, relu_mask, BnApply,
+        BnGrad, ReluGate, Running, ShortcutGrad, TrainBn,
     };
     use kernels::ops::residual::BnParams;
     let gpu = cuda()?;
@@ -615,12 +615,13 @@ fn cooperative_batchnorm_matches_the_three_launches() -> Result<()> {
             for two in [false, true] {
                 let b2 = two.then_some(&rd);
                 let before = kernels::cuda::bn::cooperative_launches();
-                let (g1, s1, d1) = join_grad_backward(&gd, b2, ReluGate::Output(&yo), &xd, &p)?;
+                let full = b2.map(ShortcutGrad::Full);
+                let (g1, s1, d1) = join_grad_backward(&gd, full, ReluGate::Output(&yo), &xd, &p)?;
                 let launched = kernels::cuda::bn::cooperative_launches() - before;
                 ensure!(launched == 1, "join {dims:?} {dt:?} two={two}: {launched} cooperative launches, expected 1");
                 let mask = relu_mask(&yo)?;
                 let before = kernels::cuda::bn::cooperative_launches();
-                let (gm, sm, dm) = join_grad_backward(&gd, b2, ReluGate::Mask(&mask), &xd, &p)?;
+                let (gm, sm, dm) = join_grad_backward(&gd, full, ReluGate::Mask(&mask), &xd, &p)?;
                 let launched = kernels::cuda::bn::cooperative_launches() - before;
                 ensure!(launched == 1, "masked join {dims:?} {dt:?} two={two}: {launched} launches, expected 1");
                 for (name, a, bb) in [("g", &gm, &g1), ("sums", &sm, &s1), ("dz", &dm, &d1)] {
@@ -630,6 +631,25 @@ fn cooperative_batchnorm_matches_the_three_launches() -> Result<()> {
                         differ == 0,
                         "join gated by the mask {dims:?} {dt:?} two={two}: {name} differs in {differ}"
                     );
+                }
+                if two && dims.len() == 4 {
+                    // The shortcut's gradient on a 1x1 stride-2 downsample's grid (bn_nhwc_train_join_bwd_2s_v8)
+                    // against the same values spread to full size with +0 between (the strided grad-input).
+                    let (n, h, w) = (dims[0], dims[1], dims[2]);
+                    let bc = Tensor::randn(0f32, 1.0, (n, h.div_ceil(2), w.div_ceil(2), c), &gpu)?.to_dtype(dt)?;
+                    let spread = expand_stride2(&bc, h, w)?;
+                    let before = kernels::cuda::bn::cooperative_launches();
+                    let (gs, ss, ds) =
+                        join_grad_backward(&gd, Some(ShortcutGrad::Stride2(&bc)), ReluGate::Mask(&mask), &xd, &p)?;
+                    let launched = kernels::cuda::bn::cooperative_launches() - before;
+                    ensure!(launched == 1, "join, stride-2 shortcut {dims:?} {dt:?}: {launched} launches, expected 1");
+                    let (gf, sf, df) =
+                        join_grad_backward(&gd, Some(ShortcutGrad::Full(&spread)), ReluGate::Mask(&mask), &xd, &p)?;
+                    for (name, a, bb) in [("g", &gs, &gf), ("sums", &ss, &sf), ("dz", &ds, &df)] {
+                        let (a, bb) = (host_f32(a)?, host_f32(bb)?);
+                        let differ = a.iter().zip(&bb).filter(|(p, q)| p.to_bits() != q.to_bits()).count();
+                        ensure!(differ == 0, "join, stride-2 shortcut {dims:?} {dt:?}: {name} differs in {differ}");
+                    }
                 }
                 let (g3, s3) = join_grad_sums(&gd, b2, &yo, &xd, &p)?;
                 let op = BnGrad {

@@ -355,14 +355,16 @@ fn epilogue_statistics_fall_back_to_the_pass_on_the_cpu() {
     }
 }
 
-/// The block outputs' ReLU masks (`KernelPolicy::join_relu_mask`, with `kernels.bn_cooperative`): the forward
-/// keeps each block output's mask and the joined backward gates by it instead of the output, which must give the
-/// same step bit for bit (loss, every gradient, the running statistics). ResNet-18 (basic blocks, one downsample
-/// per stage: both the identity and the downsample outputs' masks), ResNet-50 (bottlenecks) with a frozen layer,
-/// and ResNet-18 with `kernels.recompute = "relu+conv"` (no joined backward there: no masks). The CUDA kernels'
-/// masks and the masked join are compared on the GPU: `cooperative_batchnorm_matches_the_three_launches`.
+/// The block outputs' ReLU masks (`KernelPolicy::join_relu_mask`) and the stride-2 downsamples' grad-inputs kept
+/// on their own grid (`KernelPolicy::compact_shortcut_grad`), with `kernels.bn_cooperative`: the forward keeps each
+/// block output's mask and the joined backward gates by it instead of the output, and takes the shortcut's
+/// gradient on the downsample's grid instead of at full size; each alone and both must give the same step as
+/// neither, bit for bit (loss, every gradient, the running statistics). ResNet-18 (basic blocks, a 1x1 stride-2
+/// downsample per stage: identity and downsample outputs), ResNet-50 (bottlenecks) with a frozen layer, and
+/// ResNet-18 with `kernels.recompute = "relu+conv"` (no joined backward there: neither runs). The CUDA kernels
+/// are compared on the GPU: `cooperative_batchnorm_matches_the_three_launches`.
 #[test]
-fn join_relu_mask_gives_the_same_step() {
+fn join_relu_mask_and_compact_shortcut_give_the_same_step() {
     use resnet::step::Recompute;
     let dev = Device::Cpu;
     let x = Tensor::randn(0f32, 1., (3, 3, 32, 32), &dev).unwrap();
@@ -372,28 +374,73 @@ fn join_relu_mask_gives_the_same_step() {
         (Arch::ResNet50, Some("layer1"), Recompute::None),
         (Arch::ResNet18, None, Recompute::ReluConv),
     ] {
-        let run = |mask: bool| {
+        let run = |mask: bool, compact: bool| {
             let mut m = model(arch, Stem::ImageNet);
             m.config.kernels.bn_cooperative = true;
             m.config.kernels.join_relu_mask = mask;
+            m.config.kernels.compact_shortcut_grad = compact;
             let m = ResNet::new(m.config.clone(), &dev).unwrap();
             if let Some(p) = freeze {
                 assert!(m.store().freeze_prefixes(&[p.to_string()]) > 0);
             }
-            let before = kernels::ops::batchnorm::masked_joins();
+            let before = (kernels::ops::batchnorm::masked_joins(), kernels::ops::batchnorm::strided_joins());
             let args = resnet::step::StepArgs { recompute, ..resnet::step::StepArgs::new(0.1, 8.0, Precision::F32) };
             let v = step_values_with(&m, &x, &labels, args, |n| n.contains("running"));
-            (v, kernels::ops::batchnorm::masked_joins() - before)
+            let after = (kernels::ops::batchnorm::masked_joins(), kernels::ops::batchnorm::strided_joins());
+            (v, (after.0 - before.0, after.1 - before.1))
         };
-        let ((a, joins), (b, _)) = (run(true), run(false));
-        let what = format!("{arch} freeze={freeze:?} recompute={recompute:?}");
-        if recompute == Recompute::None {
-            assert!(joins > 0, "{what}: no join gated by a mask");
+        let (base, _) = run(false, false);
+        for (mask, compact) in [(true, false), (false, true), (true, true)] {
+            let (a, (masked, strided)) = run(mask, compact);
+            let what = format!("{arch} freeze={freeze:?} recompute={recompute:?} mask={mask} compact={compact}");
+            if recompute == Recompute::None {
+                // Other tests may run joins at the same time: these only count up.
+                assert!(!mask || masked > 0, "{what}: no join gated by a mask");
+                assert!(!compact || strided > 0, "{what}: no join took a stride-2 shortcut gradient");
+            }
+            assert_eq!(a.1.len(), base.1.len());
+            if compact && recompute == Recompute::None {
+                // The compact grad-input is a stride-1 grad-input on the downsample's grid: the same products,
+                // summed by another conv path (on the CPU in another order): equal to rounding.
+                let rel = (a.0 as f64 - base.0 as f64).abs() / (base.0 as f64).abs();
+                assert!(rel < 1e-6, "{what}: loss {} vs {}", a.0, base.0);
+                for ((n, va), (_, vb)) in a.1.iter().zip(&base.1) {
+                    let e = integration_tests::rel_l2(va, vb);
+                    assert!(e < 1e-5, "{what}: {n} relative L2 error {e:.3e}");
+                }
+            } else {
+                assert_eq!(a.0, base.0, "{what}: loss");
+                for ((n, va), (_, vb)) in a.1.iter().zip(&base.1) {
+                    assert_eq!(va, vb, "{what}: {n}");
+                }
+            }
         }
-        assert_eq!(a.0, b.0, "{what}: loss");
-        assert_eq!(a.1.len(), b.1.len());
-        for ((n, va), (_, vb)) in a.1.iter().zip(&b.1) {
-            assert_eq!(va, vb, "{what}: {n}");
+    }
+}
+
+/// A 1x1 stride-2 conv's grad-input kept on the conv's grid (the explicit step's compact shortcut gradient: a 1x1
+/// stride-1 grad-input there) spread with [`kernels::ops::batchnorm::expand_stride2`] equals the strided
+/// grad-input to rounding at the even cells and is +0 elsewhere, as the strided one is; odd and even sizes.
+#[test]
+fn compact_stride2_grad_input_spreads_to_the_strided_one() {
+    let dev = Device::Cpu;
+    let kp = kernels::KernelPolicy::custom();
+    for (n, h, w, c, k) in [(2usize, 8usize, 8usize, 16usize, 32usize), (3, 7, 5, 8, 24)] {
+        let (oh, ow) = (h.div_ceil(2), w.div_ceil(2));
+        let dz = Tensor::randn(0f32, 1., (n, oh, ow, k), &dev).unwrap();
+        let wt = Tensor::randn(0f32, 1., (k, 1, 1, c), &dev).unwrap();
+        let strided = kernels::conv2d_nhwc_grad_input(&dz, &wt, 2, 0, (h, w), &kp).unwrap();
+        let compact = kernels::conv2d_nhwc_grad_input(&dz, &wt, 1, 0, (oh, ow), &kp).unwrap();
+        let spread = kernels::ops::batchnorm::expand_stride2(&compact, h, w).unwrap();
+        assert_eq!(spread.dims(), strided.dims());
+        let (s, t) = (integration_tests::flat(&spread), integration_tests::flat(&strided));
+        for (i, (a, b)) in s.iter().zip(&t).enumerate() {
+            let (y, x) = ((i / c / w) % h, (i / c) % w);
+            if y % 2 == 1 || x % 2 == 1 {
+                assert_eq!((a.to_bits(), b.to_bits()), (0, 0), "({n}, {h}, {w}) cell ({y}, {x}): not +0");
+            } else {
+                assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "({n}, {h}, {w}) cell ({y}, {x}): {a} vs {b}");
+            }
         }
     }
 }

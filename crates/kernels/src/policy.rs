@@ -153,6 +153,11 @@ pub struct KernelPolicy {
     /// block (ResNet-152, batch 256: 0.39 GiB). The same gradients bit for bit. Default:
     /// `KERNELS_JOIN_MASK=1` in the environment.
     pub join_relu_mask: bool,
+    /// The explicit training step keeps a 1x1 stride-2 downsample's grad-input on the conv's own grid (a stride-1
+    /// grad-input there) and the cooperative join of the block before reads it so: the full-size tensor, zero off
+    /// the even cells, is neither memset nor read (ResNet-152 at batch 256: 411 + 205 + 103 MB each way a step).
+    /// Default: `KERNELS_COMPACT_SHORTCUT=1` in the environment.
+    pub compact_shortcut_grad: bool,
 }
 
 impl Default for KernelPolicy {
@@ -170,6 +175,7 @@ impl Default for KernelPolicy {
             bn_cooperative: false,
             stem_pool_fused: crate::ops::batchnorm::stem_pool_fused(),
             join_relu_mask: crate::ops::batchnorm::join_relu_mask(),
+            compact_shortcut_grad: crate::ops::batchnorm::compact_shortcut_grad(),
         }
     }
 }

@@ -204,6 +204,31 @@ struct BlockSaved {
     down_weight: Option<Tensor>,
 }
 
+/// A block's shortcut gradient at its input: full size, or a 1x1 stride-2 downsample's grad-input on its own grid
+/// ([`kernels::ops::batchnorm::ShortcutGrad::Stride2`]: zero off the even cells, never made at full size where the
+/// cooperative join takes it).
+enum Shortcut {
+    Full(Tensor),
+    Stride2(Tensor),
+}
+
+impl Shortcut {
+    fn grad(&self) -> kernels::ops::batchnorm::ShortcutGrad<'_> {
+        match self {
+            Self::Full(t) => kernels::ops::batchnorm::ShortcutGrad::Full(t),
+            Self::Stride2(t) => kernels::ops::batchnorm::ShortcutGrad::Stride2(t),
+        }
+    }
+
+    /// The gradient at the size of `like` (the main path's gradient at the block input).
+    fn full(self, like: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Full(t) => Ok(t),
+            s => s.grad().full(like),
+        }
+    }
+}
+
 /// A gradient as the backward makes it.
 enum Piece {
     /// FP32 in the parameter's shape.
@@ -383,7 +408,7 @@ impl<'a> Engine<'a> {
         b: &Block,
         s: &BlockSaved,
         a: &Tensor,
-        b2: Option<&Tensor>,
+        b2: Option<Shortcut>,
     ) -> Result<(Tensor, Option<Pre>)> {
         if self.cooperative_backward() {
             if let (Some(saved), Some(bn)) = (s.bns.last(), b.bns.last()) {
@@ -394,11 +419,17 @@ impl<'a> Engine<'a> {
                         Some(m) => kernels::ops::batchnorm::ReluGate::Mask(m),
                         None => kernels::ops::batchnorm::ReluGate::Output(&s.out),
                     };
+                    let b2 = b2.as_ref().map(Shortcut::grad);
                     let (g, sums, dz) = kernels::ops::batchnorm::join_grad_backward(a, b2, gate, z, &p)?;
                     return Ok((g, Some(Pre::Done { sums, dz })));
                 }
             }
         }
+        let b2 = match b2 {
+            Some(s) => Some(s.full(a)?),
+            None => None,
+        };
+        let b2 = b2.as_ref();
         if self.policy.bn_sums_in_backward {
             if let (Some(saved), Some(bn)) = (s.bns.last(), b.bns.last()) {
                 if let Some(z) = &saved.z {
@@ -678,7 +709,7 @@ impl<'a> Engine<'a> {
         s: BlockSaved,
         gp: &Tensor,
         mut pre: Option<Pre>,
-    ) -> Result<(Tensor, Tensor)> {
+    ) -> Result<(Tensor, Shortcut)> {
         let BlockSaved { x, mut bns, mut acts, down, out, mask, mut weights, down_weight } = s;
         drop((out, mask));
         let last = b.convs.len() - 1;
@@ -725,11 +756,31 @@ impl<'a> Engine<'a> {
                 }
                 let dz = self.bn_backward(&saved, gp, &d.bn, false, None)?;
                 drop(saved);
-                self.conv_backward(&cw, &x, &dz, true)?.expect("grad-input requested")
+                if self.compact_shortcut(&cw)? {
+                    // The 1x1 stride-2 conv's grad-input on its own grid: a 1x1 stride-1 grad-input there (no
+                    // memset of the full-size tensor, which is zero off the even cells).
+                    self.record_grad_weight(&cw, &x, &dz)?;
+                    let (_, oh, ow, _) = dz.dims4()?;
+                    Shortcut::Stride2(kernels::conv2d_nhwc_grad_input(&dz, &cw.w, 1, 0, (oh, ow), self.policy)?)
+                } else {
+                    Shortcut::Full(self.conv_backward(&cw, &x, &dz, true)?.expect("grad-input requested"))
+                }
             }
-            _ => gp.clone(),
+            _ => Shortcut::Full(gp.clone()),
         };
         Ok((gx.expect("a block has convs"), gs))
+    }
+
+    /// Whether a downsample conv's grad-input stays on its own grid ([`Shortcut::Stride2`]):
+    /// `policy.compact_shortcut_grad`, a 1x1 stride-2 conv without padding, and the cooperative join that reads it
+    /// so (not under `Recompute::ReluConv`, which drops the join's input; elsewhere it would be spread to full size
+    /// at once).
+    fn compact_shortcut(&self, cw: &ConvW) -> Result<bool> {
+        let (_, r, s, _) = cw.w.dims4()?;
+        Ok(self.policy.compact_shortcut_grad
+            && self.cooperative_backward()
+            && self.recompute != Recompute::ReluConv
+            && (r, s, cw.conv.stride, cw.conv.padding) == (1, 1, 2, 0))
     }
 
     /// Linear forward, detached: the same kernel the autograd model runs (`kernels::linear`).
@@ -993,12 +1044,13 @@ impl ResNet {
             let (gm, gs) = e.block_backward(b, s, &gp, pre.take())?;
             if i > 0 {
                 // The block input is the previous block's ReLU output: join and mask in one pass.
-                (gp, pre) = e.block_output_grad(blocks[i - 1], &saved[i - 1], &gm, Some(&gs))?;
+                (gp, pre) = e.block_output_grad(blocks[i - 1], &saved[i - 1], &gm, Some(gs))?;
             } else {
                 g_stem = Some((gm, gs));
             }
         }
         let (gm, gs) = g_stem.expect("a ResNet has blocks");
+        let gs = gs.full(&gm)?;
 
         // ----- backward: stem (the pool's backward adds the first block's two gradients as it reads them)
         let dz0 = match pool_offsets {

@@ -1068,8 +1068,32 @@ pub enum Gate<'a> {
     Mask(Arg<'a>),
 }
 
+/// The shortcut's gradient a joined backward adds ([`train_join_backward`]): like a, or on the grid of a 1x1
+/// stride-2 downsample of a's (h, w) image, its grad-input without the zero cells (n, (h + 1) / 2, (w + 1) / 2, c).
+#[derive(Clone, Copy)]
+pub enum ShortcutArg<'a> {
+    Full(Arg<'a>),
+    Stride2 { g: Arg<'a>, h: usize, w: usize },
+}
+
+impl<'a> ShortcutArg<'a> {
+    fn arg(&self) -> Arg<'a> {
+        match *self {
+            Self::Full(g) | Self::Stride2 { g, .. } => g,
+        }
+    }
+
+    /// Elements of the gradient for a of `len` elements in `c` channels.
+    fn len(&self, len: usize, c: usize) -> usize {
+        match *self {
+            Self::Full(_) => len,
+            Self::Stride2 { h, w, .. } => len / (h * w * c) * h.div_ceil(2) * w.div_ceil(2) * c,
+        }
+    }
+}
+
 fn train_join_bwd_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
-    (a, b, gate, x): (Arg, Option<Arg>, Gate, Arg),
+    (a, b, gate, x): (Arg, Option<ShortcutArg>, Gate, Arg),
     op: &GradArgs,
     sp: Split,
 ) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
@@ -1078,7 +1102,10 @@ fn train_join_bwd_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     let c = sp.c as usize;
     let len = sp.rows as usize * c;
     let av = view::<T>(a, len, dev, OP, "a")?;
-    let bv = view::<T>(b.unwrap_or(a), len, dev, OP, "b")?;
+    let bv = match b {
+        Some(b) => view::<T>(b.arg(), b.len(len, c), dev, OP, "b")?,
+        None => view::<T>(a, len, dev, OP, "b")?,
+    };
     let (yv, mv) = match gate {
         Gate::Output(y) => (Some(view::<T>(y, len, dev, OP, "y")?), None),
         Gate::Mask(m) => (None, Some(view::<u8>(m, len / 8, dev, OP, "ReLU mask")?)),
@@ -1091,7 +1118,12 @@ fn train_join_bwd_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     let part = unsafe { dev.alloc::<f32>(2 * sp.chunks * c)? };
     let sums = alloc_out::<f32>(dev, 2 * c)?;
     let dx = alloc_out::<T>(dev, len)?;
-    let name = format!("bn_nhwc_train_join_bwd_{}_v8_{}", if b.is_some() { 2 } else { 1 }, suffix(T::DTYPE, OP)?);
+    let (kind, (bh, bw)) = match b {
+        None => ("1", (0, 0)),
+        Some(ShortcutArg::Full(_)) => ("2", (0, 0)),
+        Some(ShortcutArg::Stride2 { h, w, .. }) => ("2s", (h as i32, w as i32)),
+    };
+    let name = format!("bn_nhwc_train_join_bwd_{kind}_v8_{}", suffix(T::DTYPE, OP)?);
     let f = dev.get_or_load_custom_func(&name, MODULE_V8, ptx::BATCHNORM_02_NHWC_VEC)?;
     let blocks = coop_blocks(dev, &f, &name, sp.chunks)?;
     let (chunks, count) = (sp.chunks as i32, sp.count());
@@ -1105,9 +1137,14 @@ fn train_join_bwd_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     bld.arg(&g).arg(&xv).arg(&sv).arg(&wv).arg(&bnv).arg(&part).arg(&sums).arg(&dx);
     let rev = reverse_chunks();
     bld.arg(&sp.rows).arg(&sp.c).arg(&sp.rows_per_chunk).arg(&chunks).arg(&count).arg(&rev);
+    if kind == "2s" {
+        bld.arg(&bh).arg(&bw);
+    }
     // SAFETY: matches bn_nhwc_train_join_bwd_{1,2}_v8_* (a, b, y, mask, g, x, stats, weight, bias, part, sums, dx,
-    // rows, c, rpc, chunks, count, rev); exactly one of y (rows*c elements) and the mask (rows*c/8 bytes) is
-    // non-null; a, b, x, g and dx hold rows*c elements (g and dx fresh), stats 3 c, weight and
+    // rows, c, rpc, chunks, count, rev) and _2s_ (the same, then bh, bw: b holds n ceil(bh / 2) ceil(bw / 2) c
+    // elements for rows = n bh bw < 2^31, checked by train_join_backward); exactly one of y (rows*c elements) and
+    // the mask (rows*c/8 bytes) is non-null; a, b (unless strided), x, g and dx hold rows*c elements (g and dx
+    // fresh), stats 3 c, weight and
     // bias c, all 16-byte aligned with c % 8 == 0 and 256 % (c / 8) == 0 (checked by the caller, v8_applies);
     // part 2 chunks c, sums 2 c. Cooperative, at most the resident blocks ([`coop_blocks`]).
     unsafe { bld.launch_cooperative(coop_cfg(blocks)) }.w()?;
@@ -1116,12 +1153,12 @@ fn train_join_bwd_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
 }
 
 /// A block output's ReLU gradient and its last BatchNorm's backward in one cooperative launch
-/// (`bn_nhwc_train_join_bwd_{1,2}_v8_*`): g = a (+ b) where the block's ReLU output y is positive (read from y or
-/// from its mask, [`Gate`]), then the sums (2, c) and dx of the BatchNorm `op` (no ReLU of its own, `op.sums`
+/// (`bn_nhwc_train_join_bwd_{1,2,2s}_v8_*`): g = a (+ b, full size or on a stride-2 downsample's grid:
+/// [`ShortcutArg`]) where the block's ReLU output y is positive (read from y or from its mask, [`Gate`]), then the sums (2, c) and dx of the BatchNorm `op` (no ReLU of its own, `op.sums`
 /// None) over (x, g): (g, sums, dx), bit for bit what [`join_sums`] and [`grad`] with the sums give. None where the
 /// 8-channel kernels do not apply.
 pub fn train_join_backward(
-    (a, b, gate, x): (Arg, Option<Arg>, Gate, Arg),
+    (a, b, gate, x): (Arg, Option<ShortcutArg>, Gate, Arg),
     op: &GradArgs,
     rows: usize,
     c: usize,
@@ -1132,11 +1169,16 @@ pub fn train_join_backward(
         Gate::Mask(m) if m.0.dtype() == candle_core::DType::U8 => None,
         Gate::Mask(m) => candle_core::bail!("{OP}: the ReLU mask must be u8, got {:?}", m.0.dtype()),
     };
-    let dts = [Some(a.0.dtype()), b.map(|b| b.0.dtype()), y.map(|y| y.0.dtype()), Some(x.0.dtype())];
+    if let Some(ShortcutArg::Stride2 { h, w, .. }) = b {
+        if h * w == 0 || !rows.is_multiple_of(h * w) || rows >= 1 << 31 {
+            candle_core::bail!("{OP}: a stride-2 shortcut gradient for {h} x {w} images does not fit {rows} rows");
+        }
+    }
+    let dts = [Some(a.0.dtype()), b.map(|b| b.arg().0.dtype()), y.map(|y| y.0.dtype()), Some(x.0.dtype())];
     if op.sums.is_some() || op.relu || dts.iter().flatten().any(|d| *d != a.0.dtype()) {
         return Ok(None);
     }
-    let elems = [a.1, b.map_or(a.1, |b| b.1), y.map_or(a.1, |y| y.1), x.1];
+    let elems = [a.1, b.map_or(a.1, |b| b.arg().1), y.map_or(a.1, |y| y.1), x.1];
     if !v8_applies(c, &elems, &chan_layouts(op)) {
         return Ok(None);
     }

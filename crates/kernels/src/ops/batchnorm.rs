@@ -442,6 +442,14 @@ pub fn join_relu_mask() -> bool {
     *ON.get_or_init(|| std::env::var_os("KERNELS_JOIN_MASK").is_some_and(|v| v == "1"))
 }
 
+/// Whether the explicit step keeps stride-2 downsamples' grad-inputs on their own grid
+/// ([`crate::KernelPolicy::compact_shortcut_grad`]'s default): `KERNELS_COMPACT_SHORTCUT=1` in the environment
+/// turns it on (until it has been timed on a GPU; scripts/gpu-step.sh's `fused-compact`).
+pub fn compact_shortcut_grad() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("KERNELS_COMPACT_SHORTCUT").is_some_and(|v| v == "1"))
+}
+
 /// The ImageNet stem after its convolution: training-mode BatchNorm of x (n, h, w, c) with its batch statistics
 /// (running statistics updated), ReLU, and the max-pool `pool` with its windows' argmax offsets: (stats (3, c),
 /// y (n, oh, ow, c), offsets (n, oh, ow, c) u8), what [`batch_norm_train_with`] (relu) followed by
@@ -631,7 +639,7 @@ pub fn batch_norm_train_relu_max_pool_backward(
 /// gate is the block output or its mask ([`ReluGate`]): the same g either way.
 pub fn join_grad_backward(
     a: &Tensor,
-    b: Option<&Tensor>,
+    b: Option<ShortcutGrad>,
     gate: ReluGate,
     z: &Tensor,
     p: &crate::ops::residual::BnParams,
@@ -641,25 +649,38 @@ pub fn join_grad_backward(
         ReluGate::Mask(m) => (m, true),
     };
     MASKED_JOINS.fetch_add(u64::from(is_mask), std::sync::atomic::Ordering::Relaxed);
+    let (bt, strided) = match b {
+        Some(ShortcutGrad::Full(t)) => (Some(t), false),
+        Some(ShortcutGrad::Stride2(t)) => (Some(t), true),
+        None => (None, false),
+    };
+    STRIDED_JOINS.fetch_add(u64::from(strided), std::sync::atomic::Ordering::Relaxed);
     #[cfg(feature = "cuda")]
     if a.device().is_cuda()
-        && [Some(a), Some(z), b].iter().flatten().all(|t| t.dims() == a.dims() && t.is_contiguous())
+        && [Some(a), Some(z)].iter().flatten().all(|t| t.dims() == a.dims() && t.is_contiguous())
         && (is_mask || gt.dims() == a.dims())
         && gt.is_contiguous()
+        && bt.is_none_or(|t| t.is_contiguous() && (strided || t.dims() == a.dims()))
     {
         let (rows, c) = rows_c(a.dims())?;
+        let hw = if strided { Some(stride2_fits(a, bt.expect("a strided b"))?) } else { None };
         let args =
             crate::cuda::bn::GradArgs { relu: false, stats: &p.stats, weight: &p.weight, bias: &p.bias, sums: None };
-        let ts: Vec<&Tensor> = [Some(a), Some(gt), Some(z), b].into_iter().flatten().collect();
+        let ts: Vec<&Tensor> = [Some(a), Some(gt), Some(z), bt].into_iter().flatten().collect();
         let out = with_cuda(&ts, "join_grad_backward", |t| {
             let gate = if is_mask { crate::cuda::bn::Gate::Mask(t[1]) } else { crate::cuda::bn::Gate::Output(t[1]) };
-            crate::cuda::bn::train_join_backward((t[0], t.get(3).copied(), gate, t[2]), &args, rows, c)
+            let b = t.get(3).map(|&g| match hw {
+                Some((h, w)) => crate::cuda::bn::ShortcutArg::Stride2 { g, h, w },
+                None => crate::cuda::bn::ShortcutArg::Full(g),
+            });
+            crate::cuda::bn::train_join_backward((t[0], b, gate, t[2]), &args, rows, c)
         })?;
         if let Some((g, sums, dz)) = out {
             let shape = a.shape().clone();
             return Ok((from_cuda(g, shape.clone()), from_cuda(sums, (2, c)), from_cuda(dz, shape)));
         }
     }
+    let _ = bt;
     let expanded;
     let y = if is_mask {
         expanded = gate_from_mask(gt, a)?;
@@ -667,7 +688,11 @@ pub fn join_grad_backward(
     } else {
         gt
     };
-    let (g, sums) = join_grad_sums(a, b, y, z, p)?;
+    let full = match b {
+        Some(b) => Some(b.full(a)?),
+        None => None,
+    };
+    let (g, sums) = join_grad_sums(a, full.as_ref(), y, z, p)?;
     let op = BnGrad {
         relu: false,
         stats: p.stats.clone(),
@@ -677,6 +702,59 @@ pub fn join_grad_backward(
     };
     let dz = z.apply_op2_no_bwd(&g, &op)?;
     Ok((g, sums, dz))
+}
+
+/// The gradient of a block output's shortcut that [`join_grad_backward`] adds: like the output, or the grad-input
+/// of a 1x1 stride-2 downsample on that conv's own grid (n, ceil(h / 2), ceil(w / 2), c) for an output of (n, h, w,
+/// c): the full-size grad-input is zero off the even (y, x) cells, so the cooperative join reads only these
+/// (`bn_nhwc_train_join_bwd_2s_v8`) and neither the full-size tensor nor its memset is made.
+#[derive(Clone, Copy, Debug)]
+pub enum ShortcutGrad<'a> {
+    Full(&'a Tensor),
+    Stride2(&'a Tensor),
+}
+
+impl ShortcutGrad<'_> {
+    /// The gradient at the full size of `like` (the block output's gradient): the strided one spread over the even
+    /// cells with +0 elsewhere ([`expand_stride2`]).
+    pub fn full(&self, like: &Tensor) -> Result<Tensor> {
+        match *self {
+            Self::Full(t) => Ok(t.clone()),
+            Self::Stride2(t) => {
+                let (h, w) = stride2_fits(like, t)?;
+                expand_stride2(t, h, w)
+            }
+        }
+    }
+}
+
+/// (h, w) of `like` (n, h, w, c) when `g` is (n, ceil(h / 2), ceil(w / 2), c), else an error naming both.
+fn stride2_fits(like: &Tensor, g: &Tensor) -> Result<(usize, usize)> {
+    let (n, h, w, c) = like.dims4()?;
+    if g.dims() != [n, h.div_ceil(2), w.div_ceil(2), c] || g.dtype() != like.dtype() {
+        candle_core::bail!("a stride-2 shortcut gradient {:?} does not fit an output {:?}", g.dims(), like.dims());
+    }
+    Ok((h, w))
+}
+
+/// A stride-2 grid's values g (n, ceil(h / 2), ceil(w / 2), c) spread over (n, h, w, c): g at the even (y, x)
+/// cells, +0 elsewhere, what a 1x1 stride-2 conv's grad-input holds. Composed of candle ops (any device).
+pub fn expand_stride2(g: &Tensor, h: usize, w: usize) -> Result<Tensor> {
+    let (n, oh, ow, c) = g.dims4()?;
+    if oh != h.div_ceil(2) || ow != w.div_ceil(2) {
+        candle_core::bail!("expand_stride2: {:?} is not the stride-2 grid of {h} x {w}", g.dims());
+    }
+    let cols = g.unsqueeze(3)?.pad_with_zeros(3, 0, 1)?.reshape((n, oh, 2 * ow, c))?;
+    let rows = cols.unsqueeze(2)?.pad_with_zeros(2, 0, 1)?.reshape((n, 2 * oh, 2 * ow, c))?;
+    rows.narrow(1, 0, h)?.narrow(2, 0, w)?.contiguous()
+}
+
+/// [`join_grad_backward`] calls given a stride-2 shortcut gradient so far in this process (tests check it ran).
+static STRIDED_JOINS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many [`join_grad_backward`] calls this process has made with [`ShortcutGrad::Stride2`].
+pub fn strided_joins() -> u64 {
+    STRIDED_JOINS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// [`join_grad_backward`] calls gated by a ReLU mask so far in this process (tests check the mask path ran).
