@@ -517,15 +517,15 @@ impl<'a> Engine<'a> {
         self.policy.stem_pool_fused && !frozen(&self.model.bn1) && self.sync.is_none()
     }
 
-    /// Whether the backward of a (not frozen) BatchNorm runs as one launch: `policy.bn_cooperative`, no
-    /// synchronised statistics, and no gradient buckets handed on during the backward (a cooperative grid
-    /// takes every SM, so it could not start beside the buckets' all-reduces and would serialise with them).
     /// Whether block outputs keep their ReLU mask for the cooperative join (`policy.join_relu_mask`): only where
     /// that join runs, and its last BatchNorm's input is kept (the join needs it; `Recompute::ReluConv` drops it).
     fn join_mask(&self) -> bool {
         self.policy.join_relu_mask && self.cooperative_backward() && self.recompute != Recompute::ReluConv
     }
 
+    /// Whether the backward of a (not frozen) BatchNorm runs as one launch: `policy.bn_cooperative`, no
+    /// synchronised statistics, and no gradient buckets handed on during the backward (a cooperative grid
+    /// takes every SM, so it could not start beside the buckets' all-reduces and would serialise with them).
     fn cooperative_backward(&self) -> bool {
         self.policy.bn_cooperative && self.sync.is_none() && self.buckets.sink.is_none()
     }
