@@ -9,7 +9,7 @@
       Pairs the launches of two steps of the same schedule by position (e.g. the bf16 and the fp16 step; names
       compared without their dtype suffix; launches only one step has are listed apart) and prints the step
       times, the kernels whose total differs most, and the single launches that differ most.
-  python3 scripts/ktrace-steps.py bn STEP.tsv [--arch resnet152] [--batch 256] [--elem 2] [--ref-tbs R]
+  python3 scripts/ktrace-steps.py bn STEP.tsv [--arch resnet152] [--batch 256] [--elem 2] [--ref-tbs R] [--mask]
       The BatchNorm launches of a fused bottleneck-ResNet step (the cooperative kernels: bn_nhwc_train_v8,
       train2_v8, train_bwd_v8, train_join_bwd_{1,2}_v8) against the bytes each must move: the step's schedule is
       rebuilt from the architecture, each launch is matched to its layer by position (the kind of kernel checked
@@ -55,7 +55,7 @@ def load_step(path):
 BOTTLENECK = {"resnet50": (3, 4, 6, 3), "resnet101": (3, 4, 23, 3), "resnet152": (3, 8, 36, 3)}
 
 
-def bn_schedule(arch, n, elem):
+def bn_schedule(arch, n, elem, mask=False):
     """The cooperative BatchNorm launches of one fused step in launch order: (label, {kernel kind: bytes it must
     move}). Forward: the stem (moments, read, write: 3 passes; fused with its max-pool, train_pool: moments and one
     read, then the pooled output and its offsets), each block's bn1 and bn2 (3 passes, bn1 at the block input's
@@ -65,7 +65,11 @@ def bn_schedule(arch, n, elem):
     backward (join_bwd_2 reads a, b, y, x, writes g, then reads x, g, writes dx: 8 passes; join_bwd_1, the last
     block, has no b: 7), bn2 and bn1 (read x, dy; read x, dy, write dx: 5), a downsample block's shortcut
     BatchNorm (5), and last the stem's (5; fused with the pool's backward, train_bwd_pool: x twice, dx, and the
-    two pooled gradients with the offsets in both passes)."""
+    two pooled gradients with the offsets in both passes). With mask (KERNELS_JOIN_MASK=1: the block outputs' ReLU
+    masks) the block outputs' forwards also write 1/16 of the output (one bit an element at 2 bytes) and the
+    joins read that instead of y. A join whose shortcut gradient comes from the next block's 1x1 stride-2
+    downsample may be join_bwd_2s (KERNELS_COMPACT_SHORTCUT=1): it reads that gradient on the downsample's grid,
+    a quarter of the output."""
     stem, pooled = n * 112 * 112 * 64, n * 56 * 56 * 64
     fwd = [("stem", {"train": 3 * stem * elem, "train_pool": 2 * stem * elem + pooled * (elem + 1)})]
     bwd = []
@@ -80,10 +84,20 @@ def bn_schedule(arch, n, elem):
         fwd.append((f"{stage} bn1", {"train": 3 * n * rin * rin * c * elem}))
         fwd.append((f"{stage} bn2", {"train": 3 * n * res * res * c * elem}))
         out = n * res * res * 4 * c * elem
-        fwd.append((f"{stage} out+ds", {"train2": 5 * out}) if ds else (f"{stage} out", {"train": 4 * out}))
+        m = out / (8 * elem) if mask else 0
+        fwd.append((f"{stage} out+ds", {"train2": 5 * out + m}) if ds else (f"{stage} out", {"train": 4 * out + m}))
+    strided_next = False  # whether the block after this one (in forward order) has a stride-2 downsample
     for i, (stage, c, rin, res, ds) in enumerate(reversed(blocks)):
         out = n * res * res * 4 * c * elem
-        bwd.append((f"{stage} out", {"join_bwd_1": 7 * out} if i == 0 else {"join_bwd_2": 8 * out}))
+        gate = out / (8 * elem) if mask else out  # the mask's bytes or y's
+        if i == 0:
+            bwd.append((f"{stage} out", {"join_bwd_1": 6 * out + gate}))
+        else:
+            kinds = {"join_bwd_2": 7 * out + gate}
+            if strided_next:
+                kinds["join_bwd_2s"] = 6 * out + out / 4 + gate
+            bwd.append((f"{stage} out", kinds))
+        strided_next = ds and rin != res
         bwd.append((f"{stage} bn2", {"train_bwd": 5 * n * res * res * c * elem}))
         bwd.append((f"{stage} bn1", {"train_bwd": 5 * n * rin * rin * c * elem}))
         if ds:
@@ -93,15 +107,15 @@ def bn_schedule(arch, n, elem):
 
 
 def bn_kind(name):
-    m = re.match(r"bn_nhwc_(train_join_bwd_[12]|train_bwd_pool|train_bwd|train_pool|train2|train)_v8_", name)
+    m = re.match(r"bn_nhwc_(train_join_bwd_(?:1|2s|2)|train_bwd_pool|train_bwd|train_pool|train2|train)_v8_", name)
     if not m:
         return None
     return m.group(1).replace("train_join_bwd", "join_bwd")
 
 
-def bn_report(step, arch, batch, elem, ref):
+def bn_report(step, arch, batch, elem, ref, mask=False):
     launches = [(d, n) for _, d, n, _ in step if bn_kind(n)]
-    want = bn_schedule(arch, batch, elem)
+    want = bn_schedule(arch, batch, elem, mask)
     if len(launches) != len(want):
         sys.exit(f"ktrace-steps bn: {len(launches)} BatchNorm launches in the step, the {arch} schedule has "
                  f"{len(want)} (another architecture, or not the cooperative path?)")
@@ -168,10 +182,11 @@ def main():
     bn.add_argument("--batch", type=int, default=256)
     bn.add_argument("--elem", type=int, default=2, help="bytes per activation element (2: bf16 / fp16)")
     bn.add_argument("--ref-tbs", type=float, default=None)
+    bn.add_argument("--mask", action="store_true", help="the step ran with KERNELS_JOIN_MASK=1 (ReLU masks)")
     a = ap.parse_args()
 
     if a.cmd == "bn":
-        bn_report(load_step(a.step), a.arch, a.batch, a.elem, a.ref_tbs)
+        bn_report(load_step(a.step), a.arch, a.batch, a.elem, a.ref_tbs, a.mask)
         return
 
     if a.cmd == "step":
