@@ -15,7 +15,8 @@
 #      (KERNELS_STEM_POOL_FUSED=1), and with the BatchNorm reductions in 132 x 3 row chunks
 #      (KERNELS_BN_CHUNKS_PER_SM=3; any fused-chunksN, N = 1 .. 8); fused-joinmask: with the block outputs'
 #      ReLU masks read by the joined backward instead of the outputs (KERNELS_JOIN_MASK=1); fused-compact: with the
-#      stride-2 downsamples' grad-inputs on their own grid (KERNELS_COMPACT_SHORTCUT=1); fused-maskcompact: both),
+#      stride-2 downsamples' grad-inputs on their own grid (KERNELS_COMPACT_SHORTCUT=1); fused-maskcompact: both;
+#      both are the defaults since 2026-12-06: fused-nomask and fused-nocompact turn each off, =0),
 #      with RECOMPUTE_BENCH=1 with kernels.recompute = "relu" and "relu+conv" (the peak memory against
 #      "none"), then
 #      autograd in AUTOGRAD_DTYPES (default bf16; empty skips it) -- figures first, as device time is short;
@@ -136,6 +137,8 @@ main() {
         # fused-compact: the stride-2 downsamples' grad-inputs on their own grid (KERNELS_COMPACT_SHORTCUT=1).
         [ "$step" = fused-compact ] && { coop=true; compact=1; dts="${dtypes%%,*}"; }
         [ "$step" = fused-maskcompact ] && { coop=true; joinmask=1; compact=1; dts="${dtypes%%,*}"; }
+        [ "$step" = fused-nomask ] && { coop=true; joinmask=0; dts="${dtypes%%,*}"; }
+        [ "$step" = fused-nocompact ] && { coop=true; compact=0; dts="${dtypes%%,*}"; }
         [ "$step" = fused-epistats ] && { stats=fused; dts="${dtypes%%,*}"; }
         # fused-rcrelu / fused-rcconv: kernels.recompute = "relu" / "relu+conv" (the peak memory against "none").
         [ "$step" = fused-rcrelu ] && { rc=relu; dts="${dtypes%%,*}"; }

@@ -150,13 +150,14 @@ pub struct KernelPolicy {
     /// The explicit training step keeps each residual block output's ReLU mask (1 bit an element, written by the
     /// cooperative forward with the output) and its cooperative join backward reads the mask instead of the
     /// output: 15/16 of a bf16 output's bytes fewer per block backward, for rows * c / 8 bytes more memory per
-    /// block (ResNet-152, batch 256: 0.39 GiB). The same gradients bit for bit. Default:
-    /// `KERNELS_JOIN_MASK=1` in the environment.
+    /// block (ResNet-152, batch 256: 0.39 GiB). The same gradients bit for bit. Default: on, unless
+    /// `KERNELS_JOIN_MASK=0` in the environment.
     pub join_relu_mask: bool,
     /// The explicit training step keeps a 1x1 stride-2 downsample's grad-input on the conv's own grid (a stride-1
     /// grad-input there) and the cooperative join of the block before reads it so: the full-size tensor, zero off
     /// the even cells, is neither memset nor read (ResNet-152 at batch 256: 411 + 205 + 103 MB each way a step).
-    /// Default: `KERNELS_COMPACT_SHORTCUT=1` in the environment.
+    /// The grad-input is summed by another kernel (the plain GEMM): equal to rounding, not bit for bit. Default: on,
+    /// unless `KERNELS_COMPACT_SHORTCUT=0` in the environment.
     pub compact_shortcut_grad: bool,
 }
 

@@ -33,18 +33,20 @@ const V8_TARGET_BLOCKS: usize = 1056;
 /// rows per thread (ResNet-152's 14x14x256 BatchNorms at batch 256: 6 rows) cost as much as the loads.
 const V8_MIN_ROWS_PER_THREAD: usize = 16;
 
-/// Row chunks 02's reductions aim for: [`V8_TARGET_BLOCKS`] (132 SMs x 8: one block a chunk for the separate
-/// launches), or 132 x N with `KERNELS_BN_CHUNKS_PER_SM=N` (1 to 8; empty: the default) in the environment, for
-/// timing fewer, larger chunks against the default in one run (scripts/gpu-step.sh `fused-chunks3`). The
-/// cooperative launches loop
-/// over the chunks with 3 or 4 resident blocks an SM: 1056 chunks are 2.67 rounds of 396 blocks, and their
-/// finalisers read 1056 partials a channel (ResNet-152's ktrace: a fixed 10-40 us a launch beyond its bytes,
-/// `scripts/ktrace-steps.py bn`). Both paths take the same split, so their results stay equal bit for bit.
+/// Row chunks 02's reductions aim for: 132 x [`CHUNKS_PER_SM`] (one chunk a resident block of the cooperative
+/// launches, which run 3 or 4 blocks an SM), or 132 x N with `KERNELS_BN_CHUNKS_PER_SM=N` (1 to 8; empty: the
+/// default) in the environment, for timing other splits against the default in one run (scripts/gpu-step.sh
+/// `fused-chunks8`). Was 132 x 8 (1056 chunks: 2.67 rounds of 396 blocks, and finalisers reading 1056 partials a
+/// channel; ResNet-152's ktrace: a fixed 10-40 us a launch beyond its bytes, `scripts/ktrace-steps.py bn`); 132 x
+/// 3 ran the ResNet-152 step 0.9% faster on an H100 (2026-12-06, alternating A/B, docs/BENCHMARKS.md). Both
+/// BatchNorm paths take the same split, so their results stay equal bit for bit.
+const CHUNKS_PER_SM: usize = 3;
+
 fn v8_target_chunks() -> Result<usize> {
     static PER_SM: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
     let per_sm = PER_SM.get_or_init(|| match std::env::var("KERNELS_BN_CHUNKS_PER_SM") {
-        Err(_) => Ok(V8_TARGET_BLOCKS / 132),
-        Ok(v) if v.trim().is_empty() => Ok(V8_TARGET_BLOCKS / 132),
+        Err(_) => Ok(CHUNKS_PER_SM),
+        Ok(v) if v.trim().is_empty() => Ok(CHUNKS_PER_SM),
         Ok(v) => match v.trim().parse::<usize>() {
             Ok(n) if (1..=8).contains(&n) => Ok(n),
             _ => Err(format!("KERNELS_BN_CHUNKS_PER_SM must be an integer from 1 to 8, got {v:?}")),
@@ -649,22 +651,27 @@ fn coop_blocks(dev: &CudaDevice, f: &CudaFunction, name: &str, chunks: usize) ->
     Ok(resident.min(chunks).max(1) as u32)
 }
 
-/// Cooperative launches made so far by this process (every device): tests check that the one-launch path ran.
-static COOP_LAUNCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// How many cooperative BatchNorm launches ([`train`], [`train2`], [`train_backward`], [`train_join_backward`])
-/// this process has made.
-pub fn cooperative_launches() -> u64 {
-    COOP_LAUNCHES.load(std::sync::atomic::Ordering::Relaxed)
+thread_local! {
+    /// Cooperative launches made so far by this thread (every device; per thread, so that tests running side by
+    /// side count their own): tests check that the one-launch path ran.
+    static COOP_LAUNCHES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
-/// Cooperative forward launches that took a convolution epilogue's moments ([`train`], [`train2`] with
-/// `moments`): tests check that the path without the moments pass ran.
-static COOP_FROM_MOMENTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// How many cooperative BatchNorm launches ([`train`], [`train2`], [`train_backward`], [`train_join_backward`])
+/// this thread has made.
+pub fn cooperative_launches() -> u64 {
+    COOP_LAUNCHES.with(std::cell::Cell::get)
+}
 
-/// How many cooperative BatchNorm forwards this process has launched with a convolution epilogue's moments.
+thread_local! {
+    /// Cooperative forward launches that took a convolution epilogue's moments ([`train`], [`train2`] with
+    /// `moments`) on this thread: tests check that the path without the moments pass ran.
+    static COOP_FROM_MOMENTS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// How many cooperative BatchNorm forwards this thread has launched with a convolution epilogue's moments.
 pub fn cooperative_launches_from_moments() -> u64 {
-    COOP_FROM_MOMENTS.load(std::sync::atomic::Ordering::Relaxed)
+    COOP_FROM_MOMENTS.with(std::cell::Cell::get)
 }
 
 /// The cooperative kernels' `rev` argument: their phase 1 takes the row chunks from the last to the first, where
@@ -677,7 +684,7 @@ fn reverse_chunks() -> i32 {
 }
 
 fn coop_cfg(blocks: u32) -> LaunchConfig {
-    COOP_LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    COOP_LAUNCHES.with(|n| n.set(n.get() + 1));
     LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (V8_THREADS as u32, 1, 1), shared_mem_bytes: 0 }
 }
 
@@ -741,7 +748,7 @@ fn train_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     let bv = view::<f32>(b, c, dev, OP, "bias")?;
     let rv = res.map(|r| view::<T>(r, len, dev, OP, "residual")).transpose()?;
     let have_moments = moments.is_some() as i32;
-    COOP_FROM_MOMENTS.fetch_add(have_moments as u64, std::sync::atomic::Ordering::Relaxed);
+    COOP_FROM_MOMENTS.with(|n| n.set(n.get() + have_moments as u64));
     let part = Partials::new(moments, &sp, dev, OP, "epilogue moments")?;
     let stats = alloc_out::<f32>(dev, 3 * c)?;
     let y = alloc_out::<T>(dev, len)?;
@@ -817,13 +824,15 @@ pub fn train(
     Ok(Some(out))
 }
 
-/// Cooperative stem launches with the max-pool fused ([`train_pool`], [`train_backward_pool`]) made so far by
-/// this process: tests check that the fused path ran.
-static POOL_LAUNCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+thread_local! {
+    /// Cooperative stem launches with the max-pool fused ([`train_pool`], [`train_backward_pool`]) made so far by
+    /// this thread: tests check that the fused path ran.
+    static POOL_LAUNCHES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
 
-/// How many [`train_pool`] and [`train_backward_pool`] launches this process has made.
+/// How many [`train_pool`] and [`train_backward_pool`] launches this thread has made.
 pub fn train_pool_launches() -> u64 {
-    POOL_LAUNCHES.load(std::sync::atomic::Ordering::Relaxed)
+    POOL_LAUNCHES.with(std::cell::Cell::get)
 }
 
 fn train_pool_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
@@ -844,7 +853,7 @@ fn train_pool_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     let wv = view::<f32>(w, c, dev, OP, "weight")?;
     let bv = view::<f32>(b, c, dev, OP, "bias")?;
     let have_moments = moments.is_some() as i32;
-    COOP_FROM_MOMENTS.fetch_add(have_moments as u64, std::sync::atomic::Ordering::Relaxed);
+    COOP_FROM_MOMENTS.with(|n| n.set(n.get() + have_moments as u64));
     let part = Partials::new(moments, &sp, dev, OP, "epilogue moments")?;
     let stats = alloc_out::<f32>(dev, 3 * c)?;
     let y = alloc_out::<T>(dev, out_len)?;
@@ -863,7 +872,7 @@ fn train_pool_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     let rev = reverse_chunks();
     bld.arg(&rm).arg(&rv_addr).arg(&nb).arg(&momentum).arg(&have_moments).arg(&rev);
     bld.arg(&n).arg(&h).arg(&wd).arg(&oh).arg(&ow);
-    POOL_LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    POOL_LAUNCHES.with(|n| n.set(n.get() + 1));
     // SAFETY: matches bn_nhwc_train_pool_v8_* (x, part, stats, weight, bias, y, arg, rows, c, rpc, chunks, eps,
     // running_mean, running_var, num_batches_tracked, momentum, have_moments, rev, n, h, w, oh, ow); x holds
     // rows = n*h*w rows of c elements (c % 8 == 0, 256 % (c / 8) == 0, 16-byte aligned: v8_applies), y and arg
@@ -1004,7 +1013,7 @@ fn train_bwd_pool_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     let rev = reverse_chunks();
     bld.arg(&sp.rows).arg(&sp.c).arg(&sp.rows_per_chunk).arg(&chunks).arg(&count).arg(&rev);
     bld.arg(&h).arg(&wd).arg(&oh).arg(&ow);
-    POOL_LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    POOL_LAUNCHES.with(|n| n.set(n.get() + 1));
     // SAFETY: matches bn_nhwc_train_bwd_pool_v8_* (x, arg, g1, g2, stats, weight, bias, part, sums, dx, rows, c,
     // rpc, chunks, count, rev, h, w, oh, ow); x and dx hold rows = n*h*w rows of c elements (dx fresh), the
     // offsets, g1 and g2 (or null) n*oh*ow*c (the 3x3/2/1 pool's output), all 16-byte aligned (offsets 8-byte)
@@ -1220,7 +1229,7 @@ fn train2_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     let wrv = view::<f32>(bn_r.weight, c, dev, OP, "residual weight")?;
     let brv = view::<f32>(bn_r.bias, c, dev, OP, "residual bias")?;
     let have_moments = moments.is_some() as i32;
-    COOP_FROM_MOMENTS.fetch_add(have_moments as u64, std::sync::atomic::Ordering::Relaxed);
+    COOP_FROM_MOMENTS.with(|n| n.set(n.get() + have_moments as u64));
     let part = Partials::new(moments.map(|m| m.0), &sp, dev, OP, "epilogue moments")?;
     let part_r = Partials::new(moments.map(|m| m.1), &sp, dev, OP, "shortcut's epilogue moments")?;
     let (stats, stats_r) = (alloc_out::<f32>(dev, 3 * c)?, alloc_out::<f32>(dev, 3 * c)?);
