@@ -507,7 +507,7 @@ fn cooperative_batchnorm_matches_the_three_launches() -> Result<()> {
                         // The mask only with the residual (a block output): the launch without it, then with it,
                         // compared below through the running statistics' second update.
                         (true, true) if mask_run => {
-                            let (stats, y, m) = batch_norm_train_add_relu_masked(&xd, &rd, None, &bn_of(r))?;
+                            let (stats, y, m) = batch_norm_train_add_relu_masked(&xd, &rd, None, &bn_of(r), true)?;
                             let m = m.context("the cooperative block output wrote no ReLU mask")?;
                             let (want, got) = (relu_mask(&y)?.to_vec2::<u8>()?, m.to_vec2::<u8>()?);
                             ensure!(want == got, "block output's ReLU mask differs from relu_mask(y)");

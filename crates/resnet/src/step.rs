@@ -638,18 +638,13 @@ impl<'a> Engine<'a> {
                 saved
             } else if b.downsample.is_none() && self.cooperative(bn) {
                 let (z, moments) = self.conv_moments(&inp, &cw)?;
-                let (stats, out, m) = if self.join_mask() {
-                    kernels::ops::batchnorm::batch_norm_train_add_relu_masked(&z, &x, moments.as_ref(), &train_bn(bn))?
-                } else {
-                    let (stats, out) = kernels::ops::batchnorm::batch_norm_train_with(
-                        &z,
-                        Some(&x),
-                        moments.as_ref(),
-                        &train_bn(bn),
-                        true,
-                    )?;
-                    (stats, out, None)
-                };
+                let (stats, out, m) = kernels::ops::batchnorm::batch_norm_train_add_relu_masked(
+                    &z,
+                    &x,
+                    moments.as_ref(),
+                    &train_bn(bn),
+                    self.join_mask(),
+                )?;
                 mask = m;
                 joined = Some((out, None));
                 BnSaved { z: Some(z), stats, global_rows: None }

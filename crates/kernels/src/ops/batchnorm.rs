@@ -325,17 +325,19 @@ pub fn batch_norm_train_with(
     Ok((stats, y))
 }
 
-/// [`batch_norm_train_with`] of a block output (identity shortcut `res`, then the ReLU) that also returns the
-/// output's ReLU mask ([`relu_mask`]'s layout), for [`join_grad_backward`] to read instead of the output:
-/// (stats, y, mask). On CUDA the cooperative launch writes the mask with y (rows * c / 8 more bytes); where it
-/// does not run, the mask is None on CUDA and made from y elsewhere (the CPU tests' path).
+/// [`batch_norm_train_with`] of a block output (identity shortcut `res`, then the ReLU) that with `mask` also
+/// returns the output's ReLU mask ([`relu_mask`]'s layout), for [`join_grad_backward`] to read instead of the
+/// output: (stats, y, mask). On CUDA the cooperative launch writes the mask with y (rows * c / 8 more bytes); where
+/// it does not run, the mask is None on CUDA and made from y elsewhere (the CPU tests' path). Without `mask`: None,
+/// and [`batch_norm_train_with`]'s launch.
 pub fn batch_norm_train_add_relu_masked(
     x: &Tensor,
     res: &Tensor,
     moments: Option<&Tensor>,
     bn: &TrainBn,
+    mask: bool,
 ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
-    train_with(x, Some(res), moments, bn, true, true)
+    train_with(x, Some(res), moments, bn, true, mask)
 }
 
 /// The ReLU mask of a block output y (.., c), c % 8 == 0: u8 (rows, c / 8), bit j of byte (row, group) set where
