@@ -5,6 +5,30 @@
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
 
+/// A CPU f32 tensor of standard normal values from a fixed `seed` (splitmix64 + Box-Muller), the same on every
+/// run and machine. candle's CPU `randn` draws from an unseeded generator, so a test fed by it sees a new input each
+/// run: fine where two paths are compared bit for bit, not where a rare input can meet a difference of convention
+/// (see `explicit_step_matches_autograd_*` in tests/tests/step.rs).
+pub fn seeded_randn(shape: &[usize], seed: u64) -> Tensor {
+    let mut state = seed;
+    let mut next = move || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        // 53 random bits as a uniform in (0, 1]: never 0, so the logarithm below is finite.
+        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64 + f64::EPSILON / 2.0
+    };
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n)
+        .map(|_| {
+            let (u1, u2) = (next(), next());
+            ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
+        })
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).expect("seeded_randn: shape matches its length")
+}
+
 /// A tensor's values on the host as f32, row-major.
 pub fn host_f32(t: &Tensor) -> Result<Vec<f32>> {
     Ok(t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
