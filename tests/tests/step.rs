@@ -325,6 +325,15 @@ fn step_values_with(
     (out.loss.to_scalar::<f32>().unwrap(), vals)
 }
 
+/// Two [`step_values`] results equal bit for bit: the loss and every named value, in the same order.
+fn assert_same_step(what: &str, a: &(f32, Vec<(String, Vec<f32>)>), b: &(f32, Vec<(String, Vec<f32>)>)) {
+    assert_eq!(a.0, b.0, "{what}: loss");
+    assert_eq!(a.1.len(), b.1.len(), "{what}: values");
+    for ((n, va), (_, vb)) in a.1.iter().zip(&b.1) {
+        assert_eq!(va, vb, "{what}: {n}");
+    }
+}
+
 /// `kernels.bn_stats = "fused"` on the CPU: there is no epilogue there (`conv2d_nhwc_forward_stats` returns no
 /// moments), so the step takes the statistics pass, and the joined backward sums (`join_grad_sums`) run as the
 /// two ops; the step gives the same loss, gradients and running statistics bit for bit. (The fused kernels are
@@ -351,11 +360,7 @@ fn epilogue_statistics_fall_back_to_the_pass_on_the_cpu() {
     // Every setting of `kernels.bn_stats`: "fused", "forward", "backward" against "pass".
     let b = run((false, false));
     for on in [(true, true), (true, false), (false, true)] {
-        let a = run(on);
-        assert_eq!(a.0, b.0, "{on:?}");
-        for ((n, ga), (_, gb)) in a.1.iter().zip(&b.1) {
-            assert_eq!(ga, gb, "{on:?} {n}");
-        }
+        assert_same_step(&format!("{on:?}"), &run(on), &b);
     }
 }
 
@@ -401,21 +406,18 @@ fn join_relu_mask_and_compact_shortcut_give_the_same_step() {
                 assert!(!mask || masked > 0, "{what}: no join gated by a mask");
                 assert!(!compact || strided > 0, "{what}: no join took a stride-2 shortcut gradient");
             }
-            assert_eq!(a.1.len(), base.1.len());
             if compact && recompute == Recompute::None {
                 // The compact grad-input is a stride-1 grad-input on the downsample's grid: the same products,
                 // summed by another conv path (on the CPU in another order): equal to rounding.
                 let rel = (a.0 as f64 - base.0 as f64).abs() / (base.0 as f64).abs();
                 assert!(rel < 1e-6, "{what}: loss {} vs {}", a.0, base.0);
+                assert_eq!(a.1.len(), base.1.len());
                 for ((n, va), (_, vb)) in a.1.iter().zip(&base.1) {
                     let e = integration_tests::rel_l2(va, vb);
                     assert!(e < 1e-5, "{what}: {n} relative L2 error {e:.3e}");
                 }
             } else {
-                assert_eq!(a.0, base.0, "{what}: loss");
-                for ((n, va), (_, vb)) in a.1.iter().zip(&base.1) {
-                    assert_eq!(va, vb, "{what}: {n}");
-                }
+                assert_same_step(&what, &a, &base);
             }
         }
     }
@@ -467,11 +469,7 @@ fn cooperative_batchnorm_gives_the_same_step_on_the_cpu() {
             step_values(&m, &x, &labels, |n| n.contains("running") || n.contains("num_batches_tracked"))
         };
         let (a, b) = (run(true), run(false));
-        assert_eq!(a.0, b.0, "{arch}: loss");
-        assert_eq!(a.1.len(), b.1.len());
         assert!(a.1.iter().any(|(n, v)| n.ends_with("bn1.num_batches_tracked") && v == &[1.0]), "{arch}");
-        for ((n, va), (_, vb)) in a.1.iter().zip(&b.1) {
-            assert_eq!(va, vb, "{arch}: {n}");
-        }
+        assert_same_step(&arch.to_string(), &a, &b);
     }
 }
