@@ -517,10 +517,16 @@ impl<'a> Engine<'a> {
         self.policy.stem_pool_fused && !frozen(&self.model.bn1) && self.sync.is_none()
     }
 
-    /// Whether block outputs keep their ReLU mask for the cooperative join (`policy.join_relu_mask`): only where
-    /// that join runs, and its last BatchNorm's input is kept (the join needs it; `Recompute::ReluConv` drops it).
+    /// Whether block outputs keep their ReLU mask for the cooperative join (`policy.join_relu_mask`), where that
+    /// join runs ([`Self::cooperative_join`]).
     fn join_mask(&self) -> bool {
-        self.policy.join_relu_mask && self.cooperative_backward() && self.recompute != Recompute::ReluConv
+        self.policy.join_relu_mask && self.cooperative_join()
+    }
+
+    /// Whether the blocks' backward starts with the cooperative join: cooperative BatchNorm backward, and each
+    /// block's last BatchNorm input kept (the join needs it; `Recompute::ReluConv` drops it).
+    fn cooperative_join(&self) -> bool {
+        self.cooperative_backward() && self.recompute != Recompute::ReluConv
     }
 
     /// Whether the backward of a (not frozen) BatchNorm runs as one launch: `policy.bn_cooperative`, no
@@ -768,13 +774,11 @@ impl<'a> Engine<'a> {
 
     /// Whether a downsample conv's grad-input stays on its own grid ([`Shortcut::Stride2`]):
     /// `policy.compact_shortcut_grad`, a 1x1 stride-2 conv without padding, and the cooperative join that reads it
-    /// so (not under `Recompute::ReluConv`, which drops the join's input; elsewhere it would be spread to full size
-    /// at once).
+    /// so ([`Self::cooperative_join`]; elsewhere it would be spread to full size at once).
     fn compact_shortcut(&self, cw: &ConvW) -> Result<bool> {
         let (_, r, s, _) = cw.w.dims4()?;
         Ok(self.policy.compact_shortcut_grad
-            && self.cooperative_backward()
-            && self.recompute != Recompute::ReluConv
+            && self.cooperative_join()
             && (r, s, cw.conv.stride, cw.conv.padding) == (1, 1, 2, 0))
     }
 
