@@ -9,10 +9,11 @@
 #      the fused BatchNorm reductions (kernels.bn_stats = "fused", then "auto": per conv shape where timed faster;
 #      EPI_COMPARE= skips both; with EPI_HALVES=1 also "forward" and "backward" alone) and with one cooperative
 #      launch a BatchNorm pass (kernels.bn_cooperative = true; COOP_COMPARE= skips it, COOP_COMPARE="fused-coop
-#      fused-coopauto fused-coopfused fused-fwdchunks fused-im2colgather fused-stempool fused-chunks3" adds it
+#      fused-coopauto fused-coopfused fused-fwdchunks fused-im2colgather fused-nostempool fused-chunks3" adds it
 #      with kernels.bn_stats = "auto" and "fused", with phase 1 taking the row chunks first to last, with the
-#      stem's im2col on the gather kernel, with the stem's BatchNorm + ReLU + max-pool in one launch
-#      (KERNELS_STEM_POOL_FUSED=1), and with the BatchNorm reductions in 132 x 3 row chunks
+#      stem's im2col on the gather kernel, with the stem's BatchNorm + ReLU + max-pool forward in three launches
+#      (fused-nostempool: KERNELS_STEM_POOL_FUSED=0) or its backward in one (fused-stempoolbwd:
+#      KERNELS_STEM_POOL_BWD_FUSED=1), and with the BatchNorm reductions in 132 x 3 row chunks
 #      (KERNELS_BN_CHUNKS_PER_SM=3; any fused-chunksN, N = 1 .. 8); fused-joinmask: with the block outputs'
 #      ReLU masks read by the joined backward instead of the outputs (KERNELS_JOIN_MASK=1); fused-compact: with the
 #      stride-2 downsamples' grad-inputs on their own grid (KERNELS_COMPACT_SHORTCUT=1); fused-maskcompact: both;
@@ -125,10 +126,12 @@ main() {
         # fused-im2colgather: the default cooperative launches with the stem's im2col on the gather kernel
         # (KERNELS_IM2COL_GATHER=1; the default stages the input rows in shared memory).
         [ "$step" = fused-im2colgather ] && { coop=true; im2colgather=1; dts="${dtypes%%,*}"; }
-        # fused-stempool: the stem's BatchNorm + ReLU + max-pool in one launch (KERNELS_STEM_POOL_FUSED=1; off by
-        # default until timed here).
-        local stempool="" chunks="" joinmask="" compact=""
-        [ "$step" = fused-stempool ] && { coop=true; stempool=1; dts="${dtypes%%,*}"; }
+        # fused-nostempool: the stem's BatchNorm + ReLU and max-pool forward in three launches
+        # (KERNELS_STEM_POOL_FUSED=0; the default is one); fused-stempoolbwd: the pool's backward inside the stem
+        # BatchNorm's backward too (KERNELS_STEM_POOL_BWD_FUSED=1; the default is two launches).
+        local stempool="" stempoolbwd="" chunks="" joinmask="" compact=""
+        [ "$step" = fused-nostempool ] && { coop=true; stempool=0; dts="${dtypes%%,*}"; }
+        [ "$step" = fused-stempoolbwd ] && { coop=true; stempoolbwd=1; dts="${dtypes%%,*}"; }
         # fused-chunksN (N = 1 .. 8): the BatchNorm reductions split into 132 x N row chunks
         # (KERNELS_BN_CHUNKS_PER_SM=N; the default is 8).
         case "$step" in fused-chunks[1-8]) coop=true; chunks=${step#fused-chunks}; dts="${dtypes%%,*}" ;; esac
@@ -148,7 +151,7 @@ main() {
         [ "$step" = fused-epibwd ] && { stats=backward; dts="${dtypes%%,*}"; }
         [ -n "$dts" ] || continue
         echo "== bench resnet152 b$batch $dts, kernels.step = ${step%%-*}, kernels.graph = $graph, kernels.bn_stats = $stats, kernels.bn_cooperative = $coop, kernels.recompute = $rc"
-        KERNELS_BN_CHUNKS_FORWARD="$fwdchunks" KERNELS_IM2COL_GATHER="$im2colgather" KERNELS_STEM_POOL_FUSED="$stempool" KERNELS_BN_CHUNKS_PER_SM="$chunks" KERNELS_JOIN_MASK="$joinmask" KERNELS_COMPACT_SHORTCUT="$compact" timeout "${BENCH_TIMEOUT:-150}" "$bin/trainer" bench --config "$here/configs/resnet152.toml" \
+        KERNELS_BN_CHUNKS_FORWARD="$fwdchunks" KERNELS_IM2COL_GATHER="$im2colgather" KERNELS_STEM_POOL_FUSED="$stempool" KERNELS_STEM_POOL_BWD_FUSED="$stempoolbwd" KERNELS_BN_CHUNKS_PER_SM="$chunks" KERNELS_JOIN_MASK="$joinmask" KERNELS_COMPACT_SHORTCUT="$compact" timeout "${BENCH_TIMEOUT:-150}" "$bin/trainer" bench --config "$here/configs/resnet152.toml" \
             --set "kernels.step=\"${step%%-*}\"" --set "kernels.graph=\"$graph\"" --set "kernels.bn_stats=\"$stats\"" \
             --set "kernels.bn_cooperative=$coop" --set "kernels.recompute=\"$rc\"" \
             --dtypes "$dts" --batch-sizes "$batch" --warmup 3 --steps 10 > "$out/bench-$step.log" 2>&1 \

@@ -115,11 +115,11 @@ fn explicit_step_matches_autograd_resnet18_with_frozen_batchnorm() {
     compare_with(Arch::ResNet18, Stem::ImageNet, 32, None, true);
 }
 
-/// The stem's BatchNorm + ReLU + max-pool through its fused ops (`KernelPolicy::stem_pool_fused`, on the CPU
-/// their composition of the same passes) gives the same step as the separate ops, bit for bit: the loss, every
-/// gradient and bn1's running statistics (the CUDA kernels are checked against the separate launches bit for bit
-/// in tests/tests/gpu.rs). Also with a frozen layer and with frozen BatchNorm statistics (the stem then takes the
-/// separate ops).
+/// The stem's BatchNorm + ReLU + max-pool through its fused ops (`KernelPolicy::stem_pool_fused` forward,
+/// `stem_pool_bwd_fused` backward, each alone and both; on the CPU their composition of the same passes) gives the
+/// same step as the separate ops, bit for bit: the loss, every gradient and bn1's running statistics (the CUDA
+/// kernels are checked against the separate launches bit for bit in tests/tests/gpu.rs). Also with a frozen layer
+/// and with frozen BatchNorm statistics (the stem then takes the separate ops).
 #[test]
 fn stem_pool_fused_step_equals_the_separate_ops() {
     let dev = Device::Cpu;
@@ -128,9 +128,10 @@ fn stem_pool_fused_step_equals_the_separate_ops() {
     for (arch, freeze, bn_frozen) in
         [(Arch::ResNet18, None, false), (Arch::ResNet50, Some("layer1"), false), (Arch::ResNet18, None, true)]
     {
-        let run = |fused: bool| {
+        let run = |(fwd, bwd): (bool, bool)| {
             let mut c = model(arch, Stem::ImageNet).config.clone();
-            c.kernels.stem_pool_fused = fused;
+            c.kernels.stem_pool_fused = fwd;
+            c.kernels.stem_pool_bwd_fused = bwd;
             let m = ResNet::new(c, &dev).unwrap();
             if let Some(p) = freeze {
                 assert!(m.store().freeze_prefixes(&[p.to_string()]) > 0);
@@ -149,16 +150,19 @@ fn stem_pool_fused_step_equals_the_separate_ops() {
             let bn1 = m.store().get("bn1.running_var").map(|e| integration_tests::flat(e.param.var().as_tensor()));
             (out.loss.to_scalar::<f32>().unwrap(), grads, bn1)
         };
-        let (fused, separate) = (run(true), run(false));
-        let what = format!("{arch} freeze={freeze:?} bn_frozen={bn_frozen}");
-        assert_eq!(fused.0.to_bits(), separate.0.to_bits(), "{what}: loss {} vs {}", fused.0, separate.0);
-        assert_eq!(fused.1.len(), separate.1.len());
-        for ((n, a), (_, b)) in fused.1.iter().zip(&separate.1) {
-            let differ = a.iter().zip(b).filter(|(p, q)| p.to_bits() != q.to_bits()).count();
-            assert_eq!(differ, 0, "{what}: gradient {n} differs in {differ} of {} values", a.len());
+        let separate = run((false, false));
+        for halves in [(true, false), (false, true), (true, true)] {
+            let fused = run(halves);
+            let what = format!("{arch} freeze={freeze:?} bn_frozen={bn_frozen} (forward, backward) fused {halves:?}");
+            assert_eq!(fused.0.to_bits(), separate.0.to_bits(), "{what}: loss {} vs {}", fused.0, separate.0);
+            assert_eq!(fused.1.len(), separate.1.len());
+            for ((n, a), (_, b)) in fused.1.iter().zip(&separate.1) {
+                let differ = a.iter().zip(b).filter(|(p, q)| p.to_bits() != q.to_bits()).count();
+                assert_eq!(differ, 0, "{what}: gradient {n} differs in {differ} of {} values", a.len());
+            }
+            assert!(fused.2.is_some(), "{what}: no bn1.running_var in the store");
+            assert_eq!(fused.2, separate.2, "{what}: bn1 running variance");
         }
-        assert!(fused.2.is_some(), "{what}: no bn1.running_var in the store");
-        assert_eq!(fused.2, separate.2, "{what}: bn1 running variance");
     }
 }
 

@@ -142,11 +142,17 @@ pub struct KernelPolicy {
     /// grid-wide barriers between the phases, instead of three launches each (CUDA; the results are the same bit
     /// for bit; `kernels.bn_cooperative`).
     pub bn_cooperative: bool,
-    /// The explicit training step runs the ImageNet stem's BatchNorm + ReLU + max-pool as one launch forward
-    /// (`bn_nhwc_train_pool_v8`) and the pool's backward inside the BatchNorm's backward (`bn_nhwc_train_bwd_pool_v8`)
-    /// on CUDA, where neither writes the full-resolution activation or gradient; on the CPU the same ops compose
-    /// the separate passes. Default: `KERNELS_STEM_POOL_FUSED=1` in the environment (off until timed on a GPU).
+    /// The explicit training step runs the ImageNet stem's BatchNorm + ReLU + max-pool forward as one launch
+    /// (`bn_nhwc_train_pool_v8` on CUDA: the full-resolution activation is never written; on the CPU the same op
+    /// composes the separate passes). The saved state (pre-BatchNorm output, statistics, pool offsets) is the
+    /// separate passes', so either backward follows it. Default: on, unless `KERNELS_STEM_POOL_FUSED=0` in the
+    /// environment (H100, 2026-12-06: 608 us against 1,045 us for the three launches it replaces).
     pub stem_pool_fused: bool,
+    /// The explicit training step runs the stem pool's backward inside the stem BatchNorm's backward, one
+    /// launch (`bn_nhwc_train_bwd_pool_v8`) instead of the pool's backward + the BatchNorm's. Default: off, unless
+    /// `KERNELS_STEM_POOL_BWD_FUSED=1` in the environment (H100, 2026-12-06: 1,777 us against 825 us for the two
+    /// launches it replaces, though it moves fewer bytes).
+    pub stem_pool_bwd_fused: bool,
     /// The explicit training step keeps each residual block output's ReLU mask (1 bit an element, written by the
     /// cooperative forward with the output) and its cooperative join backward reads the mask instead of the
     /// output: 15/16 of a bf16 output's bytes fewer per block backward, for rows * c / 8 bytes more memory per
@@ -175,6 +181,7 @@ impl Default for KernelPolicy {
             bn_epilogue_by_timing: false,
             bn_cooperative: false,
             stem_pool_fused: crate::ops::batchnorm::stem_pool_fused(),
+            stem_pool_bwd_fused: crate::ops::batchnorm::stem_pool_bwd_fused(),
             join_relu_mask: crate::ops::batchnorm::join_relu_mask(),
             compact_shortcut_grad: crate::ops::batchnorm::compact_shortcut_grad(),
         }

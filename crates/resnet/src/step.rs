@@ -511,10 +511,20 @@ impl<'a> Engine<'a> {
         kernels::conv2d_nhwc_forward_stats(x, &cw.w, cw.conv.stride, cw.conv.padding, self.policy)
     }
 
-    /// Whether the ImageNet stem's BatchNorm + ReLU + max-pool run fused (`policy.stem_pool_fused`): its statistics
-    /// the batch's (not frozen, not synchronised).
+    /// Whether the ImageNet stem's BatchNorm + ReLU + max-pool forward runs fused (`policy.stem_pool_fused`): its
+    /// statistics the batch's (not frozen, not synchronised).
     fn stem_pool_fused(&self) -> bool {
         self.policy.stem_pool_fused && !frozen(&self.model.bn1) && self.sync.is_none()
+    }
+
+    /// Whether the stem pool's backward runs inside the stem BatchNorm's backward (`policy.stem_pool_bwd_fused`),
+    /// under the same conditions, and not beside the buckets' all-reduces (a cooperative grid, as
+    /// `cooperative_backward`).
+    fn stem_pool_bwd_fused(&self) -> bool {
+        self.policy.stem_pool_bwd_fused
+            && !frozen(&self.model.bn1)
+            && self.sync.is_none()
+            && self.buckets.sink.is_none()
     }
 
     /// Whether block outputs keep their ReLU mask for the cooperative join (`policy.join_relu_mask`), where that
@@ -1053,9 +1063,9 @@ impl ResNet {
 
         // ----- backward: stem (the pool's backward adds the first block's two gradients as it reads them)
         let dz0 = match pool_offsets {
-            Some(off) if e.stem_pool_fused() && e.buckets.sink.is_none() => {
-                // The pool's backward inside the BatchNorm + ReLU backward, one launch on CUDA (a cooperative
-                // grid: not beside the buckets' all-reduces, as cooperative_backward).
+            Some(off) if e.stem_pool_bwd_fused() => {
+                // The pool's backward inside the BatchNorm + ReLU backward, one launch on CUDA (either forward
+                // saved the same z, statistics and offsets).
                 let p = Engine::bn_params(&m.bn1, &stem.stats);
                 let op = BnGrad { relu: true, stats: p.stats, weight: p.weight, bias: p.bias, sums: None };
                 let (sums, dz) = batch_norm_train_relu_max_pool_backward(stem.z()?, &off, (&gm, Some(&gs)), &op, pool)?;

@@ -426,14 +426,21 @@ fn host_mask(y: &Tensor, want: bool) -> Result<Option<Tensor>> {
     relu_mask(y).map(Some)
 }
 
-/// Whether `KERNELS_STEM_POOL_FUSED=1` is set: the default of [`crate::KernelPolicy::stem_pool_fused`] (the
-/// explicit training step then runs the ImageNet stem's BatchNorm + ReLU + max-pool as
-/// [`batch_norm_train_relu_max_pool`] and its backward as [`batch_norm_train_relu_max_pool_backward`], one launch
-/// each). Off by default until the kernels have run on a GPU (scripts/gpu-step.sh's `fused-stempool` times them
-/// against the default).
+/// Whether the explicit step runs the ImageNet stem's BatchNorm + ReLU + max-pool forward as
+/// [`batch_norm_train_relu_max_pool`] (one launch on CUDA): [`crate::KernelPolicy::stem_pool_fused`]'s default, on
+/// unless `KERNELS_STEM_POOL_FUSED=0` in the environment (scripts/gpu-step.sh's `fused-nostempool`).
 pub fn stem_pool_fused() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var_os("KERNELS_STEM_POOL_FUSED").is_some_and(|v| v == "1"))
+    *ON.get_or_init(|| std::env::var_os("KERNELS_STEM_POOL_FUSED").is_none_or(|v| v != "0"))
+}
+
+/// Whether the explicit step runs the stem pool's backward inside the stem BatchNorm's backward as
+/// [`batch_norm_train_relu_max_pool_backward`] (one launch on CUDA): [`crate::KernelPolicy::stem_pool_bwd_fused`]'s
+/// default, off unless `KERNELS_STEM_POOL_BWD_FUSED=1` in the environment (scripts/gpu-step.sh's
+/// `fused-stempoolbwd`): timed slower than the two launches it replaces.
+pub fn stem_pool_bwd_fused() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("KERNELS_STEM_POOL_BWD_FUSED").is_some_and(|v| v == "1"))
 }
 
 /// Whether the explicit step's block outputs keep their ReLU mask ([`crate::KernelPolicy::join_relu_mask`]'s

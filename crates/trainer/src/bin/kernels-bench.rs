@@ -432,7 +432,7 @@ fn pools(timer: &Timer, dev: &Device, dt: DType, n: usize) -> Result<Value> {
         timer.time(|| off.apply_op2_no_bwd(&(&g + &g2)?, &bwd_o))?,
         (nx + 4.0 * ny) * es + ny,
     ));
-    // The stem's BatchNorm + ReLU + max-pool with its offsets in one launch (KERNELS_STEM_POOL_FUSED=1), against
+    // The stem's BatchNorm + ReLU + max-pool with its offsets in one launch (the default forward), against
     // the cooperative BatchNorm + ReLU, the pool and the offsets pass it replaces (x here is the conv output).
     {
         use kernels::ops::batchnorm::{batch_norm_train, batch_norm_train_relu_max_pool, Running, TrainBn};
