@@ -28,7 +28,11 @@ def load(path, tag):
 ours, torch = load(sys.argv[1], "BENCH_JSON "), load(sys.argv[2], "TORCH_JSON ")
 def f(v, p=1):
     return "-" if v is None else f"{v:,.{p}f}"
-print("| dtype | batch | ours img/s | ours GiB | PyTorch img/s (channels-last) | PyTorch GiB | ours / PyTorch |")
+# Memory both ways on both sides: "device" is what the process holds on the GPU (ours: NVML's peak over the run;
+# PyTorch's: cudaMemGetInfo after the timed steps, its caching allocator keeping its reserve), "alloc" the
+# allocators' peaks (ours: the default pool's and the CUDA graphs' used-memory high watermarks over the timed
+# steps, their sum; PyTorch's: max_memory_allocated / max_memory_reserved).
+print("| dtype | batch | ours img/s | ours GiB device / alloc | PyTorch img/s (channels-last) | PyTorch GiB device / allocated / reserved | ours / PyTorch |")
 print("|---|---|---|---|---|---|---|")
 for k in sorted(set(ours) | set(torch)):
     o, t = ours.get(k, {}), torch.get(k, {})
@@ -36,6 +40,8 @@ for k in sorted(set(ours) | set(torch)):
     ratio = f"{oi / ti:.3f}" if oi and ti else "-"
     oo = " (OOM)" if o.get("oom") else ""
     to = " (OOM)" if t.get("oom") else ""
-    print(f"| {k[0]} | {k[1]} | {f(oi)}{oo} | {f(o.get('peak_gib'), 2)} | {f(ti)}{to} | {f(t.get('peak_gib'), 2)} | {ratio} |")
+    om = f"{f(o.get('peak_gib'), 2)} / {f(o.get('alloc_gib'), 2)}"
+    tm = f"{f(t.get('device_gib'), 2)} / {f(t.get('peak_gib'), 2)} / {f(t.get('reserved_gib'), 2)}"
+    print(f"| {k[0]} | {k[1]} | {f(oi)}{oo} | {om} | {f(ti)}{to} | {tm} | {ratio} |")
 PY
 exit $rust_rc

@@ -22,7 +22,7 @@ for dt in ${DTYPES:-bf16 fp16}; do
         || echo "clock-compare: the $dt bench failed (see clock-bench-$dt.log)"
     kill "$smi" 2> /dev/null
     wait "$smi" 2> /dev/null
-    # The bench's table row: arch, dtype, batch, img/s, step ms, peak GiB.
+    # The bench's table row: arch, dtype, batch, img/s, step ms, peak GiB, alloc GiB.
     rate="$(grep -E '^resnet' "$out/clock-bench-$dt.log" | tail -1 | awk '{print $4 " img/s, " $5 " ms a step"}')"
     python3 - "$out/clock-$dt.csv" "$dt" "${rate:-no rate}" <<'PYEOF'
 import sys

@@ -4,7 +4,12 @@ cross-entropy, synthetic data made on the GPU, autocast + GradScaler for fp16) t
 
 usage: torch_bench.py ARCH DTYPES BATCH_SIZES [--channels-last] [--steps N] [--warmup N]
   e.g. torch_bench.py resnet152 fp32,bf16,fp16 64,128,256 --channels-last
-Prints one JSON object per configuration: {"arch","dtype","batch_size","img_per_s","step_ms","peak_gib","oom"}.
+Prints one JSON object per configuration: {"arch","dtype","batch_size","img_per_s","step_ms","peak_gib",
+"reserved_gib","device_gib","oom"}. Memory, three ways: peak_gib is the caching allocator's peak of live tensor
+bytes (torch.cuda.max_memory_allocated), reserved_gib its peak reserve (max_memory_reserved), device_gib the
+device memory the process holds after the timed steps beyond what it held before building the model (total - free
+from cudaMemGetInfo: the reserve, which the allocator keeps, plus cuDNN/cuBLAS state), which is what `trainer
+bench`'s peak_gib measures (NVML's used memory, its maximum over the run less the value after device selection).
 """
 import argparse
 import json
@@ -14,10 +19,16 @@ import torch
 import torchvision
 
 
+def used_bytes():
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
 def run(arch, dtype, bs, channels_last, warmup, steps):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     dev = torch.device("cuda")
+    base = used_bytes()
     model = getattr(torchvision.models, arch)(num_classes=1000).to(dev)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     model = model.to(memory_format=fmt)
@@ -49,9 +60,12 @@ def run(arch, dtype, bs, channels_last, warmup, steps):
             step()
         torch.cuda.synchronize()
         dt = (time.perf_counter() - t) / steps
-        rec.update(img_per_s=bs / dt, step_ms=dt * 1e3, peak_gib=torch.cuda.max_memory_allocated() / 2**30, oom=False)
+        gib = 2.0**30
+        rec.update(img_per_s=bs / dt, step_ms=dt * 1e3, peak_gib=torch.cuda.max_memory_allocated() / gib,
+                   reserved_gib=torch.cuda.max_memory_reserved() / gib, device_gib=(used_bytes() - base) / gib,
+                   oom=False)
     except torch.OutOfMemoryError:
-        rec.update(img_per_s=None, step_ms=None, peak_gib=None, oom=True)
+        rec.update(img_per_s=None, step_ms=None, peak_gib=None, reserved_gib=None, device_gib=None, oom=True)
     del model, opt
     return rec
 

@@ -1230,3 +1230,36 @@ fn softmax_xent_cuda_matches_cpu() -> Result<()> {
     }
     Ok(())
 }
+
+/// The allocator's high watermarks (`kernels::cuda::memory_high`, what `trainer bench` reports as `alloc_gib`):
+/// a 64 MiB tensor raises the default pool's used high to at least 64 MiB; once it is freed and the watermarks
+/// reset, the used high restarts from what is in use now, at least 64 MiB below. The pool may keep the freed memory
+/// reserved (its release threshold), so only the used high is checked. Other tests run in parallel and allocate
+/// from the same pool, so the check is tried a few times before it fails.
+#[test]
+fn memory_high_tracks_the_pool() -> Result<()> {
+    use kernels::cuda::{memory_high, reset_memory_high};
+    let dev = cuda()?;
+    let Device::Cuda(d) = &dev else { unreachable!("cuda() gives a CUDA device") };
+    const MIB64: u64 = 64 << 20;
+    let mut seen = Vec::new();
+    for _ in 0..5 {
+        dev.synchronize()?;
+        reset_memory_high(d)?;
+        let t = Tensor::zeros(16 << 20, DType::F32, &dev)?;
+        dev.synchronize()?;
+        let with = memory_high(d)?;
+        ensure!(with.pool_used >= MIB64, "with a 64 MiB tensor alive, the pool's used high is {with:?}");
+        ensure!(with.in_use() >= with.pool_used && with.reserved() >= with.pool_reserved, "{with:?}");
+        drop(t);
+        dev.synchronize()?;
+        reset_memory_high(d)?;
+        let after = memory_high(d)?;
+        if after.pool_used <= with.pool_used - MIB64 {
+            println!("memory_high: with the tensor {with:?}; after freeing it and a reset {after:?}");
+            return Ok(());
+        }
+        seen.push((with.pool_used, after.pool_used));
+    }
+    anyhow::bail!("the pool's used high did not fall by 64 MiB after freeing the tensor and a reset: {seen:?}")
+}

@@ -17,8 +17,18 @@ pub struct BenchResult {
     pub batch_size: usize,
     pub img_per_s: Option<f64>,
     pub step_ms: Option<f64>,
-    /// Peak device memory used during the timed steps, above what was in use before the model was built.
+    /// NVML's used device memory (sampled every few milliseconds), its maximum over the whole run (model build,
+    /// warm-up and timed steps), less the value right after device selection. CUDA only.
     pub peak_gib: Option<f64>,
+    /// Over the timed steps, the allocator's peak of memory in use (`kernels::cuda::MemoryHigh::in_use`: the
+    /// default pool's and CUDA graphs' high watermarks), in GiB. CUDA only; compare with PyTorch's
+    /// `torch.cuda.max_memory_allocated`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub alloc_gib: Option<f64>,
+    /// Over the timed steps, the allocator's peak of memory held (`kernels::cuda::MemoryHigh::reserved`), in
+    /// GiB. CUDA only; compare with PyTorch's `torch.cuda.max_memory_reserved`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reserved_gib: Option<f64>,
     pub oom: bool,
     pub error: Option<String>,
     /// Per-phase milliseconds per step (forward, backward, grads, optimizer) when run with `--phases`.
@@ -85,6 +95,8 @@ impl BenchResult {
             img_per_s: None,
             step_ms: None,
             peak_gib: None,
+            alloc_gib: None,
+            reserved_gib: None,
             oom: false,
             error: None,
             phases_ms: None,
@@ -101,7 +113,9 @@ pub fn bench_one(cfg: &Config, dtype: Precision, bs: usize, warmup: usize, steps
     cfg.train.batch_size = bs;
     let mut phase_ms = None;
     let mut graph_note = None;
-    let mut run = || -> Result<(f64, Option<f64>)> {
+    // The allocator's high watermarks over the timed steps (CUDA); None where they could not be read.
+    type High = Option<(f64, f64)>;
+    let mut run = || -> Result<(f64, Option<f64>, High)> {
         let device = select_device(&cfg.device)?;
         let mem = if device.is_cuda() { PeakMemory::start(cfg.cuda_ordinal()) } else { None };
         let model = build_model(&cfg, &device)?;
@@ -115,6 +129,12 @@ pub fn bench_one(cfg: &Config, dtype: Precision, bs: usize, warmup: usize, steps
             runner.step(std::slice::from_ref(&batch), lr)?;
         }
         device.synchronize()?;
+        // The watermarks restart from what the warm-up left in use and held.
+        #[cfg(feature = "cuda")]
+        let high_reset = match &device {
+            candle_core::Device::Cuda(d) => kernels::cuda::reset_memory_high(d).is_ok(),
+            _ => false,
+        };
         if phases {
             runner.phases = Some(Default::default());
         }
@@ -133,6 +153,15 @@ pub fn bench_one(cfg: &Config, dtype: Precision, bs: usize, warmup: usize, steps
         }
         device.synchronize()?;
         let secs = t.elapsed().as_secs_f64();
+        let high: High = None;
+        #[cfg(feature = "cuda")]
+        let high = match &device {
+            candle_core::Device::Cuda(d) if high_reset => kernels::cuda::memory_high(d).ok().map(|h| {
+                let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+                (gib(h.in_use()), gib(h.reserved()))
+            }),
+            _ => high,
+        };
         if device.is_cuda() {
             let g = &runner.graphs;
             let replayed = g.replayed - replayed_before;
@@ -150,7 +179,7 @@ pub fn bench_one(cfg: &Config, dtype: Precision, bs: usize, warmup: usize, steps
         drop(runner);
         drop(batch);
         device.synchronize()?;
-        Ok((secs, mem.map(PeakMemory::finish)))
+        Ok((secs, mem.map(PeakMemory::finish), high))
     };
     let on_cpu = crate::config::parse_device(&cfg.device) == Some(None);
     if on_cpu {
@@ -166,10 +195,12 @@ pub fn bench_one(cfg: &Config, dtype: Precision, bs: usize, warmup: usize, steps
         let _ = kernels::cuda::release_pool_memory(&d);
     }
     match result {
-        Ok((secs, peak)) => {
+        Ok((secs, peak, high)) => {
             r.step_ms = Some(1000.0 * secs / steps as f64);
             r.img_per_s = Some((bs * steps) as f64 / secs);
             r.peak_gib = peak;
+            r.alloc_gib = high.map(|h| h.0);
+            r.reserved_gib = high.map(|h| h.1);
             r.phases_ms = phase_ms;
             r.graph = graph_note;
         }
@@ -182,7 +213,10 @@ pub fn bench_one(cfg: &Config, dtype: Precision, bs: usize, warmup: usize, steps
 }
 
 pub fn print_header() {
-    println!("{:<10} {:<5} {:>6} {:>10} {:>9} {:>9}", "arch", "dtype", "batch", "img/s", "step ms", "peak GiB");
+    println!(
+        "{:<10} {:<5} {:>6} {:>10} {:>9} {:>9} {:>9}",
+        "arch", "dtype", "batch", "img/s", "step ms", "peak GiB", "alloc GiB"
+    );
 }
 
 pub fn print_row(r: &BenchResult) {
@@ -193,13 +227,14 @@ pub fn print_row(r: &BenchResult) {
         r.error.as_ref().map(|e| format!("  error: {e}")).unwrap_or_default()
     };
     println!(
-        "{:<10} {:<5} {:>6} {:>10} {:>9} {:>9}{status}",
+        "{:<10} {:<5} {:>6} {:>10} {:>9} {:>9} {:>9}{status}",
         r.arch,
         r.dtype,
         r.batch_size,
         f(r.img_per_s, 1),
         f(r.step_ms, 1),
-        f(r.peak_gib, 2)
+        f(r.peak_gib, 2),
+        f(r.alloc_gib, 2)
     );
     if let Some(p) = &r.phases_ms {
         let parts: Vec<String> = ["forward", "backward", "grads", "optimizer"]
@@ -306,17 +341,19 @@ pub fn sweep_max(
 
 /// Writes sweep.csv.
 pub fn write_csv(rows: &[BenchResult], path: &std::path::Path) -> Result<()> {
-    let mut s = String::from("arch,dtype,batch_size,img_per_s,step_ms,peak_gib,oom,error\n");
+    let mut s = String::from("arch,dtype,batch_size,img_per_s,step_ms,peak_gib,alloc_gib,reserved_gib,oom,error\n");
     for r in rows {
         let f = |v: Option<f64>| v.map(|v| format!("{v:.3}")).unwrap_or_default();
         s.push_str(&format!(
-            "{},{},{},{},{},{},{},\"{}\"\n",
+            "{},{},{},{},{},{},{},{},{},\"{}\"\n",
             r.arch,
             r.dtype,
             r.batch_size,
             f(r.img_per_s),
             f(r.step_ms),
             f(r.peak_gib),
+            f(r.alloc_gib),
+            f(r.reserved_gib),
             r.oom,
             r.error.clone().unwrap_or_default().replace('"', "'")
         ));
@@ -341,6 +378,21 @@ mod tests {
         assert!(too_large(&failed(false, "conv2d_nhwc_fwd (cuda): output size = 2466250752 exceeds i32")));
         assert!(!too_large(&failed(false, "unsupported kernel for this GPU")));
         assert!(!too_large(&row(3072, Some(1.0))));
+    }
+
+    /// sweep.csv: the allocator's peaks after NVML's, one column each, empty where not measured (the CPU).
+    #[test]
+    fn csv_has_the_allocator_peaks() {
+        let path = std::env::temp_dir().join(format!("bench-csv-{}.csv", std::process::id()));
+        let cuda = BenchResult { peak_gib: Some(3.0), alloc_gib: Some(2.5), reserved_gib: Some(2.75), ..row(8, None) };
+        write_csv(&[cuda, row(16, Some(1.0))], &path).unwrap();
+        let csv = std::fs::read_to_string(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        let lines: Vec<&str> = csv.lines().collect();
+        assert_eq!(lines[0], "arch,dtype,batch_size,img_per_s,step_ms,peak_gib,alloc_gib,reserved_gib,oom,error");
+        assert!(lines[1].ends_with(",,3.000,2.500,2.750,false,\"\""), "{csv}");
+        assert!(lines[2].ends_with(",1.000,,,,,false,\"\""), "{csv}");
+        assert!(lines.iter().all(|l| l.split(',').count() == 10), "{csv}");
     }
 
     /// The forecast needs two batches that ran on the host; it speaks only of larger batches, and leaves out one

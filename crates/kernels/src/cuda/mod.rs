@@ -201,6 +201,101 @@ pub fn release_pool_memory(dev: &CudaDevice) -> Result<()> {
         .map_err(|e| candle_core::Error::Msg(format!("graph memory: trim: {e}")))
 }
 
+/// High watermarks since the last [`reset_memory_high`] (or since the device was opened), in bytes: of the device's
+/// default memory pool, from which cudarc allocates with `cuMemAllocAsync` outside graph captures, and of CUDA
+/// graphs' allocation nodes, which the graph allocator serves. Allocator-level peaks, comparable to PyTorch's
+/// `torch.cuda.max_memory_allocated` (the `*_used` fields) and `max_memory_reserved` (the `*_reserved` fields),
+/// unlike NVML's used device memory, which counts the context, the libraries' workspaces and other processes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemoryHigh {
+    /// Bytes in use by allocations from the default pool, at most (`CU_MEMPOOL_ATTR_USED_MEM_HIGH`).
+    pub pool_used: u64,
+    /// Bytes the default pool held (mapped), at most (`CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH`).
+    pub pool_reserved: u64,
+    /// Physical memory associated with CUDA graphs' allocations, at most (`CU_GRAPH_MEM_ATTR_USED_MEM_HIGH`).
+    pub graph_used: u64,
+    /// Memory the graph allocator held, at most (`CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH`).
+    pub graph_reserved: u64,
+}
+
+impl MemoryHigh {
+    /// Bytes in use by allocations, pool and graphs together: an upper bound of the simultaneous peak (the sum of
+    /// two maxima, which need not have come at the same time).
+    pub fn in_use(&self) -> u64 {
+        self.pool_used + self.graph_used
+    }
+
+    /// Bytes held by the pool and the graph allocator together: an upper bound of the simultaneous peak (the sum
+    /// of two maxima, which need not have come at the same time).
+    pub fn reserved(&self) -> u64 {
+        self.pool_reserved + self.graph_reserved
+    }
+}
+
+/// The high watermarks of `dev`'s default memory pool and of its CUDA graphs' memory since the last
+/// [`reset_memory_high`]. Synchronise the stream first for them to include the work queued so far.
+pub fn memory_high(dev: &CudaDevice) -> Result<MemoryHigh> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let pool = default_pool(dev)?;
+    let cu_dev = dev.cuda_stream().context().cu_device();
+    let pool_attr = |attr: sys::CUmemPool_attribute, what: &str| -> Result<u64> {
+        let mut v: u64 = 0;
+        // SAFETY: the pool is the device's default pool (owned by the driver); the attribute writes a u64 through
+        // a pointer to `v`, which lives across the call.
+        unsafe { sys::cuMemPoolGetAttribute(pool, attr, &mut v as *mut u64 as *mut std::ffi::c_void) }
+            .result()
+            .map_err(|e| candle_core::Error::Msg(format!("memory pool: {what}: {e}")))?;
+        Ok(v)
+    };
+    let graph_attr = |attr: sys::CUgraphMem_attribute, what: &str| -> Result<u64> {
+        let mut v: u64 = 0;
+        // SAFETY: the device handle is the bound context's (default_pool bound it); the attribute writes a u64
+        // through a pointer to `v`, which lives across the call.
+        unsafe { sys::cuDeviceGetGraphMemAttribute(cu_dev, attr, &mut v as *mut u64 as *mut std::ffi::c_void) }
+            .result()
+            .map_err(|e| candle_core::Error::Msg(format!("graph memory: {what}: {e}")))?;
+        Ok(v)
+    };
+    Ok(MemoryHigh {
+        pool_used: pool_attr(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH, "used high")?,
+        pool_reserved: pool_attr(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, "reserved high")?,
+        graph_used: graph_attr(sys::CUgraphMem_attribute::CU_GRAPH_MEM_ATTR_USED_MEM_HIGH, "used high")?,
+        graph_reserved: graph_attr(sys::CUgraphMem_attribute::CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH, "reserved high")?,
+    })
+}
+
+/// Restarts the watermarks that [`memory_high`] reads from the current values: the pool's and the graph
+/// allocator's used and reserved bytes (the driver accepts only 0 for these attributes, and then resets them to
+/// what is in use or held now). Synchronise the stream first for the work queued so far to be left out.
+pub fn reset_memory_high(dev: &CudaDevice) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let pool = default_pool(dev)?;
+    let cu_dev = dev.cuda_stream().context().cu_device();
+    for (attr, what) in [
+        (sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH, "used high"),
+        (sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, "reserved high"),
+    ] {
+        let mut zero: u64 = 0;
+        // SAFETY: the pool is the device's default pool (owned by the driver); the attribute reads a u64 through a
+        // pointer to `zero`, which lives across the call.
+        unsafe { sys::cuMemPoolSetAttribute(pool, attr, &mut zero as *mut u64 as *mut std::ffi::c_void) }
+            .result()
+            .map_err(|e| candle_core::Error::Msg(format!("memory pool: reset {what}: {e}")))?;
+    }
+    for (attr, what) in [
+        (sys::CUgraphMem_attribute::CU_GRAPH_MEM_ATTR_USED_MEM_HIGH, "used high"),
+        (sys::CUgraphMem_attribute::CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH, "reserved high"),
+    ] {
+        let mut zero: u64 = 0;
+        // SAFETY: the device handle is the bound context's (default_pool bound it); the attribute reads a u64
+        // through a pointer to `zero`, which lives across the call.
+        unsafe { sys::cuDeviceSetGraphMemAttribute(cu_dev, attr, &mut zero as *mut u64 as *mut std::ffi::c_void) }
+            .result()
+            .map_err(|e| candle_core::Error::Msg(format!("graph memory: reset {what}: {e}")))?;
+    }
+    Ok(())
+}
+
 /// The default memory pool of `dev`'s device, with its context bound to this thread.
 fn default_pool(dev: &CudaDevice) -> Result<candle_core::cuda_backend::cudarc::driver::sys::CUmemoryPool> {
     use candle_core::cuda_backend::cudarc::driver::sys;
