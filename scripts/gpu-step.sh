@@ -63,6 +63,18 @@ run_tests() {
     grep -E "$pat" "$out/$log" | head -60
 }
 
+# unpack NAME: $dist/NAME.gz or $dist/NAME.xz (prepare-gpurun.sh with GPURUN_XZ=1) into $bin/NAME, executable.
+unpack() {
+    if [ -f "$dist/$1.xz" ]; then
+        xz -dc "$dist/$1.xz" > "$bin/$1"
+    else
+        gunzip -c "$dist/$1.gz" > "$bin/$1"
+    fi && chmod +x "$bin/$1"
+}
+
+# has NAME: whether $dist holds NAME.gz or NAME.xz.
+has() { [ -f "$dist/$1.gz" ] || [ -f "$dist/$1.xz" ]; }
+
 main() {
     local fails=0 bin site
     echo "== gpu-step $(date -u +%Y-%m-%dT%H:%M:%SZ)"
@@ -70,21 +82,21 @@ main() {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
     bin="$(mktemp -d /tmp/gpu-step.XXXXXX)"
     for f in trainer gpu-step-tests; do
-        gunzip -c "$dist/$f.gz" > "$bin/$f" && chmod +x "$bin/$f" || { echo "gpu-step: missing $dist/$f.gz"; return 2; }
+        unpack "$f" || { echo "gpu-step: missing $dist/$f.gz (or .xz)"; return 2; }
     done
     site=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
     export LD_LIBRARY_PATH="$site/cu13/lib:$site/cudnn/lib:$site/nccl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
-    if [ -n "${GPU_TESTS_FILTER:-}" ] && [ -f "$dist/gpu-tests.gz" ]; then
+    if [ -n "${GPU_TESTS_FILTER:-}" ] && has gpu-tests; then
         echo "== gpu-tests $GPU_TESTS_FILTER"
-        gunzip -c "$dist/gpu-tests.gz" > "$bin/gpu-tests" && chmod +x "$bin/gpu-tests"
+        unpack gpu-tests
         # shellcheck disable=SC2086  # several space-separated filters: libtest runs the tests matching any
         run_tests gpu-tests gpu-tests.log 120 "^test |test result|rel err|panicked" $GPU_TESTS_FILTER
     fi
 
-    if [ -n "${KBENCH:-}" ] && [ -f "$dist/kernels-bench.gz" ]; then
+    if [ -n "${KBENCH:-}" ] && has kernels-bench; then
         echo "== kernels-bench --only $KBENCH (ResNet-152 shapes, batch $batch, bf16)"
-        gunzip -c "$dist/kernels-bench.gz" > "$bin/kernels-bench" && chmod +x "$bin/kernels-bench"
+        unpack kernels-bench
         timeout "${KBENCH_TIMEOUT:-180}" "$bin/kernels-bench" --only "$KBENCH" --batch "$batch" \
             > "$out/kernels-bench.log" 2>&1 || { echo "kernels-bench: FAILED"; fails=$((fails + 1)); }
         grep -vE "^\s*$" "$out/kernels-bench.log" | tail -40
@@ -209,9 +221,9 @@ main() {
             echo "ktrace: build failed"
         fi
     fi
-    if [ -f "$dist/dp-tests.gz" ]; then
+    if has dp-tests; then
         echo "== dp-tests synced_step_on_cuda (synchronised BatchNorm, 4 ranks as threads on this GPU, bf16)"
-        gunzip -c "$dist/dp-tests.gz" > "$bin/dp-tests" && chmod +x "$bin/dp-tests"
+        unpack dp-tests
         run_tests dp-tests dp-tests.log 120 "^test |test result|median|worst five|panicked" synced_step_on_cuda
     fi
     if [ -n "${NCCL_CHECK:-}" ]; then
