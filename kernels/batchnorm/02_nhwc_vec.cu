@@ -450,40 +450,52 @@ BNV_EXPORT(float, f32)
 BNV_EXPORT(__nv_bfloat16, bf16)
 BNV_EXPORT(__half, f16)
 
-// The finalisers below: one warp per channel; lane l sums chunks l, l + 32, ... in a strided loop, then a fixed
-// butterfly over the 32 lanes (__shfl_xor_sync 16, 8, 4, 2, 1: every lane ends with the same sum, deterministic).
-// bn_nhwc_moments_final / bn_nhwc_bwd_final_v8 run 8 warps a block, one block per 8 channels; the cooperative
-// kernels (bn_nhwc_train_v8, ...) run the same bodies over groups of 8 channels in their 256-thread blocks, so
-// every channel is reduced in the same order and the results are equal bit for bit. History: 01's finalisers (32
-// x 8 threads per 32 channels) left ~1000 chunks to 8 lanes (19-45 us a launch on the H200); then 8 channels x 128
-// chunk lanes a block with a shared-memory tree (nine block barriers a sum, a channel pair per cooperative block
-// and round): the cooperative launches' fixed cost grew with c (F = 11 us a forward, 22 us a join on the H100,
-// 2026-12-06); one warp a channel needs no block barrier and one round for c <= 8 x the grid.
-#define FW 8
+// The finalisers below: block (FX, FY) = (8 channels, 128 chunk lanes), one block per 8 channels; each column
+// sums its chunks in a strided loop, then a fixed-order tree over the 128 lanes (deterministic). 01's finalisers
+// (32 x 8 threads per 32 channels) left ~1000 chunks to 8 lanes: 19-45 us a launch on the H200, 10 ms per
+// ResNet-152 step. Their bodies (moments_final_cols, bwd_final_cols) take the column count NX as a template
+// parameter: bn_nhwc_train_v8 / bn_nhwc_train_bwd_v8 run them with 2 columns x the same 128 lanes in their
+// 256-thread blocks, so every channel is reduced in the same order and the results are equal bit for bit.
+#define FX 8
+#define FY 128
 
-// Sum of v over the 32 lanes of a warp, returned to every lane.
-__device__ __forceinline__ float warp_sum(float v) {
+// Sum of acc over the FY lanes of column tx (lane ty), returned to every thread of the column.
+template <int NX>
+__device__ __forceinline__ float lane_sum(float acc, float (&sh)[FY][NX], int tx, int ty) {
+    sh[ty][tx] = acc;
+    __syncthreads();
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
+    for (int s = FY / 2; s > 0; s >>= 1) {
+        if (ty < s) sh[ty][tx] += sh[ty + s][tx];
+        __syncthreads();
+    }
+    const float r = sh[0][tx];
+    __syncthreads();
+    return r;
 }
 
-// Channel ch of bn_nhwc_moments_final, by one whole warp (lane = its lane); ch < c.
-__device__ __forceinline__ void moments_final_warp(const float* part, float* __restrict__ stats, int chunks, int c,
-                                                   long long rows, long long rpc, float eps, float* running_mean,
-                                                   float* running_var, float momentum, int ch, int lane) {
+// Channel ch (column tx, lane ty) of bn_nhwc_moments_final; every thread of the block calls it (barriers).
+template <int NX>
+__device__ __forceinline__ void moments_final_cols(const float* part, float* __restrict__ stats,
+                                                   int chunks, int c, long long rows, long long rpc, float eps,
+                                                   float* running_mean, float* running_var, float momentum, int ch,
+                                                   int tx, int ty, float (&sh)[FY][NX]) {
     const float count = (float)rows;
     float acc = 0.0f;
-    for (int k = lane; k < chunks; k += 32) acc += part[(int64_t)k * c + ch];
-    const float dmean = warp_sum(acc) / count;
-    acc = 0.0f;
-    for (int k = lane; k < chunks; k += 32) {
-        const float n = (float)min(rpc, rows - (long long)k * rpc);
-        const float d = part[(int64_t)k * c + ch] / n - dmean;
-        acc += fmaf(n * d, d, part[((int64_t)chunks + k) * c + ch]);
+    if (ch < c) {
+        for (int k = ty; k < chunks; k += FY) acc += part[(int64_t)k * c + ch];
     }
-    const float m2 = warp_sum(acc);
-    if (lane == 0) {
+    const float dmean = lane_sum<NX>(acc, sh, tx, ty) / count;
+    acc = 0.0f;
+    if (ch < c) {
+        for (int k = ty; k < chunks; k += FY) {
+            const float n = (float)min(rpc, rows - (long long)k * rpc);
+            const float d = part[(int64_t)k * c + ch] / n - dmean;
+            acc += fmaf(n * d, d, part[((int64_t)chunks + k) * c + ch]);
+        }
+    }
+    const float m2 = lane_sum<NX>(acc, sh, tx, ty);
+    if (ty == 0 && ch < c) {
         const float mean = part[2 * (int64_t)chunks * c + ch] + dmean;
         const float var = m2 / count;
         stats[ch] = mean;
@@ -497,64 +509,45 @@ __device__ __forceinline__ void moments_final_warp(const float* part, float* __r
     }
 }
 
-// Channel ch of bn_nhwc_bwd_final_v8, by one whole warp; ch < c.
-__device__ __forceinline__ void bwd_final_warp(const float* part, float* __restrict__ sums, int chunks, int c, int ch,
-                                               int lane) {
+// Channel ch (column tx, lane ty) of bn_nhwc_bwd_final_v8; every thread of the block calls it (barriers).
+template <int NX>
+__device__ __forceinline__ void bwd_final_cols(const float* part, float* __restrict__ sums, int chunks,
+                                               int c, int ch, int tx, int ty, float (&sh)[FY][NX]) {
     float ag = 0.0f, agx = 0.0f;
-    for (int k = lane; k < chunks; k += 32) {
-        ag += part[(int64_t)k * c + ch];
-        agx += part[((int64_t)chunks + k) * c + ch];
-    }
-    const float sg = warp_sum(ag), sgx = warp_sum(agx);
-    if (lane == 0) {
-        sums[ch] = sg;
-        sums[c + ch] = sgx;
-    }
-}
-
-// The finaliser phase of a cooperative kernel (blocks of 8 warps): channel groups of 8 over the grid, one warp a
-// channel. No block barrier inside (each warp's test is warp-uniform).
-__device__ __forceinline__ void moments_final_grid(const float* part, float* __restrict__ stats, int chunks, int c,
-                                                   long long rows, long long rpc, float eps, float* running_mean,
-                                                   float* running_var, float momentum) {
-    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (int g = blockIdx.x; g * FW < c; g += gridDim.x) {
-        const int ch = g * FW + w;
-        if (ch < c) {
-            moments_final_warp(part, stats, chunks, c, rows, rpc, eps, running_mean, running_var, momentum, ch, lane);
+    if (ch < c) {
+        for (int k = ty; k < chunks; k += FY) {
+            ag += part[(int64_t)k * c + ch];
+            agx += part[((int64_t)chunks + k) * c + ch];
         }
     }
-}
-
-__device__ __forceinline__ void bwd_final_grid(const float* part, float* __restrict__ sums, int chunks, int c) {
-    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (int g = blockIdx.x; g * FW < c; g += gridDim.x) {
-        const int ch = g * FW + w;
-        if (ch < c) bwd_final_warp(part, sums, chunks, c, ch, lane);
+    const float sg = lane_sum<NX>(ag, sh, tx, ty);
+    const float sgx = lane_sum<NX>(agx, sh, tx, ty);
+    if (ty == 0 && ch < c) {
+        sums[ch] = sg;
+        sums[c + ch] = sgx;
     }
 }
 
 // Combines bn_nhwc_moments_v8's chunks into stats (3, c) = [mean, biased var, invstd] (chunk i holds
 // n_i = min(rpc, rows - i rpc) rows): D = sum S_i / N, mean = K + D, M2 = sum M2_i + n_i (S_i / n_i - D)^2, in a
 // fixed order. With running_mean (non-null) also PyTorch's running update in place, with the unbiased variance:
-// running = (1 - momentum) running + momentum batch, and num_batches_tracked (non-null) += 1. Block 8 warps
-// (256 threads), one block per 8 channels.
-extern "C" __global__ void __launch_bounds__(FW * 32)
+// running = (1 - momentum) running + momentum batch, and num_batches_tracked (non-null) += 1. Block (FX, FY), one
+// block per FX channels.
+extern "C" __global__ void __launch_bounds__(FX * FY)
     bn_nhwc_moments_final(const float* part, float* stats, int chunks, int c, long long rows, long long rpc, float eps,
                           float* running_mean, float* running_var, long long* num_batches_tracked, float momentum) {
-    const int ch = blockIdx.x * FW + (threadIdx.x >> 5);
-    if (ch < c) {
-        moments_final_warp(part, stats, chunks, c, rows, rpc, eps, running_mean, running_var, momentum, ch,
-                           threadIdx.x & 31);
-    }
-    if (num_batches_tracked != nullptr && blockIdx.x == 0 && threadIdx.x == 0) num_batches_tracked[0] += 1;
+    __shared__ float sh[FY][FX];
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    moments_final_cols<FX>(part, stats, chunks, c, rows, rpc, eps, running_mean, running_var, momentum,
+                           blockIdx.x * FX + tx, tx, ty, sh);
+    if (num_batches_tracked != nullptr && blockIdx.x == 0 && tx == 0 && ty == 0) num_batches_tracked[0] += 1;
 }
 
 // sums (2, c) = [sum g (dbias), sum g * xhat (dweight)] from bn_nhwc_bwd_sum_v8's two halves of partials.
-extern "C" __global__ void __launch_bounds__(FW * 32) bn_nhwc_bwd_final_v8(const float* part, float* sums, int chunks,
-                                                                           int c) {
-    const int ch = blockIdx.x * FW + (threadIdx.x >> 5);
-    if (ch < c) bwd_final_warp(part, sums, chunks, c, ch, threadIdx.x & 31);
+extern "C" __global__ void __launch_bounds__(FX * FY)
+    bn_nhwc_bwd_final_v8(const float* part, float* sums, int chunks, int c) {
+    __shared__ float sh[FY][FX];
+    bwd_final_cols<FX>(part, sums, chunks, c, blockIdx.x * FX + threadIdx.x, threadIdx.x, threadIdx.y, sh);
 }
 
 // ----- one cooperative launch per BatchNorm (kernels.bn_cooperative) ------------------------------------------
@@ -589,7 +582,12 @@ __device__ void bnv_train_stats(const T* __restrict__ x, float* __restrict__ par
         }
         grid.sync();
     }
-    moments_final_grid(part, stats, chunks, c, rows, rpc, eps, running_mean, running_var, momentum);
+    __shared__ float sh[FY][2];
+    const int tx = threadIdx.x & 1, ty = threadIdx.x >> 1;
+    for (int p = blockIdx.x; p < (c >> 1); p += gridDim.x) {
+        moments_final_cols<2>(part, stats, chunks, c, rows, rpc, eps, running_mean, running_var, momentum,
+                              2 * p + tx, tx, ty, sh);
+    }
     if (num_batches_tracked != nullptr && blockIdx.x == 0 && threadIdx.x == 0) num_batches_tracked[0] += 1;
     grid.sync();
 }
@@ -634,19 +632,15 @@ __device__ void bnv_train2(const T* __restrict__ x, const T* __restrict__ r, flo
         }
         grid.sync();
     }
-    {
-        // Both tensors' channel groups over the grid: groups 0 .. c / 8 are x's, the next c / 8 r's.
-        const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, groups = (c + FW - 1) / FW;
-        for (int g = blockIdx.x; g < 2 * groups; g += gridDim.x) {
-            const int ch = (g < groups ? g : g - groups) * FW + w;
-            if (ch >= c) continue;
-            if (g < groups) {
-                moments_final_warp(part, stats, chunks, c, rows, rpc, eps, running_mean, running_var, momentum, ch,
-                                   lane);
-            } else {
-                moments_final_warp(part_r, stats_r, chunks, c, rows, rpc, eps_r, running_mean_r, running_var_r,
-                                   momentum_r, ch, lane);
-            }
+    __shared__ float sh[FY][2];
+    const int tx = threadIdx.x & 1, ty = threadIdx.x >> 1, pairs = c >> 1;
+    for (int p = blockIdx.x; p < 2 * pairs; p += gridDim.x) {
+        if (p < pairs) {
+            moments_final_cols<2>(part, stats, chunks, c, rows, rpc, eps, running_mean, running_var, momentum,
+                                  2 * p + tx, tx, ty, sh);
+        } else {
+            moments_final_cols<2>(part_r, stats_r, chunks, c, rows, rpc, eps_r, running_mean_r, running_var_r,
+                                  momentum_r, 2 * (p - pairs) + tx, tx, ty, sh);
         }
     }
     if (blockIdx.x == 0 && threadIdx.x == 0) {
@@ -667,7 +661,9 @@ __device__ void bnv_train_bwd(const T* __restrict__ x, const T* __restrict__ dy,
         bnv_bwd_partial<T>(x, dy, stats, weight, bias, part, rows, c, rpc, relu, rev ? chunks - 1 - k : k, chunks);
     }
     grid.sync();
-    bwd_final_grid(part, sums, chunks, c);
+    __shared__ float sh[FY][2];
+    const int tx = threadIdx.x & 1, ty = threadIdx.x >> 1;
+    for (int p = blockIdx.x; p < (c >> 1); p += gridDim.x) bwd_final_cols<2>(part, sums, chunks, c, 2 * p + tx, tx, ty, sh);
     grid.sync();
     bnv_bwd_dx<T>(x, dy, stats, weight, bias, sums, dx, rows, c, count, relu);
 }
@@ -691,7 +687,9 @@ __device__ void bnv_train_join_bwd(const T* __restrict__ a, const T* __restrict_
                                           bh, bw);
     }
     grid.sync();
-    bwd_final_grid(part, sums, chunks, c);
+    __shared__ float sh[FY][2];
+    const int tx = threadIdx.x & 1, ty = threadIdx.x >> 1;
+    for (int p = blockIdx.x; p < (c >> 1); p += gridDim.x) bwd_final_cols<2>(part, sums, chunks, c, 2 * p + tx, tx, ty, sh);
     grid.sync();
     bnv_bwd_dx<T>(x, gout, stats, weight, bias, sums, dx, rows, c, count, 0);
 }
@@ -827,7 +825,9 @@ __device__ void bnv_train_bwd_pool(const T* __restrict__ x, PoolDy<T> src, const
         }
     }
     grid.sync();
-    bwd_final_grid(part, sums, chunks, c);
+    __shared__ float sh[FY][2];
+    const int tx = threadIdx.x & 1, ty = threadIdx.x >> 1;
+    for (int p = blockIdx.x; p < (c >> 1); p += gridDim.x) bwd_final_cols<2>(part, sums, chunks, c, 2 * p + tx, tx, ty, sh);
     grid.sync();
     const int64_t groups = rows * (int64_t)G;
     const int64_t g0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;

@@ -4,9 +4,9 @@
 //! every ResNet BatchNorm), else `kernels/batchnorm/01_nhwc.cu` (two-pass statistics, a separate running update).
 //! The backward passes of both write the same partial-sum layout (reduced by `bn_nhwc_bwd_final[_v8]`).
 //!
-//! Launch shape of 02's reductions: 256 threads, grid (chunks), at most 396 blocks (132 SMs x 3, `KERNELS_BN_CHUNKS_PER_SM`) with at least 16
-//! rows per thread; its element-wise passes: one thread per 8 elements, grid-stride; its finalisers: 8 warps a
-//! block, one a channel, per 8 channels. 01's row passes: block (32, 8), grid (ceil(c / 32), chunks), chunks chosen for about
+//! Launch shape of 02's reductions: 256 threads, grid (chunks), at most 1056 blocks (132 SMs x 8) with at least 16
+//! rows per thread; its element-wise passes: one thread per 8 elements, grid-stride; its finalisers: block
+//! (8, 128) per 8 channels. 01's row passes: block (32, 8), grid (ceil(c / 32), chunks), chunks chosen for about
 //! 2048 blocks with at least 64 rows each; its finalisers: block (32, 8) per 32 channels. Workspaces are FP32
 //! (chunks x c partial sums, two halves for 02's moments and both backward sums), fully written by the
 //! partial-sum kernels before the finaliser reads them.
@@ -322,10 +322,10 @@ pub fn stats(
     cuda_float!(s.dtype(), OP, [F32: f32, BF16: bf16, F16: f16], |T| stats_t::<T>((s, l), sp, eps, v8, running))
 }
 
-/// 02's finalisers (bn_nhwc_moments_final, bn_nhwc_bwd_final_v8): 8 warps a block, one a channel, one block per
-/// 8 channels (the kernels skip channels >= c).
+/// 02's finalisers (bn_nhwc_moments_final, bn_nhwc_bwd_final_v8): block (8 channels, 128 chunk lanes), one block
+/// per 8 channels (the kernels skip channels >= c).
 fn final_v8_cfg(c: usize) -> LaunchConfig {
-    LaunchConfig { grid_dim: (c.div_ceil(8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+    LaunchConfig { grid_dim: (c.div_ceil(8) as u32, 1, 1), block_dim: (8, 128, 1), shared_mem_bytes: 0 }
 }
 
 /// Statistics (3, c) = [mean, biased var, invstd] of a (rows, c) convolution output from the moments its
