@@ -5,11 +5,11 @@
 //! The backward passes of both write the same partial-sum layout (reduced by `bn_nhwc_bwd_final[_v8]`).
 //!
 //! Launch shape of 02's reductions: 256 threads, grid (chunks), at most 396 blocks (132 SMs x 3,
-//! `KERNELS_BN_CHUNKS_PER_SM`) with at least 16 rows per thread; its element-wise passes: one thread per 8 elements, grid-stride; its finalisers: block
-//! (8, 128) per 8 channels. 01's row passes: block (32, 8), grid (ceil(c / 32), chunks), chunks chosen for about
-//! 2048 blocks with at least 64 rows each; its finalisers: block (32, 8) per 32 channels. Workspaces are FP32
-//! (chunks x c partial sums, two halves for 02's moments and both backward sums), fully written by the
-//! partial-sum kernels before the finaliser reads them.
+//! `KERNELS_BN_CHUNKS_PER_SM`) with at least 16 rows per thread; its element-wise passes: one thread per 8
+//! elements, grid-stride; its finalisers: block (8, 128) per 8 channels. 01's row passes: block (32, 8), grid
+//! (ceil(c / 32), chunks), chunks chosen for about 2048 blocks with at least 64 rows each; its finalisers: block
+//! (32, 8) per 32 channels. Workspaces are FP32 (chunks x c partial sums, two halves for 02's moments and both
+//! backward sums), fully written by the partial-sum kernels before the finaliser reads them.
 
 use super::{alloc_out, ptx, suffix};
 use candle_core::backend::{BackendDevice, BackendStorage};
