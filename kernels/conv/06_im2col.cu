@@ -69,6 +69,7 @@ __device__ __forceinline__ void im2col_body(const T* __restrict__ x, T* __restri
 // the ResNet-152 stem (batch 256, K' = 152, ~1 GB of cols) ran at about a third of the H200's write bandwidth
 // (0.83 ms a launch, ktrace 2026-12-05). Shared memory: 4 K' bytes of table + R * Wp * C elements (Wp = (Q - 1) *
 // stride + R), so the launcher (cuda/im2col.rs) takes this kernel only where that fits in 48 KB.
+#define IM2COL_STAGE 8
 template <typename T>
 __device__ __forceinline__ void im2col_rows_body(const T* __restrict__ x, T* __restrict__ cols,
                                                  const Im2colArgs& a) {
@@ -95,11 +96,25 @@ __device__ __forceinline__ void im2col_rows_body(const T* __restrict__ x, T* __r
         // contiguous in x where 0 <= iw < W.
         const int lo = a.pad * a.c, hi = (a.pad + a.w) * a.c;
         __syncthreads();  // the previous row's reads of the tile (and, the first time, the table's writes)
-        for (int i = threadIdx.x; i < a.r * wpc; i += blockDim.x) {
-            const int rr = i / wpc, e = i - rr * wpc;
-            const int ih = oh * a.stride - a.pad + rr;
-            tile[i] = (ih >= 0 && ih < a.h && e >= lo && e < hi) ? xn[(size_t)ih * a.w * a.c + (e - lo)]
-                                                                  : ig::zero<T>();
+        // IM2COL_STAGE loads a thread in flight before their shared-memory stores: one load at a time, each
+        // store waiting on its load, left the staging latency-bound (about 19 loads a thread for the RGB stem).
+        const int staged = a.r * wpc;
+        for (int i0 = threadIdx.x; i0 < staged; i0 += IM2COL_STAGE * blockDim.x) {
+            T v[IM2COL_STAGE];
+#pragma unroll
+            for (int u = 0; u < IM2COL_STAGE; ++u) {
+                const int i = i0 + u * blockDim.x;
+                const int rr = i / wpc, e = i - rr * wpc;
+                const int ih = oh * a.stride - a.pad + rr;
+                v[u] = (i < staged && ih >= 0 && ih < a.h && e >= lo && e < hi)
+                           ? xn[(size_t)ih * a.w * a.c + (e - lo)]
+                           : ig::zero<T>();
+            }
+#pragma unroll
+            for (int u = 0; u < IM2COL_STAGE; ++u) {
+                const int i = i0 + u * blockDim.x;
+                if (i < staged) tile[i] = v[u];
+            }
         }
         __syncthreads();
         T* out = cols + (size_t)br * a.q * a.kp;
