@@ -145,7 +145,7 @@ main() {
         [ "$step" = fused-nostempool ] && { coop=true; stempool=0; dts="${dtypes%%,*}"; }
         [ "$step" = fused-stempoolbwd ] && { coop=true; stempoolbwd=1; dts="${dtypes%%,*}"; }
         # fused-chunksN (N = 1 .. 8): the BatchNorm reductions split into 132 x N row chunks
-        # (KERNELS_BN_CHUNKS_PER_SM=N; the default is 8).
+        # (KERNELS_BN_CHUNKS_PER_SM=N; the default is 3).
         case "$step" in fused-chunks[1-8]) coop=true; chunks=${step#fused-chunks}; dts="${dtypes%%,*}" ;; esac
         # fused-joinmask: the joined backward gated by the block outputs' ReLU masks (KERNELS_JOIN_MASK=1).
         [ "$step" = fused-joinmask ] && { coop=true; joinmask=1; dts="${dtypes%%,*}"; }

@@ -150,7 +150,7 @@ pub struct KernelPolicy {
     pub stem_pool_fused: bool,
     /// The explicit training step runs the stem pool's backward inside the stem BatchNorm's backward, one
     /// launch (`bn_nhwc_train_bwd_pool_v8`) instead of the pool's backward + the BatchNorm's. Default: off, unless
-    /// `KERNELS_STEM_POOL_BWD_FUSED=1` in the environment (H100, 2026-12-06: 1,777 us against 825 us for the two
+    /// `KERNELS_STEM_POOL_BWD_FUSED=1` in the environment (H100, 2026-12-06: 1,777 us against 972 us for the two
     /// launches it replaces, though it moves fewer bytes).
     pub stem_pool_bwd_fused: bool,
     /// The explicit training step keeps each residual block output's ReLU mask (1 bit an element, written by the

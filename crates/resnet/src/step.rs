@@ -514,17 +514,20 @@ impl<'a> Engine<'a> {
     /// Whether the ImageNet stem's BatchNorm + ReLU + max-pool forward runs fused (`policy.stem_pool_fused`): its
     /// statistics the batch's (not frozen, not synchronised).
     fn stem_pool_fused(&self) -> bool {
-        self.policy.stem_pool_fused && !frozen(&self.model.bn1) && self.sync.is_none()
+        self.policy.stem_pool_fused && self.stem_batch_stats()
+    }
+
+    /// Whether the stem's BatchNorm normalises with this batch's own statistics (not frozen, not synchronised):
+    /// what its fused kernels need.
+    fn stem_batch_stats(&self) -> bool {
+        !frozen(&self.model.bn1) && self.sync.is_none()
     }
 
     /// Whether the stem pool's backward runs inside the stem BatchNorm's backward (`policy.stem_pool_bwd_fused`),
     /// under the same conditions, and not beside the buckets' all-reduces (a cooperative grid, as
     /// `cooperative_backward`).
     fn stem_pool_bwd_fused(&self) -> bool {
-        self.policy.stem_pool_bwd_fused
-            && !frozen(&self.model.bn1)
-            && self.sync.is_none()
-            && self.buckets.sink.is_none()
+        self.policy.stem_pool_bwd_fused && self.stem_batch_stats() && self.buckets.sink.is_none()
     }
 
     /// Whether block outputs keep their ReLU mask for the cooperative join (`policy.join_relu_mask`), where that

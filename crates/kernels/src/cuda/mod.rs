@@ -232,35 +232,42 @@ impl MemoryHigh {
     }
 }
 
+/// A u64 attribute call of the driver: `call` gets a pointer to a u64 that lives across it (read for a set, written
+/// for a get); returns the u64 after the call, or an error naming `what`.
+fn u64_attr(
+    what: &str,
+    call: impl FnOnce(*mut std::ffi::c_void) -> candle_core::cuda_backend::cudarc::driver::sys::CUresult,
+) -> Result<u64> {
+    let mut v: u64 = 0;
+    call(&mut v as *mut u64 as *mut std::ffi::c_void)
+        .result()
+        .map_err(|e| candle_core::Error::Msg(format!("{what}: {e}")))?;
+    Ok(v)
+}
+
 /// The high watermarks of `dev`'s default memory pool and of its CUDA graphs' memory since the last
 /// [`reset_memory_high`]. Synchronise the stream first for them to include the work queued so far.
 pub fn memory_high(dev: &CudaDevice) -> Result<MemoryHigh> {
-    use candle_core::cuda_backend::cudarc::driver::sys;
+    use candle_core::cuda_backend::cudarc::driver::sys::{
+        cuDeviceGetGraphMemAttribute, cuMemPoolGetAttribute, CUgraphMem_attribute as G, CUmemPool_attribute as P,
+    };
     let pool = default_pool(dev)?;
     let cu_dev = dev.cuda_stream().context().cu_device();
-    let pool_attr = |attr: sys::CUmemPool_attribute, what: &str| -> Result<u64> {
-        let mut v: u64 = 0;
-        // SAFETY: the pool is the device's default pool (owned by the driver); the attribute writes a u64 through
-        // a pointer to `v`, which lives across the call.
-        unsafe { sys::cuMemPoolGetAttribute(pool, attr, &mut v as *mut u64 as *mut std::ffi::c_void) }
-            .result()
-            .map_err(|e| candle_core::Error::Msg(format!("memory pool: {what}: {e}")))?;
-        Ok(v)
-    };
-    let graph_attr = |attr: sys::CUgraphMem_attribute, what: &str| -> Result<u64> {
-        let mut v: u64 = 0;
-        // SAFETY: the device handle is the bound context's (default_pool bound it); the attribute writes a u64
-        // through a pointer to `v`, which lives across the call.
-        unsafe { sys::cuDeviceGetGraphMemAttribute(cu_dev, attr, &mut v as *mut u64 as *mut std::ffi::c_void) }
-            .result()
-            .map_err(|e| candle_core::Error::Msg(format!("graph memory: {what}: {e}")))?;
-        Ok(v)
-    };
+    // SAFETY (each call): the pool is the device's default pool (owned by the driver), the device handle the bound
+    // context's (default_pool bound it); the attribute writes one u64 through the pointer u64_attr passes.
     Ok(MemoryHigh {
-        pool_used: pool_attr(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH, "used high")?,
-        pool_reserved: pool_attr(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, "reserved high")?,
-        graph_used: graph_attr(sys::CUgraphMem_attribute::CU_GRAPH_MEM_ATTR_USED_MEM_HIGH, "used high")?,
-        graph_reserved: graph_attr(sys::CUgraphMem_attribute::CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH, "reserved high")?,
+        pool_used: u64_attr("memory pool: used high", |v| unsafe {
+            cuMemPoolGetAttribute(pool, P::CU_MEMPOOL_ATTR_USED_MEM_HIGH, v)
+        })?,
+        pool_reserved: u64_attr("memory pool: reserved high", |v| unsafe {
+            cuMemPoolGetAttribute(pool, P::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, v)
+        })?,
+        graph_used: u64_attr("graph memory: used high", |v| unsafe {
+            cuDeviceGetGraphMemAttribute(cu_dev, G::CU_GRAPH_MEM_ATTR_USED_MEM_HIGH, v)
+        })?,
+        graph_reserved: u64_attr("graph memory: reserved high", |v| unsafe {
+            cuDeviceGetGraphMemAttribute(cu_dev, G::CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH, v)
+        })?,
     })
 }
 
@@ -268,30 +275,23 @@ pub fn memory_high(dev: &CudaDevice) -> Result<MemoryHigh> {
 /// allocator's used and reserved bytes (the driver accepts only 0 for these attributes, and then resets them to
 /// what is in use or held now). Synchronise the stream first for the work queued so far to be left out.
 pub fn reset_memory_high(dev: &CudaDevice) -> Result<()> {
-    use candle_core::cuda_backend::cudarc::driver::sys;
+    use candle_core::cuda_backend::cudarc::driver::sys::{
+        cuDeviceSetGraphMemAttribute, cuMemPoolSetAttribute, CUgraphMem_attribute as G, CUmemPool_attribute as P,
+    };
     let pool = default_pool(dev)?;
     let cu_dev = dev.cuda_stream().context().cu_device();
+    // SAFETY (each call): as in memory_high; the attribute reads one u64 (0) through the pointer u64_attr passes.
     for (attr, what) in [
-        (sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH, "used high"),
-        (sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, "reserved high"),
+        (P::CU_MEMPOOL_ATTR_USED_MEM_HIGH, "memory pool: reset used high"),
+        (P::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, "memory pool: reset reserved high"),
     ] {
-        let mut zero: u64 = 0;
-        // SAFETY: the pool is the device's default pool (owned by the driver); the attribute reads a u64 through a
-        // pointer to `zero`, which lives across the call.
-        unsafe { sys::cuMemPoolSetAttribute(pool, attr, &mut zero as *mut u64 as *mut std::ffi::c_void) }
-            .result()
-            .map_err(|e| candle_core::Error::Msg(format!("memory pool: reset {what}: {e}")))?;
+        u64_attr(what, |v| unsafe { cuMemPoolSetAttribute(pool, attr, v) })?;
     }
     for (attr, what) in [
-        (sys::CUgraphMem_attribute::CU_GRAPH_MEM_ATTR_USED_MEM_HIGH, "used high"),
-        (sys::CUgraphMem_attribute::CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH, "reserved high"),
+        (G::CU_GRAPH_MEM_ATTR_USED_MEM_HIGH, "graph memory: reset used high"),
+        (G::CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH, "graph memory: reset reserved high"),
     ] {
-        let mut zero: u64 = 0;
-        // SAFETY: the device handle is the bound context's (default_pool bound it); the attribute reads a u64
-        // through a pointer to `zero`, which lives across the call.
-        unsafe { sys::cuDeviceSetGraphMemAttribute(cu_dev, attr, &mut zero as *mut u64 as *mut std::ffi::c_void) }
-            .result()
-            .map_err(|e| candle_core::Error::Msg(format!("graph memory: reset {what}: {e}")))?;
+        u64_attr(what, |v| unsafe { cuDeviceSetGraphMemAttribute(cu_dev, attr, v) })?;
     }
     Ok(())
 }
