@@ -600,6 +600,8 @@ __device__ void bnv_train(const T* __restrict__ x, const T* __restrict__ res, fl
                           long long* num_batches_tracked, float momentum, int relu, int have_moments, int rev) {
     bnv_train_stats<T>(x, part, stats, rows, c, rpc, chunks, eps, running_mean, running_var, num_batches_tracked,
                        momentum, have_moments, rev);
+    // y null: the statistics only (the normalisation runs inside the next convolution, ig::bnin_a / bnin_b).
+    if (y == nullptr) return;
     if (res != nullptr) {
         bnv_apply_masked<T, RES_RAW>(x, res, stats, weight, bias, nullptr, nullptr, nullptr, y, rows, c, mask);
     } else {

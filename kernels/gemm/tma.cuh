@@ -543,10 +543,102 @@ __device__ __forceinline__ void tma_epilogue_grad_sums(const float (&acc)[BN / 2
     consumers_bar();
 }
 
+// An operand that the kernel normalises on its way to the tensor cores (the XF template argument): none, A
+// (the NT GEMM's rows: a 1x1 convolution's input, channels along K) or B (the TN GEMM's columns: a 1x1
+// grad-weight's input, channels along N). The operand is then relu(bn(z)) of the z its tensor map reads, with
+// the BatchNorm of Shape::bn_* (training statistics), computed exactly as kernels/batchnorm's apply8 writes it
+// (fmaf(z - mean, invstd * weight, bias), ReLU, rounded to T): the products are the ones of the materialised
+// activation, bit for bit, and that activation is never written nor read (ResNet's bottleneck conv3).
+constexpr int XF_NONE = 0, XF_A = 1, XF_B = 2;
+
+// The per-channel constants of 8 channels ch .. ch + 7 of a BatchNorm over C channels (zero past C: such
+// columns of the operand stay 0, as TMA filled them).
+struct BnIn8 {
+    float mean[8], scale[8], bias[8];
+};
+
+__device__ __forceinline__ void bnin_consts(const Shape& sh, int ch, int C, BnIn8& k) {
+    if (ch + 8 <= C) {
+        // C % 8 == 0 and the tensors on 16-byte boundaries (checked by the launcher): two float4 loads each.
+        float iv[8], w[8];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float4 m = __ldg(reinterpret_cast<const float4*>(sh.bn_stats + ch) + h);
+            const float4 i = __ldg(reinterpret_cast<const float4*>(sh.bn_stats + 2 * C + ch) + h);
+            const float4 ww = __ldg(reinterpret_cast<const float4*>(sh.bn_weight + ch) + h);
+            const float4 b = __ldg(reinterpret_cast<const float4*>(sh.bn_bias + ch) + h);
+            k.mean[4 * h] = m.x, k.mean[4 * h + 1] = m.y, k.mean[4 * h + 2] = m.z, k.mean[4 * h + 3] = m.w;
+            iv[4 * h] = i.x, iv[4 * h + 1] = i.y, iv[4 * h + 2] = i.z, iv[4 * h + 3] = i.w;
+            w[4 * h] = ww.x, w[4 * h + 1] = ww.y, w[4 * h + 2] = ww.z, w[4 * h + 3] = ww.w;
+            k.bias[4 * h] = b.x, k.bias[4 * h + 1] = b.y, k.bias[4 * h + 2] = b.z, k.bias[4 * h + 3] = b.w;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) k.scale[j] = iv[j] * w[j];
+    } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) k.mean[j] = 0.f, k.scale[j] = 0.f, k.bias[j] = 0.f;
+    }
+}
+
+// relu(bn(z)) of the 16-byte chunk (8 channels) at shared address addr, in place.
+template <typename T>
+__device__ __forceinline__ void bnin_chunk(uint32_t addr, const BnIn8& k) {
+    uint32_t v[4];
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
+                 : "r"(addr));
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        const T* e = reinterpret_cast<const T*>(&v[p]);
+        float f0 = fmaf(to_f(e[0]) - k.mean[2 * p], k.scale[2 * p], k.bias[2 * p]);
+        float f1 = fmaf(to_f(e[1]) - k.mean[2 * p + 1], k.scale[2 * p + 1], k.bias[2 * p + 1]);
+        f0 = f0 > 0.0f ? f0 : 0.0f;
+        f1 = f1 > 0.0f ? f1 : 0.0f;
+        v[p] = pack2(from_f<T>(f0), from_f<T>(f1));
+    }
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v[0]), "r"(v[1]), "r"(v[2]),
+                 "r"(v[3])
+                 : "memory");
+}
+
+// XF_A: a consumer warpgroup's own 64 rows of the K-major A stage at sa (128-byte rows of 64 channels from kc,
+// 128-byte swizzle: the chunk at position pos of row r holds channels kc + 8 (pos ^ (r & 7))). 512 chunks over
+// the warpgroup's 128 threads: thread t takes rows t / 8 + 16 i, position t % 8, so its 4 chunks share one
+// channel group (r & 7 is the same for all four) and one set of constants.
+template <typename T>
+__device__ __forceinline__ void bnin_a(uint32_t sa, int kc, const Shape& sh) {
+    const int t = threadIdx.x & 127, pos = t & 7, r0 = t >> 3;
+    BnIn8 k;
+    bnin_consts(sh, kc + 8 * (pos ^ (r0 & 7)), sh.K, k);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) bnin_chunk<T>(sa + (r0 + 16 * i) * 128 + pos * 16, k);
+}
+
+// XF_B: the N-major B stage at sb (BN / 64 panels of 64 k-rows x 64 channels, 8 KiB each, 128-byte swizzle: the
+// chunk at position pos of k-row r of panel p holds channels n0 + 64 p + 8 (pos ^ (r & 7))), shared by both
+// consumer warpgroups. Their 256 threads split it panel by panel: TPP = 256 / (BN / 64) threads a panel, thread t
+// taking panel t / TPP, position t % 8 and k-rows (t % TPP) / 8 + (TPP / 8) i, so that all its chunks hold the
+// same 8 channels (r & 7 is the same for all of them), whose constants it loads once per unit (bnin_b_consts).
+template <int BN>
+__device__ __forceinline__ void bnin_b_consts(int n0, const Shape& sh, BnIn8& k) {
+    constexpr int TPP = 256 / (BN / 64);
+    const int t = threadIdx.x - 128, tt = t % TPP, pos = tt & 7, r0 = tt >> 3;
+    bnin_consts(sh, n0 + 64 * (t / TPP) + 8 * (pos ^ (r0 & 7)), sh.N, k);
+}
+
+template <typename T, int BN>
+__device__ __forceinline__ void bnin_b(uint32_t sb, const BnIn8& k) {
+    constexpr int TPP = 256 / (BN / 64), STEP = TPP / 8;
+    const int t = threadIdx.x - 128, tt = t % TPP, pos = tt & 7, r0 = tt >> 3;
+    const uint32_t base = sb + (t / TPP) * 8192 + pos * 16;
+#pragma unroll
+    for (int i = 0; i < 64 / STEP; ++i) bnin_chunk<T>(base + (r0 + STEP * i) * 128, k);
+}
+
 // What a TMA kernel's epilogue adds (the EPI template argument).
 constexpr int EPI_PLAIN = 0, EPI_MOMENTS = 1, EPI_GRAD_SUMS = 2;
 
-template <typename T, int CONV, bool A_KMAJOR, bool B_KMAJOR, int BN, int EPI = EPI_PLAIN>
+template <typename T, int CONV, bool A_KMAJOR, bool B_KMAJOR, int BN, int EPI = EPI_PLAIN, int XF = XF_NONE>
 __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* tb, const TmaDesc* tc, T* C,
                                               float* ws, const T* bias, const Shape& sh, unsigned char* smem_raw) {
     using Cfg = TmaCfg<BN>;
@@ -604,11 +696,25 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
         const int kts = tma_unit_ktiles(u, mt, nt, splits, sh, tm, tn, ks, k0);
 #pragma unroll
         for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
+        // XF_B: this thread's 8 channels of B are the same in every stage of the unit.
+        BnIn8 kb;
+        if constexpr (XF == XF_B) bnin_b_consts<BN>(tn * BN, sh, kb);
         int prev = 0;
         for (int kt = 0; kt < kts; ++kt, ++it) {
             const int s = it % STAGES;
             mbar_wait(bars + 8 * s, (it / STAGES) & 1);
             const uint32_t sa = s0 + s * STAGE_BYTES, sb = sa + TMA_A_BYTES;
+            if constexpr (XF == XF_A) {
+                // Normalise this warpgroup's rows while the tensor cores run the previous stage, then make the
+                // generic-proxy stores visible to wgmma (async proxy) before any thread of the group issues it.
+                bnin_a<T>(sa + cw * 64 * 128, k0 + kt * TMA_KD, sh);
+                fence_async_smem();
+                wg_bar(1 + cw);
+            } else if constexpr (XF == XF_B) {
+                bnin_b<T, BN>(sb, kb);
+                fence_async_smem();
+                consumers_bar();
+            }
             fence_regs(acc);
             wg_fence();
 #pragma unroll
@@ -743,11 +849,15 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
 // workspace argument is the partials buffer, the bias argument the BatchNorm's input, Shape::bn_* its
 // per-channel tensors; no split-K.
 #define IG_TMA_KERNEL_GSUMS(NAME, T, MODE, AK, BKM, BN) IG_TMA_KERNEL_S(NAME, T, MODE, AK, BKM, BN, ig::EPI_GRAD_SUMS)
-#define IG_TMA_KERNEL_S(NAME, T, MODE, AK, BKM, BN, EPI)                                                         \
+// The same with operand A (NT) or B (TN) normalised on its way to the tensor cores (ig::XF_A / XF_B, relu(bn(z))
+// with the BatchNorm in Shape::bn_*; split-K allowed).
+#define IG_TMA_KERNEL_XF(NAME, T, MODE, AK, BKM, BN, XF) IG_TMA_KERNEL_SX(NAME, T, MODE, AK, BKM, BN, ig::EPI_PLAIN, XF)
+#define IG_TMA_KERNEL_S(NAME, T, MODE, AK, BKM, BN, EPI) IG_TMA_KERNEL_SX(NAME, T, MODE, AK, BKM, BN, EPI, ig::XF_NONE)
+#define IG_TMA_KERNEL_SX(NAME, T, MODE, AK, BKM, BN, EPI, XF)                                                    \
     extern "C" __global__ void __launch_bounds__(ig::TMA_THREADS, 1)                                            \
         NAME(const __grid_constant__ ig::TmaDesc ta, const __grid_constant__ ig::TmaDesc tb,                    \
              const __grid_constant__ ig::TmaDesc tc, T* __restrict__ c, float* __restrict__ ws,                  \
              const T* __restrict__ bias, ig::Shape sh) {                                                        \
         extern __shared__ __align__(1024) unsigned char ig_smem[];                                               \
-        ig::tma_gemm_body<T, MODE, AK, BKM, BN, EPI>(&ta, &tb, &tc, c, ws, bias, sh, ig_smem);                   \
+        ig::tma_gemm_body<T, MODE, AK, BKM, BN, EPI, XF>(&ta, &tb, &tc, c, ws, bias, sh, ig_smem);               \
     }

@@ -936,3 +936,99 @@ fn cooperative_batchnorm_takes_the_epilogue_moments() -> Result<()> {
     );
     Ok(())
 }
+
+/// The BatchNorm + ReLU of a 1x1 convolution's input inside the TMA GEMM (`KernelPolicy::bn_apply_in_conv`:
+/// `gemm_nt_bnin_*` for the forward, `gemm_tn_bnin_*` for the grad-weight, ig::bnin_a / bnin_b) against the
+/// same convolution of the materialised relu(bn(z)) on the same tile: bit for bit in bf16 and fp16, every TMA
+/// tile forced, bottleneck conv3 shapes with a row count that is not a multiple of 128 and a BatchNorm with
+/// negative weights (a ReLU that zeroes about half); the grad-weight with its split-K. The fused path must have
+/// run (the launch counter).
+#[test]
+fn bn_relu_operand_matches_the_materialised_input() -> Result<()> {
+    use kernels::variants::{X128, X256, X64};
+    use kernels::Tuning;
+    let gpu = cuda()?;
+    for dt in [DType::BF16, DType::F16] {
+        for (n, h, w, c, ko) in
+            [(8usize, 14usize, 14usize, 256usize, 1024usize), (3, 7, 9, 64, 256), (4, 28, 28, 128, 512)]
+        {
+            let z = Tensor::randn(0.5f32, 2.0, (n, h, w, c), &Device::Cpu)?.to_dtype(dt)?.to_device(&gpu)?;
+            let wt = (Tensor::randn(0f32, 1.0, (ko, 1, 1, c), &Device::Cpu)? * 0.1)?.to_dtype(dt)?.to_device(&gpu)?;
+            let dy = Tensor::randn(0f32, 1.0, (n, h, w, ko), &Device::Cpu)?.to_dtype(dt)?.to_device(&gpu)?;
+            let mean = Tensor::randn(0.5f32, 1.0, c, &Device::Cpu)?;
+            let var = (Tensor::randn(0f32, 1.0, c, &Device::Cpu)?.sqr()? + 0.5)?;
+            let invstd = (&var + 1e-5)?.sqrt()?.recip()?;
+            let stats = Tensor::stack(&[mean, var, invstd], 0)?.to_device(&gpu)?;
+            let p = kernels::BnParams {
+                stats,
+                weight: Tensor::randn(0f32, 1.0, c, &Device::Cpu)?.to_device(&gpu)?,
+                bias: (Tensor::randn(0f32, 1.0, c, &Device::Cpu)? * 0.5)?.to_device(&gpu)?,
+            };
+            let op = kernels::ops::batchnorm::BnApply { relu: true, stats: p.stats.clone() };
+            let x = z.apply_op3_no_bwd(&p.weight, &p.bias, &op)?;
+            let zeros = host_f32(&x)?.iter().filter(|v| **v == 0.0).count();
+            for tile in [X256, X128, X64] {
+                let policy = KernelPolicy::custom().with_tuning(Tuning::Forced(tile));
+                let what = format!("{dt:?} ({n}, {h}, {w}, {c}) -> {ko}, tile {}", tile.name);
+                let before = kernels::bn_relu_in_launches();
+                let y = kernels::conv2d_nhwc_forward_bn_relu(&z, &p, &wt, 1, 0, &policy)?;
+                let y_ref = kernels::conv2d_nhwc_forward(&x, &wt, 1, 0, &policy)?;
+                let dw = kernels::conv2d_nhwc_grad_weight_bn_relu(&dy, &z, &p, 1, 1, 0, &policy)?;
+                let dw_ref = kernels::conv2d_nhwc_grad_weight(&dy, &x, 1, 1, 0, &policy)?;
+                let ran = kernels::bn_relu_in_launches() - before;
+                ensure!(ran == 2, "{what}: {ran} of 2 passes normalised their operand in the kernel");
+                let (dy_n, dw_n) = (bits_differ(&y, &y_ref)?, bits_differ(&dw, &dw_ref)?);
+                ensure!(dy_n == 0, "{what}: forward differs in {dy_n} of {} values", y.elem_count());
+                ensure!(dw_n == 0, "{what}: grad-weight differs in {dw_n} of {} values", dw.elem_count());
+            }
+            println!(
+                "bn_relu operand, {dt:?} ({n}, {h}, {w}, {c}) -> {ko}: forward and grad-weight bit for bit on x256, \
+                 x128, x64 ({:.0}% of the operand zeroed by the ReLU)",
+                100.0 * zeros as f64 / x.elem_count() as f64
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The explicit step with each bottleneck's conv3 input normalised inside the conv (`bn_apply_in_conv`) against
+/// the step that makes and keeps that activation: a ResNet-50 step (64 px, batch 8, bf16 and fp16, cooperative
+/// BatchNorm, TMA tiles forced so that every conv3 takes the fused kernels) must give the loss, every gradient
+/// and every running statistic bit for bit, with the fused passes counted as run.
+#[test]
+fn bn_apply_in_conv_step_matches_bit_for_bit() -> Result<()> {
+    use kernels::variants::X128;
+    use kernels::Tuning;
+    let gpu = cuda()?;
+    let x = Tensor::randn(0f32, 1.0, (8, 3, 64, 64), &Device::Cpu)?.to_device(&gpu)?;
+    let labels = Tensor::new((0..8u32).collect::<Vec<_>>().as_slice(), &gpu)?;
+    for precision in [Precision::Bf16, Precision::F16] {
+        let step = |bn_in: bool| -> Result<(f32, Vec<(String, Tensor)>)> {
+            let mut m = model(Arch::ResNet50, Stem::ImageNet, &gpu)?;
+            let policy = m.config.kernels.clone().with_tuning(Tuning::Forced(X128));
+            m.config.kernels = KernelPolicy { bn_cooperative: true, bn_apply_in_conv: bn_in, ..policy };
+            let o = m.train_step_explicit_with(&x, &labels, resnet::step::StepArgs::new(0.1, 1.0, precision))?;
+            let mut out = named_grads(&m, &o)?;
+            out.extend(m.store().snapshot()?.into_iter().filter(|(k, _)| k.contains("running_")));
+            Ok((o.loss.to_scalar::<f32>()?, out))
+        };
+        let (lb, base) = step(false)?;
+        let before = kernels::bn_relu_in_launches();
+        let (lf, fused) = step(true)?;
+        let ran = kernels::bn_relu_in_launches() - before;
+        // ResNet-50: 16 bottlenecks, a forward and a grad-weight each.
+        ensure!(ran == 32, "{precision:?}: {ran} of 32 conv3 passes normalised their operand in the kernel");
+        ensure!(lb.to_bits() == lf.to_bits(), "{precision:?}: loss {lf} fused, {lb} materialised");
+        ensure!(base.len() == fused.len(), "{} tensors against {}", fused.len(), base.len());
+        for ((name, e), (_, g)) in base.iter().zip(&fused) {
+            let differ = bits_differ(g, e)?;
+            ensure!(differ == 0, "{precision:?}: {name} differs in {differ} of {} values", e.elem_count());
+        }
+        println!(
+            "bn_apply_in_conv, ResNet-50 {precision:?} step: loss and {} tensors bit for bit; {ran} conv3 passes \
+             normalised their operand in the kernel",
+            base.len()
+        );
+    }
+    Ok(())
+}

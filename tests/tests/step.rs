@@ -427,6 +427,61 @@ fn join_relu_mask_and_compact_shortcut_give_the_same_step() {
     }
 }
 
+/// A bottleneck's conv3 input normalised inside the conv (`KernelPolicy::bn_apply_in_conv`): bn2's forward keeps
+/// its statistics only, conv3's forward and grad-weight take relu(bn2(z2)) through
+/// `conv2d_nhwc_forward_bn_relu` / `conv2d_nhwc_grad_weight_bn_relu` (on the CPU: the BatchNorm pass, then the
+/// conv), so the step must equal the one with the activation made and kept, bit for bit (loss, every gradient,
+/// the running statistics), with the separate and the cooperative BatchNorm launches, every recompute mode and a
+/// frozen layer; and it keeps less: one inner activation a bottleneck fewer (`saved_block_bytes`). ResNet-18
+/// (no 1x1 stride-1 conv after a BatchNorm) must not change at all. The CUDA kernels are compared on the GPU:
+/// `bn_relu_operand_matches_the_materialised_input`.
+#[test]
+fn bn_apply_in_conv_gives_the_same_step() {
+    use resnet::step::Recompute;
+    let dev = Device::Cpu;
+    let x = Tensor::randn(0f32, 1., (3, 3, 16, 16), &dev).unwrap();
+    let labels = Tensor::new(&[3u32, 8, 0], &dev).unwrap();
+    for (arch, coop, freeze, recompute) in [
+        (Arch::ResNet50, false, None, Recompute::None),
+        (Arch::ResNet50, true, Some("layer2"), Recompute::None),
+        (Arch::ResNet50, true, None, Recompute::Relu),
+        (Arch::ResNet50, true, None, Recompute::ReluConv),
+        (Arch::ResNet18, true, None, Recompute::None),
+    ] {
+        let run = |bn_in: bool| {
+            let mut m = model(arch, Stem::Cifar);
+            m.config.kernels.bn_cooperative = coop;
+            m.config.kernels.bn_apply_in_conv = bn_in;
+            let m = ResNet::new(m.config.clone(), &dev).unwrap();
+            if let Some(p) = freeze {
+                assert!(m.store().freeze_prefixes(&[p.to_string()]) > 0);
+            }
+            let args = || resnet::step::StepArgs { recompute, ..resnet::step::StepArgs::new(0.1, 8.0, Precision::F32) };
+            let bytes = m.train_step_explicit_with(&x, &labels, args()).unwrap().saved_block_bytes;
+            let m = ResNet::new(m.config.clone(), &dev).unwrap();
+            if let Some(p) = freeze {
+                assert!(m.store().freeze_prefixes(&[p.to_string()]) > 0);
+            }
+            (step_values_with(&m, &x, &labels, args(), |n| n.contains("running")), bytes)
+        };
+        let what = format!("{arch} coop={coop} freeze={freeze:?} recompute={recompute:?}");
+        let ((base, base_bytes), (fused, fused_bytes)) = (run(false), run(true));
+        assert_same_step(&what, &fused, &base);
+        match (arch, recompute) {
+            (Arch::ResNet50, Recompute::None) => {
+                // ResNet-50 at 16 x 16 (CIFAR stem) keeps conv3's input: 3 images x 16^2 x 64 channels x 4 bytes
+                // in layer1's 3 blocks, and so on, 16 bottlenecks in all.
+                let inner: usize = [(3, 16 * 16, 64), (4, 8 * 8, 128), (6, 4 * 4, 256), (3, 2 * 2, 512)]
+                    .iter()
+                    .map(|&(blocks, hw, c)| blocks * 3 * hw * c * 4)
+                    .sum();
+                assert_eq!(base_bytes - fused_bytes, inner, "{what}: saved bytes {base_bytes} -> {fused_bytes}");
+            }
+            _ => assert_eq!(base_bytes, fused_bytes, "{what}: saved bytes"),
+        }
+    }
+}
+
 /// A 1x1 stride-2 conv's grad-input kept on the conv's grid (the explicit step's compact shortcut gradient: a 1x1
 /// stride-1 grad-input there) spread with [`kernels::ops::batchnorm::expand_stride2`] equals the strided
 /// grad-input to rounding at the even cells and is +0 elsewhere, as the strided one is; odd and even sizes.

@@ -165,6 +165,11 @@ pub struct KernelPolicy {
     /// The grad-input is summed by another kernel (the plain GEMM): equal to rounding, not bit for bit. Default: on,
     /// unless `KERNELS_COMPACT_SHORTCUT=0` in the environment.
     pub compact_shortcut_grad: bool,
+    /// The explicit training step normalises a bottleneck's conv3 input (relu(bn2(z2))) inside that 1x1
+    /// convolution, forward and grad-weight (the TMA GEMM's operand, [`crate::conv2d_nhwc_forward_bn_relu`]),
+    /// so the activation is neither written nor read nor kept for the backward: bn2's forward is its statistics
+    /// alone. The same values bit for bit. Default: off, unless `KERNELS_BN_APPLY_IN_CONV=1` in the environment.
+    pub bn_apply_in_conv: bool,
 }
 
 impl Default for KernelPolicy {
@@ -184,6 +189,7 @@ impl Default for KernelPolicy {
             stem_pool_bwd_fused: crate::ops::batchnorm::stem_pool_bwd_fused(),
             join_relu_mask: crate::ops::batchnorm::join_relu_mask(),
             compact_shortcut_grad: crate::ops::batchnorm::compact_shortcut_grad(),
+            bn_apply_in_conv: crate::ops::batchnorm::bn_apply_in_conv(),
         }
     }
 }

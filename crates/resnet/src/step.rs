@@ -229,6 +229,26 @@ impl Shortcut {
     }
 }
 
+/// A conv's input: an activation tensor, or relu(bn(z)) of the conv before it, normalised inside this conv
+/// (`policy.bn_apply_in_conv`, [`Engine::bn_in_conv`]: never materialised).
+enum ConvIn {
+    Act(Tensor),
+    BnRelu(Tensor, BnParams),
+}
+
+impl ConvIn {
+    fn act(t: &Tensor) -> Self {
+        Self::Act(t.clone())
+    }
+
+    /// The (n, h, w, c) of the input (z's, for a normalised one).
+    fn dims4(&self) -> Result<(usize, usize, usize, usize)> {
+        match self {
+            Self::Act(t) | Self::BnRelu(t, _) => t.dims4(),
+        }
+    }
+}
+
 /// A gradient as the backward makes it.
 enum Piece {
     /// FP32 in the parameter's shape.
@@ -380,16 +400,38 @@ impl<'a> Engine<'a> {
         kernels::conv2d_nhwc_forward(x, &cw.w, cw.conv.stride, cw.conv.padding, self.policy)
     }
 
+    /// [`Self::conv`] of a [`ConvIn`]: a normalised input through [`kernels::conv2d_nhwc_forward_bn_relu`].
+    fn conv_in(&self, x: &ConvIn, cw: &ConvW) -> Result<Tensor> {
+        match x {
+            ConvIn::Act(t) => self.conv(t, cw),
+            ConvIn::BnRelu(z, p) => {
+                kernels::conv2d_nhwc_forward_bn_relu(z, p, &cw.w, cw.conv.stride, cw.conv.padding, self.policy)
+            }
+        }
+    }
+
+    /// Whether the input of conv `i + 1` of block `b`, relu(bn_i(conv_i output)), is normalised inside that conv
+    /// instead of materialised (`policy.bn_apply_in_conv`): a 1x1 stride-1 unpadded conv (a bottleneck's conv3),
+    /// where the kernels can read its operand so. Bn_i's forward is then its statistics alone.
+    fn bn_in_conv(&self, b: &Block, i: usize) -> bool {
+        let Some(next) = b.convs.get(i + 1) else { return false };
+        let k = next.weight.var().as_tensor().dims();
+        self.policy.bn_apply_in_conv && k.len() == 4 && (k[2], k[3], next.stride, next.padding) == (1, 1, 1, 0)
+    }
+
     /// A conv whose output BatchNorm `bn` normalises next, with that BatchNorm's statistics ([`Self::stats`]).
     /// With `policy.bn_stats_in_conv` (`kernels.bn_stats = "fused"`) the moments come from the conv's epilogue
     /// when it ran on a TMA tile, and one small launch turns them into the statistics and the running update, so
     /// no pass reads the output again for them; frozen or synchronised statistics, and convs on other kernels,
     /// take the pass.
-    fn conv_stats(&self, x: &Tensor, cw: &ConvW, bn: &BatchNorm2d) -> Result<BnSaved> {
-        if !self.policy.bn_stats_in_conv || frozen(bn) || self.sync.is_some() {
-            let z = self.conv(x, cw)?;
-            return self.stats(&z, bn);
-        }
+    fn conv_stats(&self, x: &ConvIn, cw: &ConvW, bn: &BatchNorm2d) -> Result<BnSaved> {
+        let x = match x {
+            ConvIn::Act(t) if self.policy.bn_stats_in_conv && !frozen(bn) && self.sync.is_none() => t,
+            _ => {
+                let z = self.conv_in(x, cw)?;
+                return self.stats(&z, bn);
+            }
+        };
         let (z, part) = kernels::conv2d_nhwc_forward_stats(x, &cw.w, cw.conv.stride, cw.conv.padding, self.policy)?;
         let Some(part) = part else { return self.stats(&z, bn) };
         let c = z.dim(z.rank() - 1)?;
@@ -483,7 +525,7 @@ impl<'a> Engine<'a> {
     /// Under `policy.bn_cooperative`, a BatchNorm with batch statistics (not frozen, not synchronised) runs as one
     /// launch ([`kernels::ops::batchnorm::batch_norm_train_with`], with the conv epilogue's moments where it made
     /// them); else [`Self::conv_stats`] then [`Self::bn_apply`]. Same values either way.
-    fn conv_bn_relu(&self, x: &Tensor, cw: &ConvW, bn: &BatchNorm2d) -> Result<(BnSaved, Tensor)> {
+    fn conv_bn_relu(&self, x: &ConvIn, cw: &ConvW, bn: &BatchNorm2d) -> Result<(BnSaved, Tensor)> {
         if self.cooperative(bn) {
             let (z, moments) = self.conv_moments(x, cw)?;
             let (stats, y) =
@@ -495,6 +537,19 @@ impl<'a> Engine<'a> {
         Ok((saved, y))
     }
 
+    /// A conv followed by its BatchNorm, whose normalisation + ReLU runs inside the next conv
+    /// ([`Self::bn_in_conv`]): the saved state only (one statistics launch under `policy.bn_cooperative`, with
+    /// the conv epilogue's moments where it made them; else [`Self::conv_stats`]). The same statistics and running
+    /// update as [`Self::conv_bn_relu`].
+    fn conv_bn_stats(&self, x: &ConvIn, cw: &ConvW, bn: &BatchNorm2d) -> Result<BnSaved> {
+        if self.cooperative(bn) {
+            let (z, moments) = self.conv_moments(x, cw)?;
+            let stats = kernels::ops::batchnorm::batch_norm_train_stats(&z, moments.as_ref(), &train_bn(bn))?;
+            return Ok(BnSaved { z: Some(z), stats, global_rows: None });
+        }
+        self.conv_stats(x, cw, bn)
+    }
+
     /// Whether BatchNorm `bn`'s forward runs as one launch (`policy.bn_cooperative`; its statistics are the
     /// batch's: not frozen, not synchronised). With `policy.bn_stats_in_conv` the launch takes the conv epilogue's
     /// moments where the conv made them ([`Self::conv_moments`]) and skips its own moments pass.
@@ -504,10 +559,12 @@ impl<'a> Engine<'a> {
 
     /// A conv's output for a cooperative BatchNorm, with its moments from the epilogue under
     /// `policy.bn_stats_in_conv` when the conv ran on a TMA tile that makes them (None: the launch reduces them).
-    fn conv_moments(&self, x: &Tensor, cw: &ConvW) -> Result<(Tensor, Option<Tensor>)> {
-        if !self.policy.bn_stats_in_conv {
-            return Ok((self.conv(x, cw)?, None));
-        }
+    /// A normalised input ([`ConvIn::BnRelu`]) takes the pass: its kernels have no moments epilogue.
+    fn conv_moments(&self, x: &ConvIn, cw: &ConvW) -> Result<(Tensor, Option<Tensor>)> {
+        let x = match x {
+            ConvIn::Act(t) if self.policy.bn_stats_in_conv => t,
+            _ => return Ok((self.conv_in(x, cw)?, None)),
+        };
         kernels::conv2d_nhwc_forward_stats(x, &cw.w, cw.conv.stride, cw.conv.padding, self.policy)
     }
 
@@ -602,7 +659,7 @@ impl<'a> Engine<'a> {
     }
 
     /// Grad-weight (recorded, FP32 torchvision layout) and, when `need_dx`, grad-input of a conv.
-    fn conv_backward(&mut self, cw: &ConvW, x: &Tensor, dz: &Tensor, need_dx: bool) -> Result<Option<Tensor>> {
+    fn conv_backward(&mut self, cw: &ConvW, x: &ConvIn, dz: &Tensor, need_dx: bool) -> Result<Option<Tensor>> {
         self.record_grad_weight(cw, x, dz)?;
         if !need_dx {
             return Ok(None);
@@ -617,7 +674,7 @@ impl<'a> Engine<'a> {
     fn conv_backward_sums(
         &mut self,
         cw: &ConvW,
-        x: &Tensor,
+        x: &ConvIn,
         dz: &Tensor,
         prev: &BnSaved,
         bn: &BatchNorm2d,
@@ -628,11 +685,16 @@ impl<'a> Engine<'a> {
         kernels::conv2d_nhwc_grad_input_sums(dz, &cw.w, (c.stride, c.padding, (h, w)), self.policy, prev.z()?, &p)
     }
 
-    /// The grad-weight of a conv, recorded unless the weight is frozen.
-    fn record_grad_weight(&mut self, cw: &ConvW, x: &Tensor, dz: &Tensor) -> Result<()> {
+    /// The grad-weight of a conv, recorded unless the weight is frozen (over a normalised input: through
+    /// [`kernels::conv2d_nhwc_grad_weight_bn_relu`]).
+    fn record_grad_weight(&mut self, cw: &ConvW, x: &ConvIn, dz: &Tensor) -> Result<()> {
         let (c, s, p) = (cw.conv, cw.conv.stride, cw.conv.padding);
         if !c.weight.is_frozen() {
-            let g = kernels::conv2d_nhwc_grad_weight(dz, x, cw.w.dim(1)?, s, p, self.policy)?;
+            let r = cw.w.dim(1)?;
+            let g = match x {
+                ConvIn::Act(t) => kernels::conv2d_nhwc_grad_weight(dz, t, r, s, p, self.policy)?,
+                ConvIn::BnRelu(z, bp) => kernels::conv2d_nhwc_grad_weight_bn_relu(dz, z, bp, r, s, p, self.policy)?,
+            };
             self.buckets.put(c.weight.var().as_tensor().id(), Piece::Conv(g))?;
         }
         Ok(())
@@ -641,19 +703,24 @@ impl<'a> Engine<'a> {
     fn block_forward(&self, b: &'a Block, x: Tensor) -> Result<BlockSaved> {
         let last = b.convs.len() - 1;
         let (mut bns, mut acts, mut weights) = (Vec::new(), Vec::new(), Vec::new());
-        let mut inp = x.clone();
+        let mut inp = ConvIn::act(&x);
         // The block output made with its last BatchNorm's statistics in one launch (identity shortcut), and its
         // ReLU mask when that launch wrote one.
         let mut joined = None;
         let mut mask = None;
         for (i, (conv, bn)) in b.convs.iter().zip(&b.bns).enumerate() {
             let cw = self.weight(conv)?;
-            let saved = if i != last {
+            let saved = if i != last && self.bn_in_conv(b, i) {
+                // The next conv normalises this output itself: the statistics only, nothing to keep but z.
+                let saved = self.conv_bn_stats(&inp, &cw, bn)?;
+                inp = ConvIn::BnRelu(saved.z()?.clone(), Self::bn_params(bn, &saved.stats));
+                saved
+            } else if i != last {
                 let (saved, y) = self.conv_bn_relu(&inp, &cw, bn)?;
-                inp = y;
                 if self.recompute == Recompute::None {
-                    acts.push(inp.clone());
+                    acts.push(y.clone());
                 }
+                inp = ConvIn::Act(y);
                 saved
             } else if b.downsample.is_none() && self.cooperative(bn) {
                 let (z, moments) = self.conv_moments(&inp, &cw)?;
@@ -672,7 +739,7 @@ impl<'a> Engine<'a> {
                 // both convs' epilogues made them).
                 let (z, m) = self.conv_moments(&inp, &cw)?;
                 let dcw = self.weight(&d.conv)?;
-                let (zd, md) = self.conv_moments(&x, &dcw)?;
+                let (zd, md) = self.conv_moments(&ConvIn::act(&x), &dcw)?;
                 let (bn_main, bn_down) = (train_bn(bn), train_bn(&d.bn));
                 let moments = m.as_ref().zip(md.as_ref());
                 let (stats, stats_d, out, m) = kernels::ops::batchnorm::batch_norm_train2_add_relu(
@@ -698,7 +765,7 @@ impl<'a> Engine<'a> {
             (None, Some((out, None))) => (out, None, None),
             (Some(d), _) => {
                 let cw = self.weight(&d.conv)?;
-                let saved = self.conv_stats(&x, &cw, &d.bn)?;
+                let saved = self.conv_stats(&ConvIn::act(&x), &cw, &d.bn)?;
                 let res = Self::bn_params(&d.bn, &saved.stats);
                 (kernels::bn_add_relu(bns[last].z()?, saved.z()?, &main, Some(&res))?, Some(saved), Some(cw.w))
             }
@@ -734,14 +801,20 @@ impl<'a> Engine<'a> {
             let mut saved = bns.pop().expect("one saved BatchNorm per conv");
             let cw = ConvW::with(&b.convs[i], weights.pop().expect("one weight per conv"));
             let input = match i {
-                0 => x.clone(),
+                0 => ConvIn::act(&x),
+                // Normalised inside the conv, as in the forward.
+                _ if self.bn_in_conv(b, i - 1) => {
+                    ConvIn::BnRelu(bns[i - 1].z()?.clone(), Self::bn_params(&b.bns[i - 1], &bns[i - 1].stats))
+                }
                 // relu(bn(z)) of the conv before, from its saved output and statistics (still in `bns`).
-                _ if self.recompute != Recompute::None => self.bn_apply(&bns[i - 1], &b.bns[i - 1], true)?,
-                _ => acts.pop().expect("one saved activation per inner conv"),
+                _ if self.recompute != Recompute::None => {
+                    ConvIn::Act(self.bn_apply(&bns[i - 1], &b.bns[i - 1], true)?)
+                }
+                _ => ConvIn::Act(acts.pop().expect("one saved activation per inner conv")),
             };
             if saved.z.is_none() {
                 // The last conv's output, dropped by the forward: the same conv on the same input again.
-                saved.z = Some(self.conv(&input, &cw)?);
+                saved.z = Some(self.conv_in(&input, &cw)?);
             }
             // The sums of this BatchNorm: made with its output gradient by the pass before (the block output's, or
             // the next conv's grad-input epilogue), or None.
@@ -773,11 +846,11 @@ impl<'a> Engine<'a> {
                 if self.compact_shortcut(&cw)? {
                     // The 1x1 stride-2 conv's grad-input on its own grid: a 1x1 stride-1 grad-input there (no
                     // memset of the full-size tensor, which is zero off the even cells).
-                    self.record_grad_weight(&cw, &x, &dz)?;
+                    self.record_grad_weight(&cw, &ConvIn::act(&x), &dz)?;
                     let (_, oh, ow, _) = dz.dims4()?;
                     Shortcut::Stride2(kernels::conv2d_nhwc_grad_input(&dz, &cw.w, 1, 0, (oh, ow), self.policy)?)
                 } else {
-                    Shortcut::Full(self.conv_backward(&cw, &x, &dz, true)?.expect("grad-input requested"))
+                    Shortcut::Full(self.conv_backward(&cw, &ConvIn::act(&x), &dz, true)?.expect("grad-input requested"))
                 }
             }
             _ => Shortcut::Full(gp.clone()),
@@ -1003,12 +1076,12 @@ impl ResNet {
         let (stem, stem_hw, mut h, pool_offsets) = if imagenet && e.stem_pool_fused() {
             // BatchNorm + ReLU + max-pool in one launch on CUDA (policy.stem_pool_fused): relu(bn(z)) at full
             // resolution is never written.
-            let (z, moments) = e.conv_moments(&input, &stem_w)?;
+            let (z, moments) = e.conv_moments(&ConvIn::act(&input), &stem_w)?;
             let (stats, y, off) = batch_norm_train_relu_max_pool(&z, moments.as_ref(), &train_bn(&m.bn1), pool)?;
             let hw = (z.dim(1)?, z.dim(2)?);
             (BnSaved { z: Some(z), stats, global_rows: None }, hw, y, Some(off))
         } else {
-            let (stem, a0) = e.conv_bn_relu(&input, &stem_w, &m.bn1)?;
+            let (stem, a0) = e.conv_bn_relu(&ConvIn::act(&input), &stem_w, &m.bn1)?;
             // The ImageNet stem's max-pool keeps its windows' argmax offsets (one byte per output element) for
             // the backward, and its input (4x the output, in the activation dtype) is freed here.
             let (h, off) = if imagenet {
@@ -1084,7 +1157,7 @@ impl ResNet {
             None => e.bn_backward(&stem, &(gm + gs)?, &m.bn1, true, None)?,
         };
         drop(stem);
-        e.conv_backward(&stem_w, &input, &dz0, false)?;
+        e.conv_backward(&stem_w, &ConvIn::act(&input), &dz0, false)?;
         let (grads, buckets_held) = e.buckets.finish()?;
         Ok(StepOutput { loss, logits, grads, buckets_held, saved_block_bytes })
     }

@@ -729,6 +729,21 @@ fn mask_out(dev: &CudaDevice, len: usize, want: bool) -> Result<Option<CudaSlice
     want.then(|| alloc_out::<u8>(dev, len / 8)).transpose()
 }
 
+/// [`train_t`] with y (and the mask) made, the only kind [`train`] asks for.
+fn train_y<T: CudaDType + DeviceRepr + WithDType + 'static>(
+    args: (Arg, Arg, Arg, Option<Arg>, Option<Arg>),
+    sp: Split,
+    eps: f64,
+    relu: bool,
+    running: Option<RunningAddrs>,
+    mask: bool,
+) -> Result<TrainOut> {
+    let (stats, y, mask) = train_t::<T>(args, sp, eps, relu, running, mask, true)?;
+    let y = y.ok_or_else(|| candle_core::Error::Msg("batch_norm_nhwc_train: no output made".into()))?;
+    Ok((stats, y, mask))
+}
+
+/// `apply` false: the statistics only (y null: the kernel stops after its finaliser), no y nor mask.
 #[allow(clippy::too_many_arguments)]
 fn train_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     (x, w, b, res, moments): (Arg, Arg, Arg, Option<Arg>, Option<Arg>),
@@ -737,7 +752,8 @@ fn train_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     relu: bool,
     running: Option<RunningAddrs>,
     mask: bool,
-) -> Result<TrainOut> {
+    apply: bool,
+) -> Result<(CudaStorage, Option<CudaStorage>, Option<CudaStorage>)> {
     const OP: &str = "batch_norm_nhwc_train";
     let dev = &x.0.device;
     let sp = if moments.is_some() { epilogue_split(sp) } else { sp };
@@ -751,8 +767,8 @@ fn train_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     COOP_FROM_MOMENTS.with(|n| n.set(n.get() + have_moments as u64));
     let part = Partials::new(moments, &sp, dev, OP, "epilogue moments")?;
     let stats = alloc_out::<f32>(dev, 3 * c)?;
-    let y = alloc_out::<T>(dev, len)?;
-    let mask = mask_out(dev, len, mask && rv.is_some())?;
+    let y = apply.then(|| alloc_out::<T>(dev, len)).transpose()?;
+    let mask = mask_out(dev, len, apply && mask && rv.is_some())?;
     let name = format!("bn_nhwc_train_v8_{}", suffix(T::DTYPE, OP)?);
     let f = dev.get_or_load_custom_func(&name, MODULE_V8, ptx::BATCHNORM_02_NHWC_VEC)?;
     let blocks = coop_blocks(dev, &f, &name, sp.chunks)?;
@@ -766,7 +782,11 @@ fn train_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
         None => bld.arg(&null),
     };
     part.push(&mut bld);
-    bld.arg(&stats).arg(&wv).arg(&bv).arg(&y);
+    bld.arg(&stats).arg(&wv).arg(&bv);
+    match &y {
+        Some(y) => bld.arg(y),
+        None => bld.arg(&null),
+    };
     match &mask {
         Some(m) => bld.arg(m),
         None => bld.arg(&null),
@@ -776,14 +796,45 @@ fn train_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     bld.arg(&rm).arg(&rv_addr).arg(&nb).arg(&momentum).arg(&relu).arg(&have_moments).arg(&rev);
     // SAFETY: matches bn_nhwc_train_v8_* (x, res, part, stats, weight, bias, y, mask, rows, c, rpc, chunks, eps,
     // running_mean, running_var, num_batches_tracked, momentum, relu, have_moments, rev); x, res (or null) and y
-    // hold rows*c elements (c % 8 == 0, 256 % (c / 8) == 0, 16-byte aligned: v8_applies; y fresh), the mask (or
+    // hold rows*c elements (c % 8 == 0, 256 % (c / 8) == 0, 16-byte aligned: v8_applies; y fresh, or null: no
+    // phase 3), the mask (or
     // null; only with res) rows*c/8 bytes, fresh, part (2 chunks
     // + 1) c (checked when given: the epilogue's chunks of 128 rows, read only under have_moments), stats 3 c, weight
     // and bias c; the running addresses are null or c / c / 1 elements ([`RunningAddrs`]); every chunk has a row.
     // A cooperative launch of at most the resident blocks ([`coop_blocks`]): the grid barriers need it.
     unsafe { bld.launch_cooperative(coop_cfg(blocks)) }.w()?;
     let mask = mask.map(|m| CudaStorage::wrap_cuda_slice(m, dev.clone()));
-    Ok((CudaStorage::wrap_cuda_slice(stats, dev.clone()), CudaStorage::wrap_cuda_slice(y, dev.clone()), mask))
+    let y = y.map(|y| CudaStorage::wrap_cuda_slice(y, dev.clone()));
+    Ok((CudaStorage::wrap_cuda_slice(stats, dev.clone()), y, mask))
+}
+
+/// [`train`]'s statistics (and running update) alone, for a BatchNorm whose normalisation runs inside the next
+/// convolution: one cooperative launch of `bn_nhwc_train_v8_*` with y null (phases 1 and 2). Bit for bit
+/// [`train`]'s statistics. None where the 8-channel kernels do not apply.
+pub fn train_stats(
+    (x, moments): (Arg, Option<Arg>),
+    w: Arg,
+    b: Arg,
+    rows: usize,
+    c: usize,
+    eps: f64,
+    running: Option<RunningAddrs>,
+) -> Result<Option<CudaStorage>> {
+    const OP: &str = "batch_norm_nhwc_train_stats";
+    if !v8_applies(c, &[x.1], &[w.1, b.1]) {
+        return Ok(None);
+    }
+    let sp = Split::v8(rows, c, OP)?;
+    let (stats, _, _) = cuda_float!(x.0.dtype(), OP, [F32: f32, BF16: bf16, F16: f16], |T| train_t::<T>(
+        (x, w, b, None, moments),
+        sp,
+        eps,
+        true,
+        running,
+        false,
+        false
+    ))?;
+    Ok(Some(stats))
 }
 
 /// A training-mode BatchNorm forward in one cooperative launch (`bn_nhwc_train_v8_*`): x (rows, c), weight and
@@ -813,7 +864,7 @@ pub fn train(
         return Ok(None);
     }
     let sp = Split::v8(rows, c, OP)?;
-    let out = cuda_float!(x.0.dtype(), OP, [F32: f32, BF16: bf16, F16: f16], |T| train_t::<T>(
+    let out = cuda_float!(x.0.dtype(), OP, [F32: f32, BF16: bf16, F16: f16], |T| train_y::<T>(
         (x, w, b, res, moments),
         sp,
         eps,

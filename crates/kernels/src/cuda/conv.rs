@@ -289,8 +289,50 @@ impl<T: CudaDType + DeviceRepr + WithDType + ValidAsZeroBits + 'static> Pass<'_,
         Ok((CudaStorage::wrap_cuda_slice(out, self.dev.clone()), shape))
     }
 
+    /// The BatchNorm + ReLU asked of the activation operand ([`Epi::BnReluIn`]), if any.
+    fn bn_relu_in(&self) -> Option<StatsOut<'_>> {
+        self.cl.stats.filter(|s| matches!(s.epi, Epi::BnReluIn { .. }))
+    }
+
+    /// A 1x1 stride-1 pass whose activation operand is relu(bn(z)) ([`Epi::BnReluIn`]): the TMA GEMM in `layout`
+    /// (NT forward: A = z; TN grad-weight: B = z) on a TMA tile (tuned under its own key; a forced or heuristic
+    /// cp.async tile stands for the TMA tile of its width), `wrote` set.
+    #[allow(clippy::too_many_arguments)]
+    fn bn_relu_in_gemm(
+        &self,
+        s: StatsOut,
+        layout: GemmLayout,
+        (m, n, k): (usize, usize, usize),
+        a: &CudaView<T>,
+        b: &CudaView<T>,
+        out: &CudaView<T>,
+    ) -> Result<()> {
+        let (g, op, dev) = (&self.cl.geom, self.op, self.dev);
+        if !g.is_plain() || !has_wgmma(dev) {
+            candle_core::bail!("{op} (cuda): a normalised operand needs a 1x1 stride-1 pass on a TMA tile");
+        }
+        let heuristic = if n <= 64 { X64 } else { X128 };
+        let run = |tile: Tile| {
+            let tile = if tile.is_tma() { tile } else { heuristic };
+            tma_gemm(dev, tile, layout, (m, n, k), a, b, out, None, s.epi, op)
+        };
+        let mut run = run;
+        let key = || format!("{} bnin", self.key());
+        let tile = pick(dev, self.cl.tuning, key, true, &self.tma_tiles(), heuristic, &mut run)?;
+        run(tile)?;
+        s.wrote.store(true, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
     fn fwd(&self) -> Result<(CudaStorage, Shape)> {
         let (g, op, dev) = (&self.cl.geom, self.op, self.dev);
+        if let Some(s) = self.bn_relu_in() {
+            // 1x1, stride 1: y[npq][ko] = relu(bn(z))[npq][c] w[ko][c]^T
+            let (m, n, k) = (g.n * g.p() * g.q(), g.ko, g.c);
+            let y = alloc_out::<T>(dev, m * n)?;
+            self.bn_relu_in_gemm(s, GemmLayout::Nt, (m, n, k), &self.v1, &self.v2, &y.as_view())?;
+            return Ok((CudaStorage::wrap_cuda_slice(y, dev.clone()), Shape::from((g.n, g.p(), g.q(), g.ko))));
+        }
         let (m, n, k) = (g.n * g.p() * g.q(), g.ko, g.r * g.r * g.c);
         let vec = g.c % 8 == 0;
         let sh = GemmShape {
@@ -474,6 +516,11 @@ impl<T: CudaDType + DeviceRepr + WithDType + ValidAsZeroBits + 'static> Pass<'_,
         let (m, n, k) = (g.ko, g.r * g.r * g.c, g.n * g.p() * g.q());
         let vec = g.c % 8 == 0 && g.ko % 8 == 0;
         let dw = alloc_out::<T>(dev, m * n)?;
+        if let Some(s) = self.bn_relu_in() {
+            // 1x1, stride 1: dw[ko][c] = dy[npq][ko]^T relu(bn(z))[npq][c]
+            self.bn_relu_in_gemm(s, GemmLayout::Tn, (m, n, k), &self.v1, &self.v2, &dw.as_view())?;
+            return Ok((CudaStorage::wrap_cuda_slice(dw, dev.clone()), Shape::from((g.ko, g.r, g.r, g.c))));
+        }
         let stream = dev.cuda_stream();
         let mut run = |tile: Tile| -> Result<()> {
             if tile.is_tma() && self.tma_ok {

@@ -172,6 +172,11 @@ pub enum Epi {
     /// ([`grad_sums_partials_len`]): `z` is that BatchNorm's input (C-shaped, row-major), `bn` its per-channel
     /// tensors (the GSUMS kernels, `ig::tma_epilogue_grad_sums`).
     GradSums { part: u64, z: u64, bn: BnAddrs },
+    /// Not an epilogue: the activation operand (NT: A, a 1x1 forward's input; TN: B, a 1x1 grad-weight's input)
+    /// is relu(bn(z)) of the z its map reads, with the BatchNorm `bn` (training statistics), normalised in shared
+    /// memory on its way to the tensor cores (the BNIN kernels, `ig::bnin_a` / `ig::bnin_b`): the products of the
+    /// materialised activation, bit for bit, without writing or reading it. Split-K allowed.
+    BnReluIn { bn: BnAddrs },
 }
 
 /// One launch of a TMA kernel `f` (tile x256, x128 or x64) over the m x n x k problem described by the tensor maps:
@@ -200,7 +205,7 @@ pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
     }
     // Split-K and the TMA store need C to be the plain row-major m x n matrix (not the strided grad-input's
     // scattered rows); the statistics need whole sums in one unit.
-    let (k_split, splits) = if plain_c && epi == Epi::Plain {
+    let (k_split, splits) = if plain_c && matches!(epi, Epi::Plain | Epi::BnReluIn { .. }) {
         tma_split(tile, m, n, k, sms)
     } else {
         (k.div_ceil(tile.bk).max(1) * tile.bk, 1)
@@ -226,7 +231,9 @@ pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
         ..base
     };
     let sh = match epi {
-        Epi::GradSums { bn, .. } => GemmShape { bn_stats: bn.stats, bn_weight: bn.weight, bn_bias: bn.bias, ..sh },
+        Epi::GradSums { bn, .. } | Epi::BnReluIn { bn } => {
+            GemmShape { bn_stats: bn.stats, bn_weight: bn.weight, bn_bias: bn.bias, ..sh }
+        }
         _ => sh,
     };
     let units = m.div_ceil(tile.bm) * n.div_ceil(tile.bn) * splits;
@@ -240,7 +247,7 @@ pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
     bld.arg(ma).arg(mb).arg(&mc).arg(c);
     match &epi {
         Epi::Moments { part } | Epi::GradSums { part, .. } => bld.arg(part),
-        Epi::Plain => bld.arg(&*ws),
+        Epi::Plain | Epi::BnReluIn { .. } => bld.arg(&*ws),
     };
     match (bias, &epi) {
         (Some(v), _) => bld.arg(v),
@@ -251,7 +258,9 @@ pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
     // SAFETY: (map A, map B, map C, c, ws, bias, shape) as the x256 / x128 / x64 kernels take them; the maps cover exactly
     // the operands of the m x n x k problem and c (read by the kernel only when tma_c), c holds m*n elements, ws
     // splits*m*n when split, or the caller's stats_partials_len(m, n) / grad_sums_partials_len(m, n) floats for a
-    // STATS / GSUMS kernel (GSUMS: z holds m*n elements, the BatchNorm's tensors 3n / n / n, checked by the caller).
+    // STATS / GSUMS kernel (GSUMS: z holds m*n elements, the BatchNorm's tensors 3n / n / n, checked by the caller;
+    // BNIN: the BatchNorm's tensors 3c / c / c for the c channels of the normalised operand, K for NT, N for TN,
+    // 16-byte aligned with c % 8 == 0, checked by the caller).
     unsafe { bld.launch(cfg) }.w()?;
     if split {
         splitk_reduce(dev, &ws, c, bias, (m, n, splits), op)?;
@@ -262,7 +271,7 @@ pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
 /// C (m x n) = A B in `layout` on a TMA tile, plus `bias` (length n) when given. The operands must be contiguous
 /// and 16-byte aligned with rows of a multiple of 8 elements (the `vec` condition of the other kernels).
 /// `epi`: also the BatchNorm moments of C's columns (NT only) or the backward sums of the BatchNorm whose output
-/// gradient C is (NN only) into the partials ([`Epi`]).
+/// gradient C is (NN only) into the partials, or A (NT) / B (TN) normalised by a BatchNorm + ReLU ([`Epi`]).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn tma_gemm<T: CudaDType + DeviceRepr + WithDType>(
     dev: &CudaDevice,
@@ -290,6 +299,8 @@ pub(crate) fn tma_gemm<T: CudaDType + DeviceRepr + WithDType>(
         (Epi::Plain, _) => tag,
         (Epi::Moments { .. }, GemmLayout::Nt) => "nt_stats",
         (Epi::GradSums { .. }, GemmLayout::Nn) => "nn_gsums",
+        (Epi::BnReluIn { .. }, GemmLayout::Nt) => "nt_bnin",
+        (Epi::BnReluIn { .. }, GemmLayout::Tn) => "tn_bnin",
         _ => candle_core::bail!("{op} (cuda): no {epi:?} epilogue for the {layout:?} GEMM"),
     };
     let f = function(dev, tile.gemm_module, &format!("gemm_{tag}_{}_vec_{sfx}", tile.name), tile.smem)?;

@@ -460,6 +460,40 @@ pub fn compact_shortcut_grad() -> bool {
     *ON.get_or_init(|| std::env::var_os("KERNELS_COMPACT_SHORTCUT").is_none_or(|v| v != "0"))
 }
 
+/// Whether the explicit step normalises a bottleneck's conv3 input inside that 1x1 convolution
+/// ([`crate::KernelPolicy::bn_apply_in_conv`]'s default): off unless `KERNELS_BN_APPLY_IN_CONV=1` in the
+/// environment (scripts/gpu-step.sh's `fused-bnin`).
+pub fn bn_apply_in_conv() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("KERNELS_BN_APPLY_IN_CONV").is_some_and(|v| v == "1"))
+}
+
+/// The batch statistics of x (.., c) for a training-mode BatchNorm `bn` whose normalisation runs elsewhere (inside
+/// the next convolution: [`crate::conv2d_nhwc_forward_bn_relu`]), with its running statistics updated:
+/// [`batch_norm_train_with`]'s statistics without its y. On CUDA, where the 8-channel kernels apply, one
+/// cooperative launch (`bn_nhwc_train_v8_*` with y null: the moments and the finaliser only); elsewhere
+/// [`batch_stats`] (or [`batch_stats_from_partials`] of `moments`). The same values bit for bit.
+pub fn batch_norm_train_stats(x: &Tensor, moments: Option<&Tensor>, bn: &TrainBn) -> Result<Tensor> {
+    let (rows, c) = rows_c(x.dims())?;
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() && rows >= 2 {
+        let addrs = running_addrs(&bn.running, c)?;
+        let ts: Vec<&Tensor> = [Some(x), Some(&bn.weight), Some(&bn.bias), moments].into_iter().flatten().collect();
+        let out = with_cuda(&ts, "batch_norm_train_stats", |a| {
+            let m = moments.map(|_| a[3]);
+            crate::cuda::bn::train_stats((a[0], m), a[1], a[2], rows, c, bn.eps, Some(addrs))
+        })?;
+        if let Some(stats) = out {
+            return Ok(from_cuda(stats, (3, c)));
+        }
+    }
+    let _ = (rows, c);
+    match moments {
+        Some(m) => batch_stats_from_partials(m, rows, c, bn.eps, &bn.running),
+        None => batch_stats(x, bn.eps, &bn.running),
+    }
+}
+
 /// The ImageNet stem after its convolution: training-mode BatchNorm of x (n, h, w, c) with its batch statistics
 /// (running statistics updated), ReLU, and the max-pool `pool` with its windows' argmax offsets: (stats (3, c),
 /// y (n, oh, ow, c), offsets (n, oh, ow, c) u8), what [`batch_norm_train_with`] (relu) followed by

@@ -151,6 +151,70 @@ fn sums_pass(z: &Tensor, g: &Tensor, p: &crate::BnParams) -> Result<Tensor> {
     z.apply_op2_no_bwd(g, &op)
 }
 
+thread_local! {
+    /// Launches of this thread whose activation operand was normalised inside the convolution
+    /// ([`conv2d_nhwc_forward_bn_relu`], [`conv2d_nhwc_grad_weight_bn_relu`] on a TMA tile): tests check that the
+    /// fused path ran.
+    static BN_RELU_IN: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// How many convolution passes this thread has run with the BatchNorm + ReLU of their input inside the kernel.
+pub fn bn_relu_in_launches() -> u64 {
+    BN_RELU_IN.with(std::cell::Cell::get)
+}
+
+/// relu(bn(z)) with the training-mode BatchNorm `p`, as the explicit step's separate pass computes it.
+fn bn_relu(z: &Tensor, p: &crate::BnParams) -> Result<Tensor> {
+    let op = crate::ops::batchnorm::BnApply { relu: true, stats: p.stats.clone() };
+    z.apply_op3_no_bwd(&p.weight, &p.bias, &op)
+}
+
+/// [`conv2d_nhwc_forward`] of x = relu(bn(z)) (`p`: a training-mode BatchNorm over z's channels): on CUDA, for a
+/// 1x1 stride-1 convolution on a wgmma device in BF16/FP16, the TMA GEMM normalises z in shared memory on its
+/// way to the tensor cores, so x is never written nor read (`KernelPolicy::bn_apply_in_conv`); elsewhere x is
+/// made by the BatchNorm pass first. The same result bit for bit either way.
+pub fn conv2d_nhwc_forward_bn_relu(
+    z: &Tensor,
+    p: &crate::BnParams,
+    w: &Tensor,
+    stride: usize,
+    pad: usize,
+    policy: &KernelPolicy,
+) -> Result<Tensor> {
+    check_nhwc(z, w, stride, pad)?;
+    #[cfg(feature = "cuda")]
+    if kernels_apply(z) {
+        if let Some(y) = cuda_ops::conv_nhwc_bn_relu_in(z, p, w, (stride, pad), None, policy)? {
+            BN_RELU_IN.with(|n| n.set(n.get() + 1));
+            return Ok(y);
+        }
+    }
+    conv2d_nhwc_forward(&bn_relu(z, p)?, w, stride, pad, policy)
+}
+
+/// [`conv2d_nhwc_grad_weight`] of a convolution over x = relu(bn(z)), with x normalised inside the kernel where
+/// [`conv2d_nhwc_forward_bn_relu`] does so (the TN GEMM's B operand), else made by the BatchNorm pass first. The
+/// same result bit for bit either way.
+pub fn conv2d_nhwc_grad_weight_bn_relu(
+    dy: &Tensor,
+    z: &Tensor,
+    p: &crate::BnParams,
+    r: usize,
+    stride: usize,
+    pad: usize,
+    policy: &KernelPolicy,
+) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if kernels_apply(dy) && r == 1 {
+        let w_like = (dy.dim(3)?, r);
+        if let Some(dw) = cuda_ops::conv_nhwc_bn_relu_in(z, p, dy, (stride, pad), Some(w_like), policy)? {
+            BN_RELU_IN.with(|n| n.set(n.get() + 1));
+            return Ok(dw);
+        }
+    }
+    conv2d_nhwc_grad_weight(dy, &bn_relu(z, p)?, r, stride, pad, policy)
+}
+
 /// Grad-weight of [`conv2d_nhwc_forward`]: dy (n, p, q, k), x (n, h, w, c) -> dw (k, r, r, c). Our kernels on
 /// CUDA in BF16/FP16; elsewhere candle's forward convolutions ([`super::conv::conv2d_grad_weight`]).
 pub fn conv2d_nhwc_grad_weight(
@@ -424,6 +488,61 @@ mod cuda_ops {
             }
         }
         Ok((y, Some(part)))
+    }
+
+    /// A 1x1 stride-1 pass over x = relu(bn(z)) with x normalised inside the TMA GEMM ([`Epi::BnReluIn`]): the
+    /// forward (`other` = the weight (ko, 1, 1, c), `wgrad` None) or the grad-weight (`other` = dy (n, h, w, ko),
+    /// `wgrad` = Some((ko, r))). None where it does not apply (another geometry or dtype, no wgmma, a transposed
+    /// grad-weight, tensors the kernel cannot read in place): the caller materialises x.
+    pub(super) fn conv_nhwc_bn_relu_in(
+        z: &Tensor,
+        p: &crate::BnParams,
+        other: &Tensor,
+        (stride, pad): (usize, usize),
+        wgrad: Option<(usize, usize)>,
+        policy: &KernelPolicy,
+    ) -> Result<Option<Tensor>> {
+        let dev = cuda_device(z)?;
+        let (n, h, wd, c) = z.dims4()?;
+        let (ko, r) = match wgrad {
+            Some(kr) => kr,
+            None => (other.dim(0)?, other.dim(1)?),
+        };
+        let geom = ConvGeom { n, h, w: wd, c, ko, r, stride, pad };
+        let per_channel = [(&p.stats, 3 * c), (&p.weight, c), (&p.bias, c)];
+        let fits = geom.is_plain()
+            && c.is_multiple_of(8)
+            && ko.is_multiple_of(8)
+            && matches!(z.dtype(), DType::BF16 | DType::F16)
+            && other.dtype() == z.dtype()
+            && z.is_contiguous()
+            && per_channel
+                .iter()
+                .all(|(t, len)| t.dtype() == DType::F32 && t.is_contiguous() && t.elem_count() == *len)
+            && crate::cuda::loader::has_wgmma(dev)
+            && !(wgrad.is_some() && wgrad_transposed(dev, &geom));
+        if !fits {
+            return Ok(None);
+        }
+        let f32_addr = |t: &Tensor, n: usize, what: &str| crate::cuda::addr_of::<f32>(t, n, what);
+        let bn = crate::cuda::tma::BnAddrs {
+            stats: f32_addr(&p.stats, 3 * c, "BatchNorm statistics")?,
+            weight: f32_addr(&p.weight, c, "BatchNorm weight")?,
+            bias: f32_addr(&p.bias, c, "BatchNorm bias")?,
+        };
+        // The kernel reads 8 channels' constants as two float4 loads from each tensor.
+        if [bn.stats, bn.weight, bn.bias].iter().any(|a| a % 16 != 0) {
+            return Ok(None);
+        }
+        let wrote = Arc::new(AtomicBool::new(false));
+        let pass = if wgrad.is_some() { ConvPass::Wgrad } else { ConvPass::Fwd };
+        let op = ConvOp { stats: Some((Epi::BnReluIn { bn }, wrote)), ..ConvOp::new(geom, pass, policy) };
+        let (z, other) = (aligned(z)?, aligned(other)?);
+        let out = match wgrad {
+            Some(_) => other.apply_op2_no_bwd(&z, &op)?,
+            None => z.apply_op2_no_bwd(&other, &op)?,
+        };
+        Ok(Some(out))
     }
 
     /// Grad-input: dy (n, p, q, ko), w (ko, r, r, c) -> dx (n, h, w, c) for an input of `in_hw`.
