@@ -17,7 +17,8 @@
 #      (KERNELS_BN_CHUNKS_PER_SM=3; any fused-chunksN, N = 1 .. 8); fused-joinmask: with the block outputs'
 #      ReLU masks read by the joined backward instead of the outputs (KERNELS_JOIN_MASK=1); fused-compact: with the
 #      stride-2 downsamples' grad-inputs on their own grid (KERNELS_COMPACT_SHORTCUT=1); fused-maskcompact: both;
-#      both are the defaults since 2026-12-06: fused-nomask and fused-nocompact turn each off, =0),
+#      both are the defaults since 2026-12-06: fused-nomask and fused-nocompact turn each off, =0; fused-bnin:
+#      each bottleneck's conv3 input normalised inside its 1x1 GEMM, KERNELS_BN_APPLY_IN_CONV=1),
 #      with RECOMPUTE_BENCH=1 with kernels.recompute = "relu" and "relu+conv" (the peak memory against
 #      "none"), then
 #      autograd in AUTOGRAD_DTYPES (default bf16; empty skips it) -- figures first, as device time is short;
@@ -154,6 +155,9 @@ main() {
         [ "$step" = fused-maskcompact ] && { coop=true; joinmask=1; compact=1; dts="${dtypes%%,*}"; }
         [ "$step" = fused-nomask ] && { coop=true; joinmask=0; dts="${dtypes%%,*}"; }
         [ "$step" = fused-nocompact ] && { coop=true; compact=0; dts="${dtypes%%,*}"; }
+        # fused-bnin: each bottleneck's conv3 input normalised inside the 1x1 GEMM (KERNELS_BN_APPLY_IN_CONV=1).
+        local bnin=""
+        [ "$step" = fused-bnin ] && { coop=true; bnin=1; dts="${dtypes%%,*}"; }
         [ "$step" = fused-epistats ] && { stats=fused; dts="${dtypes%%,*}"; }
         # fused-rcrelu / fused-rcconv: kernels.recompute = "relu" / "relu+conv" (the peak memory against "none").
         [ "$step" = fused-rcrelu ] && { rc=relu; dts="${dtypes%%,*}"; }
@@ -163,7 +167,7 @@ main() {
         [ "$step" = fused-epibwd ] && { stats=backward; dts="${dtypes%%,*}"; }
         [ -n "$dts" ] || continue
         echo "== bench resnet152 b$batch $dts, kernels.step = ${step%%-*}, kernels.graph = $graph, kernels.bn_stats = $stats, kernels.bn_cooperative = $coop, kernels.recompute = $rc"
-        KERNELS_BN_CHUNKS_FORWARD="$fwdchunks" KERNELS_IM2COL_GATHER="$im2colgather" KERNELS_STEM_POOL_FUSED="$stempool" KERNELS_STEM_POOL_BWD_FUSED="$stempoolbwd" KERNELS_BN_CHUNKS_PER_SM="$chunks" KERNELS_JOIN_MASK="$joinmask" KERNELS_COMPACT_SHORTCUT="$compact" timeout "${BENCH_TIMEOUT:-150}" "$bin/trainer" bench --config "$here/configs/resnet152.toml" \
+        KERNELS_BN_CHUNKS_FORWARD="$fwdchunks" KERNELS_IM2COL_GATHER="$im2colgather" KERNELS_STEM_POOL_FUSED="$stempool" KERNELS_STEM_POOL_BWD_FUSED="$stempoolbwd" KERNELS_BN_CHUNKS_PER_SM="$chunks" KERNELS_JOIN_MASK="$joinmask" KERNELS_COMPACT_SHORTCUT="$compact" KERNELS_BN_APPLY_IN_CONV="${bnin:-${KERNELS_BN_APPLY_IN_CONV:-}}" timeout "${BENCH_TIMEOUT:-150}" "$bin/trainer" bench --config "$here/configs/resnet152.toml" \
             --set "kernels.step=\"${step%%-*}\"" --set "kernels.graph=\"$graph\"" --set "kernels.bn_stats=\"$stats\"" \
             --set "kernels.bn_cooperative=$coop" --set "kernels.recompute=\"$rc\"" \
             --dtypes "$dts" --batch-sizes "$batch" --warmup 3 --steps 10 > "$out/bench-$step.log" 2>&1 \

@@ -604,12 +604,16 @@ __device__ __forceinline__ void bnin_chunk(uint32_t addr, const BnIn8& k) {
 // XF_A: a consumer warpgroup's own 64 rows of the K-major A stage at sa (128-byte rows of 64 channels from kc,
 // 128-byte swizzle: the chunk at position pos of row r holds channels kc + 8 (pos ^ (r & 7))). 512 chunks over
 // the warpgroup's 128 threads: thread t takes rows t / 8 + 16 i, position t % 8, so its 4 chunks share one
-// channel group (r & 7 is the same for all four) and one set of constants.
-template <typename T>
-__device__ __forceinline__ void bnin_a(uint32_t sa, int kc, const Shape& sh) {
+// channel group (r & 7 is the same for all four) and one set of constants, which bnin_a_consts loads a stage
+// ahead (the loads land while the tensor cores run the stage before, instead of stalling the transform).
+__device__ __forceinline__ void bnin_a_consts(int kc, const Shape& sh, BnIn8& k) {
     const int t = threadIdx.x & 127, pos = t & 7, r0 = t >> 3;
-    BnIn8 k;
     bnin_consts(sh, kc + 8 * (pos ^ (r0 & 7)), sh.K, k);
+}
+
+template <typename T>
+__device__ __forceinline__ void bnin_a(uint32_t sa, const BnIn8& k) {
+    const int t = threadIdx.x & 127, pos = t & 7, r0 = t >> 3;
 #pragma unroll
     for (int i = 0; i < 4; ++i) bnin_chunk<T>(sa + (r0 + 16 * i) * 128 + pos * 16, k);
 }
@@ -690,6 +694,15 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
     const int warp = (tid >> 5) & 3, lane = tid & 31;
     constexpr int NACC = BN / 2;
     float acc[NACC];
+    // XF_A: the constants of the next stage to normalise (its channels k0 + 64 kt depend on the stage).
+    BnIn8 ka;
+    if constexpr (XF == XF_A) {
+        if (blockIdx.x < units) {
+            int tm, tn, ks, k0;
+            tma_unit_ktiles(blockIdx.x, mt, nt, splits, sh, tm, tn, ks, k0);
+            bnin_a_consts(k0, sh, ka);
+        }
+    }
     int it = 0;
     for (int u = blockIdx.x; u < units; u += gridDim.x) {
         int tm, tn, ks, k0;
@@ -707,7 +720,7 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
             if constexpr (XF == XF_A) {
                 // Normalise this warpgroup's rows while the tensor cores run the previous stage, then make the
                 // generic-proxy stores visible to wgmma (async proxy) before any thread of the group issues it.
-                bnin_a<T>(sa + cw * 64 * 128, k0 + kt * TMA_KD, sh);
+                bnin_a<T>(sa + cw * 64 * 128, ka);
                 fence_async_smem();
                 wg_bar(1 + cw);
             } else if constexpr (XF == XF_B) {
@@ -725,6 +738,16 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
                 tma_wgmma<BN, A_KMAJOR ? 0 : 1, B_KMAJOR ? 0 : 1>(acc, da, db, T());
             }
             wg_commit();
+            if constexpr (XF == XF_A) {
+                // The next stage's constants: this unit's next k-tile, or the first of this block's next unit.
+                if (kt + 1 < kts) {
+                    bnin_a_consts(k0 + (kt + 1) * TMA_KD, sh, ka);
+                } else if (u + (int)gridDim.x < units) {
+                    int tm2, tn2, ks2, k02;
+                    tma_unit_ktiles(u + gridDim.x, mt, nt, splits, sh, tm2, tn2, ks2, k02);
+                    bnin_a_consts(k02, sh, ka);
+                }
+            }
             wg_wait<1>();
             fence_regs(acc);
             if (kt > 0 && (tid & 127) == 0) mbar_arrive(bars + 8 * (STAGES + prev));

@@ -226,7 +226,8 @@ impl KernelPolicy {
         let sums = if self.bn_sums_in_backward { ", BatchNorm backward sums fused" } else { "" };
         let timed = if self.bn_stats_in_conv || self.bn_sums_in_backward { timed } else { "" };
         let coop = if self.bn_cooperative { ", one cooperative launch a BatchNorm pass" } else { "" };
-        format!("conv {}, matmul {}, {tiles}{stats}{sums}{timed}{coop}", self.conv.name(), self.matmul.name())
+        let bnin = if self.bn_apply_in_conv { ", bottleneck conv3 inputs normalised in the conv" } else { "" };
+        format!("conv {}, matmul {}, {tiles}{stats}{sums}{timed}{coop}{bnin}", self.conv.name(), self.matmul.name())
     }
 }
 
