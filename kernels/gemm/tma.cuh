@@ -694,7 +694,8 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
     const int warp = (tid >> 5) & 3, lane = tid & 31;
     constexpr int NACC = BN / 2;
     float acc[NACC];
-    // XF_A: the constants of the next stage to normalise (its channels k0 + 64 kt depend on the stage).
+    // XF_A: the constants of the next stage to normalise (its channels k0 + 64 kt depend on the stage), loaded a
+    // stage ahead of their use.
     BnIn8 ka;
     if constexpr (XF == XF_A) {
         if (blockIdx.x < units) {
@@ -703,6 +704,26 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
             bnin_a_consts(k0, sh, ka);
         }
     }
+    // With an operand to normalise (XF), the stage is normalised one k-tile ahead of its wgmma: stage kt + 1 is
+    // waited for and normalised right after the wgmma of stage kt is queued, so that the tensor cores have stages
+    // kt - 1 and kt to run meanwhile (normalising first and then queueing left them one stage, which the
+    // normalisation outlasted). Then the generic-proxy stores are fenced for wgmma (async proxy) and the threads
+    // that share the operand meet at a barrier before any of them queues it.
+    auto prepare = [&](int itx, int next_kc, const BnIn8& kb) {
+        const int s1 = itx % STAGES;
+        mbar_wait(bars + 8 * s1, (itx / STAGES) & 1);
+        const uint32_t sa1 = s0 + s1 * STAGE_BYTES;
+        if constexpr (XF == XF_A) {
+            bnin_a<T>(sa1 + cw * 64 * 128, ka);
+            if (next_kc >= 0) bnin_a_consts(next_kc, sh, ka);
+            fence_async_smem();
+            wg_bar(1 + cw);
+        } else if constexpr (XF == XF_B) {
+            bnin_b<T, BN>(sa1 + TMA_A_BYTES, kb);
+            fence_async_smem();
+            consumers_bar();
+        }
+    };
     int it = 0;
     for (int u = blockIdx.x; u < units; u += gridDim.x) {
         int tm, tn, ks, k0;
@@ -712,22 +733,23 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
         // XF_B: this thread's 8 channels of B are the same in every stage of the unit.
         BnIn8 kb;
         if constexpr (XF == XF_B) bnin_b_consts<BN>(tn * BN, sh, kb);
+        // XF_A: the channels of the stage after stage kt of this unit: the unit's next k-tile, or the first k-tile
+        // of this block's next unit (-1: none).
+        auto kc_after = [&](int kt) {
+            if (kt + 1 < kts) return k0 + (kt + 1) * TMA_KD;
+            if (u + (int)gridDim.x >= units) return -1;
+            int tm2, tn2, ks2, k02;
+            tma_unit_ktiles(u + gridDim.x, mt, nt, splits, sh, tm2, tn2, ks2, k02);
+            return k02;
+        };
+        if constexpr (XF != XF_NONE) {
+            if (kts > 0) prepare(it, XF == XF_A ? kc_after(0) : -1, kb);
+        }
         int prev = 0;
         for (int kt = 0; kt < kts; ++kt, ++it) {
             const int s = it % STAGES;
-            mbar_wait(bars + 8 * s, (it / STAGES) & 1);
+            if constexpr (XF == XF_NONE) mbar_wait(bars + 8 * s, (it / STAGES) & 1);
             const uint32_t sa = s0 + s * STAGE_BYTES, sb = sa + TMA_A_BYTES;
-            if constexpr (XF == XF_A) {
-                // Normalise this warpgroup's rows while the tensor cores run the previous stage, then make the
-                // generic-proxy stores visible to wgmma (async proxy) before any thread of the group issues it.
-                bnin_a<T>(sa + cw * 64 * 128, ka);
-                fence_async_smem();
-                wg_bar(1 + cw);
-            } else if constexpr (XF == XF_B) {
-                bnin_b<T, BN>(sb, kb);
-                fence_async_smem();
-                consumers_bar();
-            }
             fence_regs(acc);
             wg_fence();
 #pragma unroll
@@ -738,15 +760,8 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
                 tma_wgmma<BN, A_KMAJOR ? 0 : 1, B_KMAJOR ? 0 : 1>(acc, da, db, T());
             }
             wg_commit();
-            if constexpr (XF == XF_A) {
-                // The next stage's constants: this unit's next k-tile, or the first of this block's next unit.
-                if (kt + 1 < kts) {
-                    bnin_a_consts(k0 + (kt + 1) * TMA_KD, sh, ka);
-                } else if (u + (int)gridDim.x < units) {
-                    int tm2, tn2, ks2, k02;
-                    tma_unit_ktiles(u + gridDim.x, mt, nt, splits, sh, tm2, tn2, ks2, k02);
-                    bnin_a_consts(k02, sh, ka);
-                }
+            if constexpr (XF != XF_NONE) {
+                if (kt + 1 < kts) prepare(it + 1, XF == XF_A ? kc_after(kt + 1) : -1, kb);
             }
             wg_wait<1>();
             fence_regs(acc);
