@@ -462,9 +462,9 @@ pub struct KernelsSection {
     /// convolution's TMA GEMM (forward and grad-weight, on an sm_90a GPU in bf16/fp16) instead of writing it:
     /// bn2's forward keeps its statistics only, and the activation is neither written, read, nor kept for the
     /// backward. The same values bit for bit. A memory option, not the default: ResNet-152 bf16 batch 256 holds
-    /// 1.59 GiB less (20.25 GiB against 21.84 at the allocator) and runs 1.6% slower on the H200 (2026-12-06:
-    /// the normalisation costs the GEMMs more than the pass it saves). `KERNELS_BN_APPLY_IN_CONV=1` in the
-    /// environment turns it on too
+    /// 1.59 GiB less (20.25 GiB against 21.84 at the allocator) and runs 1.6% slower on the H200, 1.0% on an
+    /// H100 (2026-12-06: the normalisation costs the GEMMs more than the pass it saves).
+    /// `KERNELS_BN_APPLY_IN_CONV=1` in the environment turns it on too
     pub bn_apply_in_conv: bool,
 }
 
