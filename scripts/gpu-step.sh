@@ -18,7 +18,8 @@
 #      ReLU masks read by the joined backward instead of the outputs (KERNELS_JOIN_MASK=1); fused-compact: with the
 #      stride-2 downsamples' grad-inputs on their own grid (KERNELS_COMPACT_SHORTCUT=1); fused-maskcompact: both;
 #      both are the defaults since 2026-12-06: fused-nomask and fused-nocompact turn each off, =0; fused-bnin:
-#      each bottleneck's conv3 input normalised inside its 1x1 GEMM, KERNELS_BN_APPLY_IN_CONV=1),
+#      each bottleneck's conv3 input normalised inside its 1x1 GEMMs, KERNELS_BN_APPLY_IN_CONV=both;
+#      fused-bninbwd: in the grad-weight only, =backward),
 #      with RECOMPUTE_BENCH=1 with kernels.recompute = "relu" and "relu+conv" (the peak memory against
 #      "none"), then
 #      autograd in AUTOGRAD_DTYPES (default bf16; empty skips it) -- figures first, as device time is short;
@@ -155,9 +156,11 @@ main() {
         [ "$step" = fused-maskcompact ] && { coop=true; joinmask=1; compact=1; dts="${dtypes%%,*}"; }
         [ "$step" = fused-nomask ] && { coop=true; joinmask=0; dts="${dtypes%%,*}"; }
         [ "$step" = fused-nocompact ] && { coop=true; compact=0; dts="${dtypes%%,*}"; }
-        # fused-bnin: each bottleneck's conv3 input normalised inside the 1x1 GEMM (KERNELS_BN_APPLY_IN_CONV=1).
+        # fused-bnin / fused-bninbwd: each bottleneck's conv3 input normalised inside the 1x1 GEMMs, forward and
+        # grad-weight / the grad-weight only (KERNELS_BN_APPLY_IN_CONV=both / backward).
         local bnin=""
-        [ "$step" = fused-bnin ] && { coop=true; bnin=1; dts="${dtypes%%,*}"; }
+        [ "$step" = fused-bnin ] && { coop=true; bnin=both; dts="${dtypes%%,*}"; }
+        [ "$step" = fused-bninbwd ] && { coop=true; bnin=backward; dts="${dtypes%%,*}"; }
         [ "$step" = fused-epistats ] && { stats=fused; dts="${dtypes%%,*}"; }
         # fused-rcrelu / fused-rcconv: kernels.recompute = "relu" / "relu+conv" (the peak memory against "none").
         [ "$step" = fused-rcrelu ] && { rc=relu; dts="${dtypes%%,*}"; }

@@ -991,44 +991,49 @@ fn bn_relu_operand_matches_the_materialised_input() -> Result<()> {
     Ok(())
 }
 
-/// The explicit step with each bottleneck's conv3 input normalised inside the conv (`bn_apply_in_conv`) against
-/// the step that makes and keeps that activation: a ResNet-50 step (64 px, batch 8, bf16 and fp16, cooperative
-/// BatchNorm, TMA tiles forced so that every conv3 takes the fused kernels) must give the loss, every gradient
-/// and every running statistic bit for bit, with the fused passes counted as run.
+/// The explicit step with each bottleneck's conv3 input normalised inside the conv (`bn_apply_in_conv`:
+/// "backward", the grad-weight only; "both", the forward too) against the step that makes and keeps that
+/// activation: a ResNet-50 step (64 px, batch 8, bf16 and fp16, cooperative BatchNorm, TMA tiles forced so that
+/// every conv3 takes the fused kernels) must give the loss, every gradient and every running statistic bit for
+/// bit, with the fused passes counted as run (16 grad-weights; and 16 forwards with "both").
 #[test]
 fn bn_apply_in_conv_step_matches_bit_for_bit() -> Result<()> {
     use kernels::variants::X128;
-    use kernels::Tuning;
+    use kernels::{BnApplyInConv, Tuning};
     let gpu = cuda()?;
     let x = Tensor::randn(0f32, 1.0, (8, 3, 64, 64), &Device::Cpu)?.to_device(&gpu)?;
     let labels = Tensor::new((0..8u32).collect::<Vec<_>>().as_slice(), &gpu)?;
     for precision in [Precision::Bf16, Precision::F16] {
-        let step = |bn_in: bool| -> Result<(f32, Vec<(String, Tensor)>)> {
+        let step = |bn_apply_in_conv: BnApplyInConv| -> Result<(f32, Vec<(String, Tensor)>)> {
             let mut m = model(Arch::ResNet50, Stem::ImageNet, &gpu)?;
             let policy = m.config.kernels.clone().with_tuning(Tuning::Forced(X128));
-            m.config.kernels = KernelPolicy { bn_cooperative: true, bn_apply_in_conv: bn_in, ..policy };
+            m.config.kernels = KernelPolicy { bn_cooperative: true, bn_apply_in_conv, ..policy };
             let o = m.train_step_explicit_with(&x, &labels, resnet::step::StepArgs::new(0.1, 1.0, precision))?;
             let mut out = named_grads(&m, &o)?;
             out.extend(m.store().snapshot()?.into_iter().filter(|(k, _)| k.contains("running_")));
             Ok((o.loss.to_scalar::<f32>()?, out))
         };
-        let (lb, base) = step(false)?;
-        let before = kernels::bn_relu_in_launches();
-        let (lf, fused) = step(true)?;
-        let ran = kernels::bn_relu_in_launches() - before;
-        // ResNet-50: 16 bottlenecks, a forward and a grad-weight each.
-        ensure!(ran == 32, "{precision:?}: {ran} of 32 conv3 passes normalised their operand in the kernel");
-        ensure!(lb.to_bits() == lf.to_bits(), "{precision:?}: loss {lf} fused, {lb} materialised");
-        ensure!(base.len() == fused.len(), "{} tensors against {}", fused.len(), base.len());
-        for ((name, e), (_, g)) in base.iter().zip(&fused) {
-            let differ = bits_differ(g, e)?;
-            ensure!(differ == 0, "{precision:?}: {name} differs in {differ} of {} values", e.elem_count());
+        let (lb, base) = step(BnApplyInConv::Off)?;
+        for (mode, want) in [(BnApplyInConv::Backward, 16), (BnApplyInConv::Both, 32)] {
+            let before = kernels::bn_relu_in_launches();
+            let (lf, fused) = step(mode)?;
+            let ran = kernels::bn_relu_in_launches() - before;
+            let what = format!("{precision:?} {}", mode.name());
+            // ResNet-50: 16 bottlenecks, a grad-weight each, and with "both" a forward each.
+            ensure!(ran == want, "{what}: {ran} of {want} conv3 passes normalised their operand in the kernel");
+            ensure!(lb.to_bits() == lf.to_bits(), "{what}: loss {lf} fused, {lb} materialised");
+            ensure!(base.len() == fused.len(), "{} tensors against {}", fused.len(), base.len());
+            for ((name, e), (_, g)) in base.iter().zip(&fused) {
+                let differ = bits_differ(g, e)?;
+                ensure!(differ == 0, "{what}: {name} differs in {differ} of {} values", e.elem_count());
+            }
+            println!(
+                "bn_apply_in_conv = {}, ResNet-50 {precision:?} step: loss and {} tensors bit for bit; {ran} conv3 \
+                 passes normalised their operand in the kernel",
+                mode.name(),
+                base.len()
+            );
         }
-        println!(
-            "bn_apply_in_conv, ResNet-50 {precision:?} step: loss and {} tensors bit for bit; {ran} conv3 passes \
-             normalised their operand in the kernel",
-            base.len()
-        );
     }
     Ok(())
 }

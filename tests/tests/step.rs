@@ -427,10 +427,11 @@ fn join_relu_mask_and_compact_shortcut_give_the_same_step() {
     }
 }
 
-/// A bottleneck's conv3 input normalised inside the conv (`KernelPolicy::bn_apply_in_conv`): bn2's forward keeps
-/// its statistics only, conv3's forward and grad-weight take relu(bn2(z2)) through
-/// `conv2d_nhwc_forward_bn_relu` / `conv2d_nhwc_grad_weight_bn_relu` (on the CPU: the BatchNorm pass, then the
-/// conv), so the step must equal the one with the activation made and kept, bit for bit (loss, every gradient,
+/// A bottleneck's conv3 input normalised inside the conv (`KernelPolicy::bn_apply_in_conv`): "backward": conv3's
+/// grad-weight takes relu(bn2(z2)) through `conv2d_nhwc_grad_weight_bn_relu` and the forward keeps no
+/// activation; "both": also bn2's forward keeps its statistics only and conv3's forward goes through
+/// `conv2d_nhwc_forward_bn_relu` (on the CPU both ops run the BatchNorm pass, then the conv), so the step must
+/// equal the one with the activation made and kept, bit for bit (loss, every gradient,
 /// the running statistics), with the separate and the cooperative BatchNorm launches, every recompute mode and a
 /// frozen layer; and it keeps less: one inner activation a bottleneck fewer (`saved_block_bytes`). ResNet-18
 /// (no 1x1 stride-1 conv after a BatchNorm) must not change at all. The CUDA kernels are compared on the GPU:
@@ -448,7 +449,7 @@ fn bn_apply_in_conv_gives_the_same_step() {
         (Arch::ResNet50, true, None, Recompute::ReluConv),
         (Arch::ResNet18, true, None, Recompute::None),
     ] {
-        let run = |bn_in: bool| {
+        let run = |bn_in: kernels::BnApplyInConv| {
             let mut m = model(arch, Stem::Cifar);
             m.config.kernels.bn_cooperative = coop;
             m.config.kernels.bn_apply_in_conv = bn_in;
@@ -464,20 +465,23 @@ fn bn_apply_in_conv_gives_the_same_step() {
             }
             (step_values_with(&m, &x, &labels, args(), |n| n.contains("running")), bytes)
         };
-        let what = format!("{arch} coop={coop} freeze={freeze:?} recompute={recompute:?}");
-        let ((base, base_bytes), (fused, fused_bytes)) = (run(false), run(true));
-        assert_same_step(&what, &fused, &base);
-        match (arch, recompute) {
-            (Arch::ResNet50, Recompute::None) => {
-                // ResNet-50 at 16 x 16 (CIFAR stem) keeps conv3's input: 3 images x 16^2 x 64 channels x 4 bytes
-                // in layer1's 3 blocks, and so on, 16 bottlenecks in all.
-                let inner: usize = [(3, 16 * 16, 64), (4, 8 * 8, 128), (6, 4 * 4, 256), (3, 2 * 2, 512)]
-                    .iter()
-                    .map(|&(blocks, hw, c)| blocks * 3 * hw * c * 4)
-                    .sum();
-                assert_eq!(base_bytes - fused_bytes, inner, "{what}: saved bytes {base_bytes} -> {fused_bytes}");
+        let (base, base_bytes) = run(kernels::BnApplyInConv::Off);
+        for mode in [kernels::BnApplyInConv::Backward, kernels::BnApplyInConv::Both] {
+            let what = format!("{arch} coop={coop} freeze={freeze:?} recompute={recompute:?} {}", mode.name());
+            let (fused, fused_bytes) = run(mode);
+            assert_same_step(&what, &fused, &base);
+            match (arch, recompute) {
+                (Arch::ResNet50, Recompute::None) => {
+                    // ResNet-50 at 16 x 16 (CIFAR stem) keeps conv3's input: 3 images x 16^2 x 64 channels x 4
+                    // bytes in layer1's 3 blocks, and so on, 16 bottlenecks in all.
+                    let inner: usize = [(3, 16 * 16, 64), (4, 8 * 8, 128), (6, 4 * 4, 256), (3, 2 * 2, 512)]
+                        .iter()
+                        .map(|&(blocks, hw, c)| blocks * 3 * hw * c * 4)
+                        .sum();
+                    assert_eq!(base_bytes - fused_bytes, inner, "{what}: saved bytes {base_bytes} -> {fused_bytes}");
+                }
+                _ => assert_eq!(base_bytes, fused_bytes, "{what}: saved bytes"),
             }
-            _ => assert_eq!(base_bytes, fused_bytes, "{what}: saved bytes"),
         }
     }
 }

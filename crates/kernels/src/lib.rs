@@ -35,4 +35,4 @@ pub use ops::input;
 pub use ops::linear::linear;
 pub use ops::maxpool::{max_pool2d, max_pool2d_nhwc, MaxPool2d, MaxPool2dNhwc};
 pub use ops::residual::{add_relu_grad, bn_add_relu, relu_grad, BnParams};
-pub use policy::{Autotuner, ConvChoice, ConvImpl, KernelPolicy, MatmulChoice, MatmulImpl, Tuning};
+pub use policy::{Autotuner, BnApplyInConv, ConvChoice, ConvImpl, KernelPolicy, MatmulChoice, MatmulImpl, Tuning};

@@ -100,6 +100,30 @@ fn low_precision(dt: DType) -> bool {
     matches!(dt, DType::BF16 | DType::F16)
 }
 
+/// Where the explicit step's bottleneck conv3 takes its input relu(bn2(z2)) from ([`KernelPolicy::bn_apply_in_conv`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BnApplyInConv {
+    /// bn2 writes the activation, which is kept for conv3's grad-weight.
+    #[default]
+    Off,
+    /// bn2 writes the activation for the forward conv3, which does not keep it: conv3's grad-weight normalises
+    /// z2 itself ([`crate::conv2d_nhwc_grad_weight_bn_relu`]).
+    Backward,
+    /// Also the forward conv3 normalises z2 itself ([`crate::conv2d_nhwc_forward_bn_relu`]): bn2's forward keeps
+    /// its statistics only, and the activation is never written.
+    Both,
+}
+
+impl BnApplyInConv {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Off => "off",
+            Self::Backward => "backward",
+            Self::Both => "both",
+        }
+    }
+}
+
 /// How a tensor-core launch picks its tile.
 #[derive(Debug, Clone)]
 pub enum Tuning {
@@ -166,10 +190,11 @@ pub struct KernelPolicy {
     /// unless `KERNELS_COMPACT_SHORTCUT=0` in the environment.
     pub compact_shortcut_grad: bool,
     /// The explicit training step normalises a bottleneck's conv3 input (relu(bn2(z2))) inside that 1x1
-    /// convolution, forward and grad-weight (the TMA GEMM's operand, [`crate::conv2d_nhwc_forward_bn_relu`]),
-    /// so the activation is neither written nor read nor kept for the backward: bn2's forward is its statistics
-    /// alone. The same values bit for bit. Default: off, unless `KERNELS_BN_APPLY_IN_CONV=1` in the environment.
-    pub bn_apply_in_conv: bool,
+    /// convolution's grad-weight ([`BnApplyInConv::Backward`]: the activation is not kept for the backward), or
+    /// its forward too ([`BnApplyInConv::Both`]: bn2's forward is its statistics alone, the activation never
+    /// written), as the TMA GEMM's operand ([`crate::conv2d_nhwc_forward_bn_relu`]). The same values bit for
+    /// bit. Default: off, unless `KERNELS_BN_APPLY_IN_CONV=backward` or `both` (or 1) in the environment.
+    pub bn_apply_in_conv: BnApplyInConv,
 }
 
 impl Default for KernelPolicy {
@@ -226,7 +251,11 @@ impl KernelPolicy {
         let sums = if self.bn_sums_in_backward { ", BatchNorm backward sums fused" } else { "" };
         let timed = if self.bn_stats_in_conv || self.bn_sums_in_backward { timed } else { "" };
         let coop = if self.bn_cooperative { ", one cooperative launch a BatchNorm pass" } else { "" };
-        let bnin = if self.bn_apply_in_conv { ", bottleneck conv3 inputs normalised in the conv" } else { "" };
+        let bnin = match self.bn_apply_in_conv {
+            BnApplyInConv::Off => "",
+            BnApplyInConv::Backward => ", bottleneck conv3 inputs normalised in the grad-weight",
+            BnApplyInConv::Both => ", bottleneck conv3 inputs normalised in the conv and its grad-weight",
+        };
         format!("conv {}, matmul {}, {tiles}{stats}{sums}{timed}{coop}{bnin}", self.conv.name(), self.matmul.name())
     }
 }

@@ -410,13 +410,21 @@ impl<'a> Engine<'a> {
         }
     }
 
-    /// Whether the input of conv `i + 1` of block `b`, relu(bn_i(conv_i output)), is normalised inside that conv
-    /// instead of materialised (`policy.bn_apply_in_conv`): a 1x1 stride-1 unpadded conv (a bottleneck's conv3),
-    /// where the kernels can read its operand so. Bn_i's forward is then its statistics alone.
+    /// Whether the input of conv `i + 1` of block `b`, relu(bn_i(conv_i output)), is normalised inside that conv's
+    /// grad-weight instead of kept (`policy.bn_apply_in_conv` not off): a 1x1 stride-1 unpadded conv (a
+    /// bottleneck's conv3), where the kernels can read its operand so.
     fn bn_in_conv(&self, b: &Block, i: usize) -> bool {
         let Some(next) = b.convs.get(i + 1) else { return false };
         let k = next.weight.var().as_tensor().dims();
-        self.policy.bn_apply_in_conv && k.len() == 4 && (k[2], k[3], next.stride, next.padding) == (1, 1, 1, 0)
+        self.policy.bn_apply_in_conv != kernels::BnApplyInConv::Off
+            && k.len() == 4
+            && (k[2], k[3], next.stride, next.padding) == (1, 1, 1, 0)
+    }
+
+    /// [`Self::bn_in_conv`] in the forward too (`BnApplyInConv::Both`): bn_i's forward is then its statistics
+    /// alone, and the activation is never written.
+    fn bn_in_conv_forward(&self, b: &Block, i: usize) -> bool {
+        self.policy.bn_apply_in_conv == kernels::BnApplyInConv::Both && self.bn_in_conv(b, i)
     }
 
     /// A conv whose output BatchNorm `bn` normalises next, with that BatchNorm's statistics ([`Self::stats`]).
@@ -710,14 +718,15 @@ impl<'a> Engine<'a> {
         let mut mask = None;
         for (i, (conv, bn)) in b.convs.iter().zip(&b.bns).enumerate() {
             let cw = self.weight(conv)?;
-            let saved = if i != last && self.bn_in_conv(b, i) {
+            let saved = if i != last && self.bn_in_conv_forward(b, i) {
                 // The next conv normalises this output itself: the statistics only, nothing to keep but z.
                 let saved = self.conv_bn_stats(&inp, &cw, bn)?;
                 inp = ConvIn::BnRelu(saved.z()?.clone(), Self::bn_params(bn, &saved.stats));
                 saved
             } else if i != last {
                 let (saved, y) = self.conv_bn_relu(&inp, &cw, bn)?;
-                if self.recompute == Recompute::None {
+                // Kept for the next conv's grad-weight unless recomputed, or normalised there from z.
+                if self.recompute == Recompute::None && !self.bn_in_conv(b, i) {
                     acts.push(y.clone());
                 }
                 inp = ConvIn::Act(y);

@@ -459,13 +459,14 @@ pub struct KernelsSection {
     /// 2,731; 986 kernels a step against 1,657)
     pub bn_cooperative: bool,
     /// The fused step on CUDA normalises each bottleneck's conv3 input, relu(bn2(z2)), inside that 1x1
-    /// convolution's TMA GEMM (forward and grad-weight, on an sm_90a GPU in bf16/fp16) instead of writing it:
-    /// bn2's forward keeps its statistics only, and the activation is neither written, read, nor kept for the
-    /// backward. The same values bit for bit. A memory option, not the default: ResNet-152 bf16 batch 256 holds
-    /// 1.59 GiB less (20.25 GiB against 21.84 at the allocator) and runs 1.6% slower on the H200, 1.0% on an
-    /// H100 (2026-12-06: the normalisation costs the GEMMs more than the pass it saves).
-    /// `KERNELS_BN_APPLY_IN_CONV=1` in the environment turns it on too
-    pub bn_apply_in_conv: bool,
+    /// convolution's TMA GEMM (on an sm_90a GPU in bf16/fp16) instead of keeping it: "off" (the default),
+    /// "backward" (the grad-weight normalises z2 as it reads it: the activation is not kept for the backward) or
+    /// "both" (the forward conv3 too: bn2's forward keeps its statistics only, and the activation is never
+    /// written). The same values bit for bit. A memory option: ResNet-152 bf16 batch 256 holds 1.59 GiB less
+    /// (20.25 GiB against 21.84 at the allocator) either way; "both" runs 1.6% slower on the H200 and 1.0% on an
+    /// H100 (2026-12-06: the normalisation costs the GEMMs more than the pass it saves; docs/BENCHMARKS.md).
+    /// `KERNELS_BN_APPLY_IN_CONV=backward` or `both` in the environment sets it where this is "off"
+    pub bn_apply_in_conv: BnApplyInConvChoice,
 }
 
 impl Default for KernelsSection {
@@ -480,9 +481,18 @@ impl Default for KernelsSection {
             graph: GraphChoice::Auto,
             bn_stats: BnStatsChoice::Pass,
             bn_cooperative: true,
-            bn_apply_in_conv: false,
+            bn_apply_in_conv: BnApplyInConvChoice::Off,
         }
     }
+}
+
+/// `kernels.bn_apply_in_conv`: where a bottleneck's conv3 input is normalised.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum BnApplyInConvChoice {
+    Off,
+    Backward,
+    Both,
 }
 
 /// `kernels.bn_stats`: where the fused step's BatchNorm reductions run.
@@ -663,7 +673,11 @@ impl KernelsSection {
             bn_epilogue_by_timing: self.bn_stats == BnStatsChoice::Auto,
             // The cooperative kernels are CUDA's; on the CPU the separate passes are the same computation.
             bn_cooperative: self.bn_cooperative && cuda,
-            bn_apply_in_conv: self.bn_apply_in_conv || kernels::ops::batchnorm::bn_apply_in_conv(),
+            bn_apply_in_conv: match self.bn_apply_in_conv {
+                BnApplyInConvChoice::Off => kernels::ops::batchnorm::bn_apply_in_conv(),
+                BnApplyInConvChoice::Backward => kernels::BnApplyInConv::Backward,
+                BnApplyInConvChoice::Both => kernels::BnApplyInConv::Both,
+            },
             ..Default::default()
         })
     }
@@ -1186,17 +1200,22 @@ mod tests {
     }
 
     /// `kernels.bn_apply_in_conv` reaches the policy (off by default, unless the environment's switch is on) and
-    /// the policy's description; a value that is not a bool names the key.
+    /// the policy's description.
     #[test]
     fn bn_apply_in_conv_sets_the_policy() {
-        let env_on = kernels::ops::batchnorm::bn_apply_in_conv();
+        use kernels::BnApplyInConv;
+        let env = kernels::ops::batchnorm::bn_apply_in_conv();
         let d = super::Config::from_str_with("", "x.toml", &[]).unwrap().kernels.policy(true, super::Precision::Bf16);
-        assert_eq!(d.unwrap().bn_apply_in_conv, env_on);
-        let c = super::Config::from_str_with("", "x.toml", &["kernels.bn_apply_in_conv=true".into()]).unwrap();
-        let on = c.kernels.policy(true, super::Precision::Bf16).unwrap();
-        assert!(on.bn_apply_in_conv && on.describe().contains("conv3 inputs normalised in the conv"));
-        let e = super::Config::from_str_with("", "x.toml", &["kernels.bn_apply_in_conv=1".into()]).unwrap_err();
-        assert!(format!("{e:#}").contains("bn_apply_in_conv"), "{e:#}");
+        assert_eq!(d.unwrap().bn_apply_in_conv, env);
+        for (v, want, text) in [
+            ("backward", BnApplyInConv::Backward, "conv3 inputs normalised in the grad-weight"),
+            ("both", BnApplyInConv::Both, "conv3 inputs normalised in the conv and its grad-weight"),
+        ] {
+            let c = super::Config::from_str_with("", "x.toml", &[format!("kernels.bn_apply_in_conv=\"{v}\"")]).unwrap();
+            let p = c.kernels.policy(true, super::Precision::Bf16).unwrap();
+            assert_eq!(p.bn_apply_in_conv, want);
+            assert!(p.describe().contains(text), "{}", p.describe());
+        }
     }
 
     #[test]
@@ -1212,6 +1231,7 @@ mod tests {
             ("kernels.matmul", "auto, cublas, custom"),
             ("kernels.graph", "auto, on, off"),
             ("kernels.bn_stats", "pass, fused, auto, forward, backward"),
+            ("kernels.bn_apply_in_conv", "off, backward, both"),
         ] {
             let e = super::Config::from_str_with("", "x.toml", &[format!("{key}=\"nope\"")]).unwrap_err();
             let e = format!("{e:#}");

@@ -460,12 +460,16 @@ pub fn compact_shortcut_grad() -> bool {
     *ON.get_or_init(|| std::env::var_os("KERNELS_COMPACT_SHORTCUT").is_none_or(|v| v != "0"))
 }
 
-/// Whether the explicit step normalises a bottleneck's conv3 input inside that 1x1 convolution
-/// ([`crate::KernelPolicy::bn_apply_in_conv`]'s default): off unless `KERNELS_BN_APPLY_IN_CONV=1` in the
-/// environment (scripts/gpu-step.sh's `fused-bnin`).
-pub fn bn_apply_in_conv() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var_os("KERNELS_BN_APPLY_IN_CONV").is_some_and(|v| v == "1"))
+/// Where the explicit step normalises a bottleneck's conv3 input ([`crate::KernelPolicy::bn_apply_in_conv`]'s
+/// default): `KERNELS_BN_APPLY_IN_CONV=backward` in the grad-weight, `both` (or 1) in the conv and its
+/// grad-weight; off otherwise (scripts/gpu-step.sh's `fused-bnin`, `fused-bninbwd`).
+pub fn bn_apply_in_conv() -> crate::BnApplyInConv {
+    static ON: std::sync::OnceLock<crate::BnApplyInConv> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| match std::env::var("KERNELS_BN_APPLY_IN_CONV").as_deref() {
+        Ok("backward") => crate::BnApplyInConv::Backward,
+        Ok("both" | "1") => crate::BnApplyInConv::Both,
+        _ => crate::BnApplyInConv::Off,
+    })
 }
 
 /// The batch statistics of x (.., c) for a training-mode BatchNorm `bn` whose normalisation runs elsewhere (inside
