@@ -992,7 +992,8 @@ fn bn_relu_operand_matches_the_materialised_input() -> Result<()> {
 }
 
 /// The explicit step with each bottleneck's conv3 input normalised inside the conv (`bn_apply_in_conv`:
-/// "backward", the grad-weight only; "both", the forward too) against the step that makes and keeps that
+/// "backward", the grad-weight only; "both", the forward too; and `kernels.recompute = "relu"`, whose conv3
+/// grad-weight normalises z2 instead of recomputing the activation) against the step that makes and keeps that
 /// activation: a ResNet-50 step (64 px, batch 8, bf16 and fp16, cooperative BatchNorm, TMA tiles forced so that
 /// every conv3 takes the fused kernels) must give the loss, every gradient and every running statistic bit for
 /// bit, with the fused passes counted as run (16 grad-weights; and 16 forwards with "both").
@@ -1000,25 +1001,31 @@ fn bn_relu_operand_matches_the_materialised_input() -> Result<()> {
 fn bn_apply_in_conv_step_matches_bit_for_bit() -> Result<()> {
     use kernels::variants::X128;
     use kernels::{BnApplyInConv, Tuning};
+    use resnet::step::Recompute;
     let gpu = cuda()?;
     let x = Tensor::randn(0f32, 1.0, (8, 3, 64, 64), &Device::Cpu)?.to_device(&gpu)?;
     let labels = Tensor::new((0..8u32).collect::<Vec<_>>().as_slice(), &gpu)?;
     for precision in [Precision::Bf16, Precision::F16] {
-        let step = |bn_apply_in_conv: BnApplyInConv| -> Result<(f32, Vec<(String, Tensor)>)> {
+        let step = |bn_apply_in_conv: BnApplyInConv, recompute: Recompute| -> Result<(f32, Vec<(String, Tensor)>)> {
             let mut m = model(Arch::ResNet50, Stem::ImageNet, &gpu)?;
             let policy = m.config.kernels.clone().with_tuning(Tuning::Forced(X128));
             m.config.kernels = KernelPolicy { bn_cooperative: true, bn_apply_in_conv, ..policy };
-            let o = m.train_step_explicit_with(&x, &labels, resnet::step::StepArgs::new(0.1, 1.0, precision))?;
+            let args = resnet::step::StepArgs { recompute, ..resnet::step::StepArgs::new(0.1, 1.0, precision) };
+            let o = m.train_step_explicit_with(&x, &labels, args)?;
             let mut out = named_grads(&m, &o)?;
             out.extend(m.store().snapshot()?.into_iter().filter(|(k, _)| k.contains("running_")));
             Ok((o.loss.to_scalar::<f32>()?, out))
         };
-        let (lb, base) = step(BnApplyInConv::Off)?;
-        for (mode, want) in [(BnApplyInConv::Backward, 16), (BnApplyInConv::Both, 32)] {
+        let (lb, base) = step(BnApplyInConv::Off, Recompute::None)?;
+        for (mode, recompute, want) in [
+            (BnApplyInConv::Backward, Recompute::None, 16),
+            (BnApplyInConv::Both, Recompute::None, 32),
+            (BnApplyInConv::Off, Recompute::Relu, 16),
+        ] {
             let before = kernels::bn_relu_in_launches();
-            let (lf, fused) = step(mode)?;
+            let (lf, fused) = step(mode, recompute)?;
             let ran = kernels::bn_relu_in_launches() - before;
-            let what = format!("{precision:?} {}", mode.name());
+            let what = format!("{precision:?} {} recompute={recompute:?}", mode.name());
             // ResNet-50: 16 bottlenecks, a grad-weight each, and with "both" a forward each.
             ensure!(ran == want, "{what}: {ran} of {want} conv3 passes normalised their operand in the kernel");
             ensure!(lb.to_bits() == lf.to_bits(), "{what}: loss {lf} fused, {lb} materialised");
@@ -1028,8 +1035,8 @@ fn bn_apply_in_conv_step_matches_bit_for_bit() -> Result<()> {
                 ensure!(differ == 0, "{what}: {name} differs in {differ} of {} values", e.elem_count());
             }
             println!(
-                "bn_apply_in_conv = {}, ResNet-50 {precision:?} step: loss and {} tensors bit for bit; {ran} conv3 \
-                 passes normalised their operand in the kernel",
+                "bn_apply_in_conv = {}, recompute {recompute:?}, ResNet-50 {precision:?} step: loss and {} tensors \
+                 bit for bit with the kept activation; {ran} conv3 passes normalised their operand in the kernel",
                 mode.name(),
                 base.len()
             );

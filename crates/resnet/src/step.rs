@@ -411,12 +411,13 @@ impl<'a> Engine<'a> {
     }
 
     /// Whether the input of conv `i + 1` of block `b`, relu(bn_i(conv_i output)), is normalised inside that conv's
-    /// grad-weight instead of kept (`policy.bn_apply_in_conv` not off): a 1x1 stride-1 unpadded conv (a
-    /// bottleneck's conv3), where the kernels can read its operand so.
+    /// grad-weight instead of kept (`policy.bn_apply_in_conv` not off) or recomputed by a pass (any
+    /// [`Recompute`] but None: the same values, without writing and reading the activation again): a 1x1
+    /// stride-1 unpadded conv (a bottleneck's conv3), where the kernels can read its operand so.
     fn bn_in_conv(&self, b: &Block, i: usize) -> bool {
         let Some(next) = b.convs.get(i + 1) else { return false };
         let k = next.weight.var().as_tensor().dims();
-        self.policy.bn_apply_in_conv != kernels::BnApplyInConv::Off
+        (self.policy.bn_apply_in_conv != kernels::BnApplyInConv::Off || self.recompute != Recompute::None)
             && k.len() == 4
             && (k[2], k[3], next.stride, next.padding) == (1, 1, 1, 0)
     }
