@@ -411,15 +411,20 @@ impl<'a> Engine<'a> {
     }
 
     /// Whether the input of conv `i + 1` of block `b`, relu(bn_i(conv_i output)), is normalised inside that conv's
-    /// grad-weight instead of kept (`policy.bn_apply_in_conv` not off) or recomputed by a pass (any
-    /// [`Recompute`] but None: the same values, without writing and reading the activation again): a 1x1
-    /// stride-1 unpadded conv (a bottleneck's conv3), where the kernels can read its operand so.
+    /// grad-weight instead of kept (`policy.bn_apply_in_conv` not off) or recomputed by a pass
+    /// (`Recompute::Relu`: the same values, without writing and reading the activation again; H100, 2026-12-06:
+    /// +0.8%): a 1x1 stride-1 unpadded conv (a bottleneck's conv3), where the kernels can read its operand so.
+    /// Not under `Recompute::ReluConv`, whose backward runs conv3's forward again: one pass there feeds both it
+    /// and the grad-weight, where the normalising forward GEMM would cost more than the pass.
     fn bn_in_conv(&self, b: &Block, i: usize) -> bool {
         let Some(next) = b.convs.get(i + 1) else { return false };
         let k = next.weight.var().as_tensor().dims();
-        (self.policy.bn_apply_in_conv != kernels::BnApplyInConv::Off || self.recompute != Recompute::None)
-            && k.len() == 4
-            && (k[2], k[3], next.stride, next.padding) == (1, 1, 1, 0)
+        let on = match self.recompute {
+            Recompute::None => self.policy.bn_apply_in_conv != kernels::BnApplyInConv::Off,
+            Recompute::Relu => true,
+            Recompute::ReluConv => false,
+        };
+        on && k.len() == 4 && (k[2], k[3], next.stride, next.padding) == (1, 1, 1, 0)
     }
 
     /// [`Self::bn_in_conv`] in the forward too (`BnApplyInConv::Both`): bn_i's forward is then its statistics
