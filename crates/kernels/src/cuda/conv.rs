@@ -8,7 +8,7 @@ use super::autotune::{choose, pick, split_k};
 use super::common::{blocks, reduce_cfg, GemmShape, BK};
 use super::im2col::{im2col_applies, im2col_conv};
 use super::loader::{function, has_wgmma, sm_count, tiles_for};
-use super::tma::{conv_corners, tma_gemm, tma_im2col_map, tma_map, tma_run, Epi};
+use super::tma::{conv_corners, tma_gemm, tma_im2col_map, tma_map, tma_run, BnAddrs, Epi};
 use super::{aligned_range, alloc_out, i32_of, suffix};
 use crate::geom::{ConvGeom, ConvPass, GemmLayout};
 use crate::policy::Tuning;
@@ -206,6 +206,9 @@ pub struct ConvLaunch<'a> {
     /// (`Epi::Moments`) or a grad-input's backward sums (`Epi::GradSums`, plain or stride-1 passes), with the
     /// flag set when they were written.
     pub stats: Option<StatsOut<'a>>,
+    /// A 1x1 stride-1 forward or grad-weight whose activation operand is relu(bn(z)) of the tensor given, with
+    /// this BatchNorm, normalised inside the TMA GEMM ([`Epi::BnReluIn`]); the caller checked that it applies.
+    pub bn_in: Option<BnAddrs>,
 }
 
 /// The epilogue reduction asked of a pass ([`Epi`]: where its partials go, [`super::tma::stats_partials_len`] or
@@ -289,18 +292,12 @@ impl<T: CudaDType + DeviceRepr + WithDType + ValidAsZeroBits + 'static> Pass<'_,
         Ok((CudaStorage::wrap_cuda_slice(out, self.dev.clone()), shape))
     }
 
-    /// The BatchNorm + ReLU asked of the activation operand ([`Epi::BnReluIn`]), if any.
-    fn bn_relu_in(&self) -> Option<StatsOut<'_>> {
-        self.cl.stats.filter(|s| matches!(s.epi, Epi::BnReluIn { .. }))
-    }
-
     /// A 1x1 stride-1 pass whose activation operand is relu(bn(z)) ([`Epi::BnReluIn`]): the TMA GEMM in `layout`
     /// (NT forward: A = z; TN grad-weight: B = z) on a TMA tile (tuned under its own key; a forced or heuristic
-    /// cp.async tile stands for the TMA tile of its width), `wrote` set.
-    #[allow(clippy::too_many_arguments)]
+    /// cp.async tile stands for the TMA tile of its width).
     fn bn_relu_in_gemm(
         &self,
-        s: StatsOut,
+        bn: BnAddrs,
         layout: GemmLayout,
         (m, n, k): (usize, usize, usize),
         a: &CudaView<T>,
@@ -314,23 +311,21 @@ impl<T: CudaDType + DeviceRepr + WithDType + ValidAsZeroBits + 'static> Pass<'_,
         let heuristic = if n <= 64 { X64 } else { X128 };
         let run = |tile: Tile| {
             let tile = if tile.is_tma() { tile } else { heuristic };
-            tma_gemm(dev, tile, layout, (m, n, k), a, b, out, None, s.epi, op)
+            tma_gemm(dev, tile, layout, (m, n, k), a, b, out, None, Epi::BnReluIn { bn }, op)
         };
         let mut run = run;
         let key = || format!("{} bnin", self.key());
         let tile = pick(dev, self.cl.tuning, key, true, &self.tma_tiles(), heuristic, &mut run)?;
-        run(tile)?;
-        s.wrote.store(true, std::sync::atomic::Ordering::Relaxed);
-        Ok(())
+        run(tile)
     }
 
     fn fwd(&self) -> Result<(CudaStorage, Shape)> {
         let (g, op, dev) = (&self.cl.geom, self.op, self.dev);
-        if let Some(s) = self.bn_relu_in() {
+        if let Some(bn) = self.cl.bn_in {
             // 1x1, stride 1: y[npq][ko] = relu(bn(z))[npq][c] w[ko][c]^T
             let (m, n, k) = (g.n * g.p() * g.q(), g.ko, g.c);
             let y = alloc_out::<T>(dev, m * n)?;
-            self.bn_relu_in_gemm(s, GemmLayout::Nt, (m, n, k), &self.v1, &self.v2, &y.as_view())?;
+            self.bn_relu_in_gemm(bn, GemmLayout::Nt, (m, n, k), &self.v1, &self.v2, &y.as_view())?;
             return Ok((CudaStorage::wrap_cuda_slice(y, dev.clone()), Shape::from((g.n, g.p(), g.q(), g.ko))));
         }
         let (m, n, k) = (g.n * g.p() * g.q(), g.ko, g.r * g.r * g.c);
@@ -516,9 +511,9 @@ impl<T: CudaDType + DeviceRepr + WithDType + ValidAsZeroBits + 'static> Pass<'_,
         let (m, n, k) = (g.ko, g.r * g.r * g.c, g.n * g.p() * g.q());
         let vec = g.c % 8 == 0 && g.ko % 8 == 0;
         let dw = alloc_out::<T>(dev, m * n)?;
-        if let Some(s) = self.bn_relu_in() {
+        if let Some(bn) = self.cl.bn_in {
             // 1x1, stride 1: dw[ko][c] = dy[npq][ko]^T relu(bn(z))[npq][c]
-            self.bn_relu_in_gemm(s, GemmLayout::Tn, (m, n, k), &self.v1, &self.v2, &dw.as_view())?;
+            self.bn_relu_in_gemm(bn, GemmLayout::Tn, (m, n, k), &self.v1, &self.v2, &dw.as_view())?;
             return Ok((CudaStorage::wrap_cuda_slice(dw, dev.clone()), Shape::from((g.ko, g.r, g.r, g.c))));
         }
         let stream = dev.cuda_stream();

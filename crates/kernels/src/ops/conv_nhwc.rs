@@ -277,6 +277,8 @@ mod cuda_ops {
         /// Forward only: the address of the epilogue statistics' partials and the flag the launch sets when it
         /// wrote them ([`crate::cuda::conv::StatsOut`]).
         stats: Option<(Epi, Arc<AtomicBool>)>,
+        /// A 1x1 pass over relu(bn(z)) normalised in the kernel ([`crate::cuda::conv::ConvLaunch::bn_in`]).
+        bn_in: Option<crate::cuda::tma::BnAddrs>,
     }
 
     impl ConvOp {
@@ -288,6 +290,7 @@ mod cuda_ops {
                 tuning: policy.tuning.clone(),
                 im2col_budget: policy.im2col_budget,
                 stats: None,
+                bn_in: None,
             }
         }
         fn launch(&self) -> ConvLaunch<'_> {
@@ -298,6 +301,7 @@ mod cuda_ops {
                 tuning: &self.tuning,
                 im2col_budget: self.im2col_budget,
                 stats: self.stats.as_ref().map(|(epi, wrote)| StatsOut { epi: *epi, wrote }),
+                bn_in: self.bn_in,
             }
         }
     }
@@ -534,9 +538,8 @@ mod cuda_ops {
         if [bn.stats, bn.weight, bn.bias].iter().any(|a| a % 16 != 0) {
             return Ok(None);
         }
-        let wrote = Arc::new(AtomicBool::new(false));
         let pass = if wgrad.is_some() { ConvPass::Wgrad } else { ConvPass::Fwd };
-        let op = ConvOp { stats: Some((Epi::BnReluIn { bn }, wrote)), ..ConvOp::new(geom, pass, policy) };
+        let op = ConvOp { bn_in: Some(bn), ..ConvOp::new(geom, pass, policy) };
         let (z, other) = (aligned(z)?, aligned(other)?);
         let out = match wgrad {
             Some(_) => other.apply_op2_no_bwd(&z, &op)?,
