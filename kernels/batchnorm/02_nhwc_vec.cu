@@ -45,20 +45,36 @@ __device__ __forceinline__ float bn_pre(float x, float mean, float scale, float 
     return fmaf(x - mean, scale, bias);
 }
 
-// Sums acc[8] of the threads sharing a channel group (fixed order over t / G); threads t < G get the totals.
-__device__ __forceinline__ void group_sum(float (&acc)[8], float* sh, int G) {
+// Row of the reductions' shared buffer: VB floats (one a thread) + 4, so that chunk_sums' reads (a warp's 32
+// consecutive channels: 8 offsets k times 4 channel groups) fall in 32 different banks.
+#define GS (VB + 4)
+// Floats of a reduction's shared buffer: 16 rows of GS (acc a, then acc b).
+#define GS_FLOATS (16 * GS)
+
+// The block's sums of a[8] and b[8] per channel, handed to write(ch, sum a, sum b) for every channel ch < c, by
+// thread ch % VB (ResNet's c <= 2048 = 8 VB): the sum over the row lanes j = 0 .. VB / G - 1 of a[ch % 8] of thread
+// j G + ch / 8, added in that order from 0. Each channel's order is that of the earlier group_sum, which left the
+// sums to the G threads t < G, 8 channels x VB / G row lanes each, one after another (at c = 64: 256 dependent
+// shared-memory adds a thread, twice); here every thread adds one channel's lanes. Every thread calls it (barriers).
+template <typename F>
+__device__ __forceinline__ void chunk_sums(const float (&a)[8], const float (&b)[8], float* sh, int G, int c,
+                                           F&& write) {
     const int t = threadIdx.x;
 #pragma unroll
-    for (int k = 0; k < 8; ++k) sh[k * VB + t] = acc[k];
+    for (int k = 0; k < 8; ++k) {
+        sh[k * GS + t] = a[k];
+        sh[(8 + k) * GS + t] = b[k];
+    }
     __syncthreads();
-    if (t < G) {
-        const int rsn = VB / G;
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            float s = 0.0f;
-            for (int j = 0; j < rsn; ++j) s += sh[k * VB + j * G + t];
-            acc[k] = s;
+    const int rsn = VB / G;
+    for (int ch = t; ch < c; ch += VB) {
+        const float* p = sh + (ch & 7) * GS + (ch >> 3);
+        float sa = 0.0f, sb = 0.0f;
+        for (int j = 0; j < rsn; ++j) {
+            sa += p[j * G];
+            sb += p[8 * GS + j * G];
         }
+        write(ch, sa, sb);
     }
     __syncthreads();
 }
@@ -72,7 +88,7 @@ __device__ __forceinline__ void group_sum(float (&acc)[8], float* sh, int G) {
 template <typename T>
 __device__ void bnv_moments(const T* __restrict__ x, float* __restrict__ part, int64_t rows, int c, int64_t rpc,
                             int chunk, int chunks) {
-    __shared__ float sh[8 * VB];
+    __shared__ float sh[GS_FLOATS];
     const int G = c >> 3, t = threadIdx.x, cg = t % G, rstep = VB / G, ch0 = cg * 8;
     const int64_t r0 = (int64_t)chunk * rpc, r1 = min(rows, r0 + rpc);
     float k[8];
@@ -92,17 +108,12 @@ __device__ void bnv_moments(const T* __restrict__ x, float* __restrict__ part, i
             s2[j] = fmaf(d, d, s2[j]);
         }
     }
-    group_sum(s1, sh, G);
-    group_sum(s2, sh, G);
-    if (t < G) {
-        const float n = (float)(r1 - r0);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            part[(int64_t)chunk * c + ch0 + j] = s1[j];
-            part[((int64_t)chunks + chunk) * c + ch0 + j] = fmaxf(fmaf(-s1[j], s1[j] / n, s2[j]), 0.0f);
-            if (chunk == 0) part[2 * (int64_t)chunks * c + ch0 + j] = k[j];
-        }
-    }
+    const float n = (float)(r1 - r0);
+    chunk_sums(s1, s2, sh, G, c, [&](int ch, float S, float Q) {
+        part[(int64_t)chunk * c + ch] = S;
+        part[((int64_t)chunks + chunk) * c + ch] = fmaxf(fmaf(-S, S / n, Q), 0.0f);
+        if (chunk == 0) part[2 * (int64_t)chunks * c + ch] = to_f32(x[ch]);
+    });
 }
 
 // Per-channel constants of channels ch0 .. ch0 + 7.
@@ -244,20 +255,14 @@ __device__ __forceinline__ void add_grad_row(const Vec8<T>& xv, const Vec8<T>& g
     }
 }
 
-// The chunk's backward sums over the block's threads of each channel group, written as its partials:
+// The chunk's backward sums over the block's threads of each channel group (chunk_sums), written as its partials:
 // part[chunk * c + ch] = sum g, part[(chunks + chunk) * c + ch] = sum g * xhat.
-__device__ __forceinline__ void write_grad_partials(float (&ag)[8], float (&agx)[8], float* sh, int G,
-                                                    float* __restrict__ part, int c, int ch0, int chunk,
-                                                    int chunks) {
-    group_sum(ag, sh, G);
-    group_sum(agx, sh, G);
-    if ((int)threadIdx.x < G) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            part[(int64_t)chunk * c + ch0 + j] = ag[j];
-            part[((int64_t)chunks + chunk) * c + ch0 + j] = agx[j];
-        }
-    }
+__device__ __forceinline__ void write_grad_partials(const float (&ag)[8], const float (&agx)[8], float* sh, int G,
+                                                    float* __restrict__ part, int c, int chunk, int chunks) {
+    chunk_sums(ag, agx, sh, G, c, [&](int ch, float sg, float sgx) {
+        part[(int64_t)chunk * c + ch] = sg;
+        part[((int64_t)chunks + chunk) * c + ch] = sgx;
+    });
 }
 
 template <typename T>
@@ -265,7 +270,7 @@ __device__ void bnv_bwd_partial(const T* __restrict__ x, const T* __restrict__ d
                                 const float* __restrict__ weight, const float* __restrict__ bias,
                                 float* __restrict__ part, int64_t rows, int c, int64_t rpc, int relu, int chunk,
                                 int chunks) {
-    __shared__ float sh[8 * VB];
+    __shared__ float sh[GS_FLOATS];
     const int G = c >> 3, t = threadIdx.x, cg = t % G, rstep = VB / G, ch0 = cg * 8;
     const int64_t r0 = (int64_t)chunk * rpc, r1 = min(rows, r0 + rpc);
     const Consts k = load_consts(stats, weight, bias, c, ch0);
@@ -276,7 +281,7 @@ __device__ void bnv_bwd_partial(const T* __restrict__ x, const T* __restrict__ d
         const Vec8<T> gv = *reinterpret_cast<const Vec8<T>*>(dy + r * c + ch0);
         add_grad_row(xv, gv, k, relu, ag, agx);
     }
-    write_grad_partials(ag, agx, sh, G, part, c, ch0, chunk, chunks);
+    write_grad_partials(ag, agx, sh, G, part, c, chunk, chunks);
 }
 
 // The ReLU gradient at a block's output joined with the residual gradient, as relu_grad_{1,2} of
@@ -295,7 +300,7 @@ __device__ void bnv_join_partial(const T* __restrict__ a, const T* __restrict__ 
                                  const float* __restrict__ stats, const float* __restrict__ weight,
                                  const float* __restrict__ bias, float* __restrict__ part, int64_t rows, int c,
                                  int64_t rpc, int chunk, int chunks, int bh = 0, int bw = 0) {
-    __shared__ float sh[8 * VB];
+    __shared__ float sh[GS_FLOATS];
     const int G = c >> 3, t = threadIdx.x, cg = t % G, rstep = VB / G, ch0 = cg * 8;
     const int64_t r0 = (int64_t)chunk * rpc, r1 = min(rows, r0 + rpc);
     const Consts k = load_consts(stats, weight, bias, c, ch0);
@@ -340,7 +345,7 @@ __device__ void bnv_join_partial(const T* __restrict__ a, const T* __restrict__ 
         *reinterpret_cast<Vec8<T>*>(gout + i) = gv;
         add_grad_row(xv, gv, k, 0, ag, agx);
     }
-    write_grad_partials(ag, agx, sh, G, part, c, ch0, chunk, chunks);
+    write_grad_partials(ag, agx, sh, G, part, c, chunk, chunks);
 }
 
 // One group of 8 elements of bnv_bwd_dx.
@@ -481,13 +486,41 @@ __device__ __forceinline__ void moments_final_cols(const float* part, float* __r
                                                    float* running_mean, float* running_var, float momentum, int ch,
                                                    int tx, int ty, float (&sh)[FY][NX]) {
     const float count = (float)rows;
+    // Up to FK partials a lane (chunks <= FK * FY: the launchers' default split, 132 x 3 chunks) are loaded
+    // once, S and M2 together, so that the second sum waits for no load; the epilogue's 128-row chunks (thousands)
+    // read them in the loops. The same additions in the same order either way.
+    constexpr int FK = 4;
+    const bool held = chunks <= FK * FY;
+    float sv[FK], mv[FK];
     float acc = 0.0f;
-    if (ch < c) {
+    if (held) {
+#pragma unroll
+        for (int i = 0; i < FK; ++i) {
+            const int k = ty + i * FY;
+            const bool in = ch < c && k < chunks;
+            sv[i] = in ? part[(int64_t)k * c + ch] : 0.0f;
+            mv[i] = in ? part[((int64_t)chunks + k) * c + ch] : 0.0f;
+        }
+#pragma unroll
+        for (int i = 0; i < FK; ++i) {
+            if (ch < c && ty + i * FY < chunks) acc += sv[i];
+        }
+    } else if (ch < c) {
         for (int k = ty; k < chunks; k += FY) acc += part[(int64_t)k * c + ch];
     }
     const float dmean = lane_sum<NX>(acc, sh, tx, ty) / count;
     acc = 0.0f;
-    if (ch < c) {
+    if (held) {
+#pragma unroll
+        for (int i = 0; i < FK; ++i) {
+            const int k = ty + i * FY;
+            if (ch < c && k < chunks) {
+                const float n = (float)min(rpc, rows - (long long)k * rpc);
+                const float d = sv[i] / n - dmean;
+                acc += fmaf(n * d, d, mv[i]);
+            }
+        }
+    } else if (ch < c) {
         for (int k = ty; k < chunks; k += FY) {
             const float n = (float)min(rpc, rows - (long long)k * rpc);
             const float d = part[(int64_t)k * c + ch] / n - dmean;
@@ -812,7 +845,7 @@ __device__ void bnv_train_bwd_pool(const T* __restrict__ x, PoolDy<T> src, const
     cg::grid_group grid = cg::this_grid();
     const int G = c >> 3;
     {
-        __shared__ float shp[8 * VB];
+        __shared__ float shp[GS_FLOATS];
         const int t = threadIdx.x, rstep = VB / G, ch0 = (t % G) * 8;
         const Consts k = load_consts(stats, weight, bias, c, ch0);
         for (int kk = blockIdx.x; kk < chunks; kk += gridDim.x) {
@@ -823,7 +856,7 @@ __device__ void bnv_train_bwd_pool(const T* __restrict__ x, PoolDy<T> src, const
                 const Vec8<T> xv = *reinterpret_cast<const Vec8<T>*>(x + r * c + ch0);
                 add_grad_row(xv, src.at((int)r, ch0), k, 1, ag, agx);
             }
-            write_grad_partials(ag, agx, shp, G, part, c, ch0, chunk, chunks);
+            write_grad_partials(ag, agx, shp, G, part, c, chunk, chunks);
         }
     }
     grid.sync();
