@@ -13,9 +13,10 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     SANITIZE="${SANITIZE:-0}" bash "$here/gpu-test.sh" "$dist" || fails=$((fails + 1))
 fi
 bin="$(mktemp -d /tmp/gpu-bench.XXXXXX)"
-gunzip -c "$dist/trainer.gz" > "$bin/trainer" && chmod +x "$bin/trainer"
-site=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
-export LD_LIBRARY_PATH="$site/cu13/lib:$site/cudnn/lib:$site/nccl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# shellcheck source=scripts/gpu-env.sh
+source "$here/gpu-env.sh"
+unpack_bin "$dist" "$bin" trainer || exit 2
+gpu_libs
 echo "== bench vs PyTorch: resnet152 ${DTYPES:-fp32,bf16,fp16} x ${SIZES:-64,128,256}"
 OUT="$out" bash "$here/bench-vs-torch.sh" "$bin/trainer" resnet152 "${DTYPES:-fp32,bf16,fp16}" "${SIZES:-64,128,256}" || fails=$((fails + 1))
 if [ -n "${BASELINE_SIZES:-64}" ]; then

@@ -15,12 +15,10 @@ dist="${DIST:-$here/target-gpurun/dist}"
 out="${OUT:-$PWD/gpu-out}"
 mkdir -p "$out"
 bin="$(mktemp -d /tmp/gpu-bnin.XXXXXX)"
-for f in trainer gpu-step-tests gpu-tests; do
-    if [ -f "$dist/$f.xz" ]; then xz -dc "$dist/$f.xz" > "$bin/$f"; else gunzip -c "$dist/$f.gz" > "$bin/$f"; fi
-    chmod +x "$bin/$f"
-done
-site=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
-export LD_LIBRARY_PATH="$site/cu13/lib:$site/cudnn/lib:$site/nccl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# shellcheck source=scripts/gpu-env.sh
+source "$here/scripts/gpu-env.sh"
+unpack_bin "$dist" "$bin" trainer gpu-step-tests gpu-tests || exit 2
+gpu_libs
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 cat "$dist/BUILD_INFO" 2>/dev/null | head -3
 fails=0

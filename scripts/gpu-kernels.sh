@@ -14,12 +14,11 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 dist="$(cd "${1:-dist}" && pwd)" || exit 2
 out="${OUT:-$PWD/gpu-out}"
 mkdir -p "$out"
-site=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
-export LD_LIBRARY_PATH="$site/cu13/lib:$site/cudnn/lib:$site/nccl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# shellcheck source=scripts/gpu-env.sh
+source "$here/gpu-env.sh"
+gpu_libs
 bin="$(mktemp -d /tmp/gpu-kernels.XXXXXX)"
-for f in trainer gpu-tests gpu-kernel-tests; do
-    gunzip -c "$dist/$f.gz" > "$bin/$f" && chmod +x "$bin/$f" || exit 2
-done
+unpack_bin "$dist" "$bin" trainer gpu-tests gpu-kernel-tests || exit 2
 fails=0
 cat "$dist/BUILD_INFO"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader

@@ -65,14 +65,10 @@ run_tests() {
     grep -E "$pat" "$out/$log" | head -60
 }
 
+# shellcheck source=scripts/gpu-env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/gpu-env.sh"
 # unpack NAME: $dist/NAME.gz or $dist/NAME.xz (prepare-gpurun.sh with GPURUN_XZ=1) into $bin/NAME, executable.
-unpack() {
-    if [ -f "$dist/$1.xz" ]; then
-        xz -dc "$dist/$1.xz" > "$bin/$1"
-    else
-        gunzip -c "$dist/$1.gz" > "$bin/$1"
-    fi && chmod +x "$bin/$1"
-}
+unpack() { unpack_bin "$dist" "$bin" "$1" 2> /dev/null; }
 
 # has NAME: whether $dist holds NAME.gz or NAME.xz.
 has() { [ -f "$dist/$1.gz" ] || [ -f "$dist/$1.xz" ]; }
@@ -86,8 +82,7 @@ main() {
     for f in trainer gpu-step-tests; do
         unpack "$f" || { echo "gpu-step: missing $dist/$f.gz (or .xz)"; return 2; }
     done
-    site=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
-    export LD_LIBRARY_PATH="$site/cu13/lib:$site/cudnn/lib:$site/nccl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    gpu_libs
 
     if [ -n "${GPU_TESTS_FILTER:-}" ] && has gpu-tests; then
         echo "== gpu-tests $GPU_TESTS_FILTER"

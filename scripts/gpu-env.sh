@@ -1,0 +1,28 @@
+# shellcheck shell=bash
+# Shared by the scripts that run ON the GPU machine (source it): the CUDA libraries' path and the unpacking of the
+# binaries that scripts/prepare-gpurun.sh (or package-gpu.sh) compressed.
+#   source scripts/gpu-env.sh; gpu_libs; unpack_bin DIST BIN trainer gpu-tests
+
+# gpu_libs: puts the CUDA 13 libraries of the machine's PyTorch wheels (cuBLAS, cuDNN, NCCL, cudart) on
+# LD_LIBRARY_PATH; libcuda.so.1 is the driver's.
+gpu_libs() {
+    local site=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
+    export LD_LIBRARY_PATH="$site/cu13/lib:$site/cudnn/lib:$site/nccl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+}
+
+# unpack_bin DIST BIN NAME...: each DIST/NAME.xz (GPURUN_XZ=1) or DIST/NAME.gz into BIN/NAME, executable; a
+# missing one is named and the call fails.
+unpack_bin() {
+    local dist="$1" bin="$2" f
+    shift 2
+    for f in "$@"; do
+        if [ -f "$dist/$f.xz" ]; then
+            xz -dc "$dist/$f.xz" > "$bin/$f"
+        elif [ -f "$dist/$f.gz" ]; then
+            gunzip -c "$dist/$f.gz" > "$bin/$f"
+        else
+            echo "unpack_bin: missing $dist/$f.xz (or .gz)" >&2
+            return 2
+        fi && chmod +x "$bin/$f" || return 2
+    done
+}
