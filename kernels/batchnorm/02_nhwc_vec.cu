@@ -464,21 +464,14 @@ BNV_EXPORT(__half, f16)
 #define FX 8
 #define FY 128
 
-// Sum over the FY lanes of column tx, returned to every thread of the column. A thread holds LPT lanes:
-// acc[i] is lane ty + i FY / LPT (LPT = 1: the finalisers' (FX, FY) blocks and the cooperative kernels' 2 x 128
-// threads; 2 or 4: their 4 or 8 columns in 256 threads). The tree is the same whatever LPT.
-template <int NX, int LPT>
-__device__ __forceinline__ float lane_sum(const float (&acc)[LPT], float (&sh)[FY][NX], int tx, int ty) {
-#pragma unroll
-    for (int i = 0; i < LPT; ++i) sh[ty + i * (FY / LPT)][tx] = acc[i];
+// Sum of acc over the FY lanes of column tx (lane ty), returned to every thread of the column.
+template <int NX>
+__device__ __forceinline__ float lane_sum(float acc, float (&sh)[FY][NX], int tx, int ty) {
+    sh[ty][tx] = acc;
     __syncthreads();
 #pragma unroll
     for (int s = FY / 2; s > 0; s >>= 1) {
-#pragma unroll
-        for (int i = 0; i < LPT; ++i) {
-            const int l = ty + i * (FY / LPT);
-            if (l < s) sh[l][tx] += sh[l + s][tx];
-        }
+        if (ty < s) sh[ty][tx] += sh[ty + s][tx];
         __syncthreads();
     }
     const float r = sh[0][tx];
@@ -486,24 +479,20 @@ __device__ __forceinline__ float lane_sum(const float (&acc)[LPT], float (&sh)[F
     return r;
 }
 
-// Channel ch (column tx, lanes ty + i FY / LPT) of bn_nhwc_moments_final; every thread of the block calls it
-// (barriers).
-template <int NX, int LPT = 1>
+// Channel ch (column tx, lane ty) of bn_nhwc_moments_final; every thread of the block calls it (barriers).
+template <int NX>
 __device__ __forceinline__ void moments_final_cols(const float* part, float* __restrict__ stats,
                                                    int chunks, int c, long long rows, long long rpc, float eps,
                                                    float* running_mean, float* running_var, float momentum, int ch,
                                                    int tx, int ty, float (&sh)[FY][NX]) {
     const float count = (float)rows;
-    // With one lane a thread, up to FK partials a lane (chunks <= FK * FY: the launchers' default split, 132 x 3
-    // chunks) are loaded once, S and M2 together, so that the second sum waits for no load; the epilogue's
-    // 128-row chunks (thousands) and the threads of several lanes read them in the loops. The same additions in
-    // the same order either way.
+    // Up to FK partials a lane (chunks <= FK * FY: the launchers' default split, 132 x 3 chunks) are loaded
+    // once, S and M2 together, so that the second sum waits for no load; the epilogue's 128-row chunks (thousands)
+    // read them in the loops. The same additions in the same order either way.
     constexpr int FK = 4;
-    const bool held = LPT == 1 && chunks <= FK * FY;
+    const bool held = chunks <= FK * FY;
     float sv[FK], mv[FK];
-    float acc[LPT];
-#pragma unroll
-    for (int i = 0; i < LPT; ++i) acc[i] = 0.0f;
+    float acc = 0.0f;
     if (held) {
 #pragma unroll
         for (int i = 0; i < FK; ++i) {
@@ -514,17 +503,13 @@ __device__ __forceinline__ void moments_final_cols(const float* part, float* __r
         }
 #pragma unroll
         for (int i = 0; i < FK; ++i) {
-            if (ch < c && ty + i * FY < chunks) acc[0] += sv[i];
+            if (ch < c && ty + i * FY < chunks) acc += sv[i];
         }
     } else if (ch < c) {
-#pragma unroll
-        for (int i = 0; i < LPT; ++i) {
-            for (int k = ty + i * (FY / LPT); k < chunks; k += FY) acc[i] += part[(int64_t)k * c + ch];
-        }
+        for (int k = ty; k < chunks; k += FY) acc += part[(int64_t)k * c + ch];
     }
-    const float dmean = lane_sum<NX, LPT>(acc, sh, tx, ty) / count;
-#pragma unroll
-    for (int i = 0; i < LPT; ++i) acc[i] = 0.0f;
+    const float dmean = lane_sum<NX>(acc, sh, tx, ty) / count;
+    acc = 0.0f;
     if (held) {
 #pragma unroll
         for (int i = 0; i < FK; ++i) {
@@ -532,20 +517,17 @@ __device__ __forceinline__ void moments_final_cols(const float* part, float* __r
             if (ch < c && k < chunks) {
                 const float n = (float)min(rpc, rows - (long long)k * rpc);
                 const float d = sv[i] / n - dmean;
-                acc[0] += fmaf(n * d, d, mv[i]);
+                acc += fmaf(n * d, d, mv[i]);
             }
         }
     } else if (ch < c) {
-#pragma unroll
-        for (int i = 0; i < LPT; ++i) {
-            for (int k = ty + i * (FY / LPT); k < chunks; k += FY) {
-                const float n = (float)min(rpc, rows - (long long)k * rpc);
-                const float d = part[(int64_t)k * c + ch] / n - dmean;
-                acc[i] += fmaf(n * d, d, part[((int64_t)chunks + k) * c + ch]);
-            }
+        for (int k = ty; k < chunks; k += FY) {
+            const float n = (float)min(rpc, rows - (long long)k * rpc);
+            const float d = part[(int64_t)k * c + ch] / n - dmean;
+            acc += fmaf(n * d, d, part[((int64_t)chunks + k) * c + ch]);
         }
     }
-    const float m2 = lane_sum<NX, LPT>(acc, sh, tx, ty);
+    const float m2 = lane_sum<NX>(acc, sh, tx, ty);
     if (ty == 0 && ch < c) {
         const float mean = part[2 * (int64_t)chunks * c + ch] + dmean;
         const float var = m2 / count;
@@ -560,63 +542,22 @@ __device__ __forceinline__ void moments_final_cols(const float* part, float* __r
     }
 }
 
-// Channel ch (column tx, lanes ty + i FY / LPT) of bn_nhwc_bwd_final_v8; every thread of the block calls it
-// (barriers).
-template <int NX, int LPT = 1>
+// Channel ch (column tx, lane ty) of bn_nhwc_bwd_final_v8; every thread of the block calls it (barriers).
+template <int NX>
 __device__ __forceinline__ void bwd_final_cols(const float* part, float* __restrict__ sums, int chunks,
                                                int c, int ch, int tx, int ty, float (&sh)[FY][NX]) {
-    float ag[LPT], agx[LPT];
-#pragma unroll
-    for (int i = 0; i < LPT; ++i) {
-        ag[i] = 0.0f;
-        agx[i] = 0.0f;
-        if (ch < c) {
-            for (int k = ty + i * (FY / LPT); k < chunks; k += FY) {
-                ag[i] += part[(int64_t)k * c + ch];
-                agx[i] += part[((int64_t)chunks + k) * c + ch];
-            }
+    float ag = 0.0f, agx = 0.0f;
+    if (ch < c) {
+        for (int k = ty; k < chunks; k += FY) {
+            ag += part[(int64_t)k * c + ch];
+            agx += part[((int64_t)chunks + k) * c + ch];
         }
     }
-    const float sg = lane_sum<NX, LPT>(ag, sh, tx, ty);
-    const float sgx = lane_sum<NX, LPT>(agx, sh, tx, ty);
+    const float sg = lane_sum<NX>(ag, sh, tx, ty);
+    const float sgx = lane_sum<NX>(agx, sh, tx, ty);
     if (ty == 0 && ch < c) {
         sums[ch] = sg;
         sums[c + ch] = sgx;
-    }
-}
-
-// Phase 2 of the cooperative kernels: stats (and the running update) of every channel, NX channels a block at a
-// time (256 threads: column t % NX, lanes t / NX + i 256 / NX); or with SUMS the backward's sums. NX is the
-// fewest of 2, 4, 8 with c / NX <= the grid, so that every block runs at most one round where it can (ResNet's
-// c = 1024 on 396 blocks: 2 rounds of pairs, 1 of quads); the lanes, the tree and so every result are the same.
-template <int NX, bool SUMS>
-__device__ __forceinline__ void final_phase_nx(const float* part, float* __restrict__ out, int chunks, int c,
-                                               long long rows, long long rpc, float eps, float* running_mean,
-                                               float* running_var, float momentum) {
-    constexpr int LPT = NX / 2;
-    __shared__ float sh[FY][NX];
-    const int tx = threadIdx.x % NX, ty = threadIdx.x / NX;
-    for (int p = blockIdx.x; p < c / NX; p += gridDim.x) {
-        if (SUMS) {
-            bwd_final_cols<NX, LPT>(part, out, chunks, c, NX * p + tx, tx, ty, sh);
-        } else {
-            moments_final_cols<NX, LPT>(part, out, chunks, c, rows, rpc, eps, running_mean, running_var, momentum,
-                                        NX * p + tx, tx, ty, sh);
-        }
-    }
-}
-
-template <bool SUMS>
-__device__ __forceinline__ void final_phase(const float* part, float* __restrict__ out, int chunks, int c,
-                                            long long rows, long long rpc, float eps, float* running_mean,
-                                            float* running_var, float momentum) {
-    const int g = (int)gridDim.x;
-    if (c <= 2 * g) {
-        final_phase_nx<2, SUMS>(part, out, chunks, c, rows, rpc, eps, running_mean, running_var, momentum);
-    } else if (c <= 4 * g) {
-        final_phase_nx<4, SUMS>(part, out, chunks, c, rows, rpc, eps, running_mean, running_var, momentum);
-    } else {
-        final_phase_nx<8, SUMS>(part, out, chunks, c, rows, rpc, eps, running_mean, running_var, momentum);
     }
 }
 
@@ -674,7 +615,12 @@ __device__ void bnv_train_stats(const T* __restrict__ x, float* __restrict__ par
         }
         grid.sync();
     }
-    final_phase<false>(part, stats, chunks, c, rows, rpc, eps, running_mean, running_var, momentum);
+    __shared__ float sh[FY][2];
+    const int tx = threadIdx.x & 1, ty = threadIdx.x >> 1;
+    for (int p = blockIdx.x; p < (c >> 1); p += gridDim.x) {
+        moments_final_cols<2>(part, stats, chunks, c, rows, rpc, eps, running_mean, running_var, momentum,
+                              2 * p + tx, tx, ty, sh);
+    }
     if (num_batches_tracked != nullptr && blockIdx.x == 0 && threadIdx.x == 0) num_batches_tracked[0] += 1;
     grid.sync();
 }
@@ -750,7 +696,9 @@ __device__ void bnv_train_bwd(const T* __restrict__ x, const T* __restrict__ dy,
         bnv_bwd_partial<T>(x, dy, stats, weight, bias, part, rows, c, rpc, relu, rev ? chunks - 1 - k : k, chunks);
     }
     grid.sync();
-    final_phase<true>(part, sums, chunks, c, 0, 0, 0.0f, nullptr, nullptr, 0.0f);
+    __shared__ float sh[FY][2];
+    const int tx = threadIdx.x & 1, ty = threadIdx.x >> 1;
+    for (int p = blockIdx.x; p < (c >> 1); p += gridDim.x) bwd_final_cols<2>(part, sums, chunks, c, 2 * p + tx, tx, ty, sh);
     grid.sync();
     bnv_bwd_dx<T>(x, dy, stats, weight, bias, sums, dx, rows, c, count, relu);
 }
@@ -774,7 +722,9 @@ __device__ void bnv_train_join_bwd(const T* __restrict__ a, const T* __restrict_
                                           bh, bw);
     }
     grid.sync();
-    final_phase<true>(part, sums, chunks, c, 0, 0, 0.0f, nullptr, nullptr, 0.0f);
+    __shared__ float sh[FY][2];
+    const int tx = threadIdx.x & 1, ty = threadIdx.x >> 1;
+    for (int p = blockIdx.x; p < (c >> 1); p += gridDim.x) bwd_final_cols<2>(part, sums, chunks, c, 2 * p + tx, tx, ty, sh);
     grid.sync();
     bnv_bwd_dx<T>(x, gout, stats, weight, bias, sums, dx, rows, c, count, 0);
 }
@@ -910,7 +860,9 @@ __device__ void bnv_train_bwd_pool(const T* __restrict__ x, PoolDy<T> src, const
         }
     }
     grid.sync();
-    final_phase<true>(part, sums, chunks, c, 0, 0, 0.0f, nullptr, nullptr, 0.0f);
+    __shared__ float sh[FY][2];
+    const int tx = threadIdx.x & 1, ty = threadIdx.x >> 1;
+    for (int p = blockIdx.x; p < (c >> 1); p += gridDim.x) bwd_final_cols<2>(part, sums, chunks, c, 2 * p + tx, tx, ty, sh);
     grid.sync();
     const int64_t groups = rows * (int64_t)G;
     const int64_t g0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
