@@ -35,6 +35,51 @@ extern "C" __global__ void __launch_bounds__(VB, 4) bnbench_empty_coop(int syncs
     for (int i = 0; i < syncs; ++i) grid.sync();
 }
 
+// Phase 1's access pattern alone: each block reads its chunks of rows (as bnv_moments: chunk k = rows k rpc ..
+// (k + 1) rpc, thread t at rows r0 + t / G stepping by 256 / G, 4 rows in flight) and adds them up; TWO reads a
+// second tensor at the same places (the backward's x and dy). STRIDED instead takes row groups of 256 / G rows
+// (4 KB, the block's 256 threads once) k, k + chunks, k + 2 chunks, ...: at each step the grid reads one
+// contiguous window, as the element-wise passes do. Each thread's sum goes to out (so that nothing is dropped).
+template <bool STRIDED, bool TWO>
+__global__ void __launch_bounds__(VB, 4) probe_read(const T* __restrict__ x, const T* __restrict__ x2, long long rows,
+                                                   int c, long long rpc, int chunks, float* out) {
+    const int G = c >> 3, t = threadIdx.x, rstep = VB / G, ch0 = (t % G) * 8;
+    float acc = 0.0f;
+    for (int k = blockIdx.x; k < chunks; k += gridDim.x) {
+        if (STRIDED) {
+            const long long groups = (rows + rstep - 1) / rstep;
+#pragma unroll 4
+            for (long long gi = k; gi < groups; gi += chunks) {
+                const long long r = gi * rstep + t / G;
+                if (r < rows) {
+                    const Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(x + r * c + ch0);
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) acc += to_f32(v.v[j]);
+                    if (TWO) {
+                        const Vec8<T> w = *reinterpret_cast<const Vec8<T>*>(x2 + r * c + ch0);
+#pragma unroll
+                        for (int j = 0; j < 8; ++j) acc += to_f32(w.v[j]);
+                    }
+                }
+            }
+        } else {
+            const long long r0 = (long long)k * rpc, r1 = min(rows, r0 + rpc);
+#pragma unroll 4
+            for (long long r = r0 + t / G; r < r1; r += rstep) {
+                const Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(x + r * c + ch0);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) acc += to_f32(v.v[j]);
+                if (TWO) {
+                    const Vec8<T> w = *reinterpret_cast<const Vec8<T>*>(x2 + r * c + ch0);
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) acc += to_f32(w.v[j]);
+                }
+            }
+        }
+    }
+    out[blockIdx.x * VB + t] = acc;
+}
+
 // Deterministic pseudo-random values in [-2, 2) (plus `offset`), a hash of the index and seed.
 __global__ void fill_rand(T* p, long long n, unsigned seed, float offset) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
@@ -241,6 +286,29 @@ int main(int argc, char** argv) {
         const double v[7] = {t_full, t_stats, t_fin, t_finapply, t_empty[0], t_empty[1], t_empty[2]};
         for (int k = 0; k < 7; ++k) step[k] += v[k] * s.fwd;
         step[7] += t_bwd * s.bwd;
+    }
+    std::printf("phase 1's reads alone (probe_read, TB/s): contiguous chunks as now / strided row groups; x, then x + dy\n");
+    float* pout;
+    CK(cudaMalloc(&pout, 2048 * VB * sizeof(float)));
+    for (const Shape& s : shapes) {
+        long long rows = s.rows;
+        int c = s.c;
+        const int G = c / 8, rstep = VB / G;
+        long long chunks = std::min<long long>(132LL * per_sm, std::max<long long>(1, (rows + 16LL * rstep - 1) / (16LL * rstep)));
+        long long rpc = (rows + chunks - 1) / chunks;
+        chunks = (rows + rpc - 1) / rpc;
+        int ichunks = (int)chunks;
+        const int grid = std::min<int>(resident((const void*)probe_read<false, false>), ichunks);
+        const double bytes = rows * c * sizeof(T);
+        double tb[4];
+        void* args[] = {&x, &dy, (void*)&rows, &c, &rpc, &ichunks, &pout};
+        const void* fs[4] = {(const void*)probe_read<false, false>, (const void*)probe_read<true, false>,
+                             (const void*)probe_read<false, true>, (const void*)probe_read<true, true>};
+        for (int k = 0; k < 4; ++k) {
+            const double us = time_us([&] { CK(cudaLaunchKernel(fs[k], dim3(grid), dim3(VB), args, 0, g_stream)); });
+            tb[k] = bytes * (k < 2 ? 1 : 2) / us / 1e6;
+        }
+        std::printf("  %-20s  x: %5.2f / %5.2f   x + dy: %5.2f / %5.2f\n", s.name, tb[0], tb[1], tb[2], tb[3]);
     }
     std::printf("per ResNet-152 step (these shapes, launches weighted; the stem and train2 not separate), ms:\n");
     for (int k = 0; k < 8; ++k) std::printf("  %-12s %8.3f\n", cols[k], step[k] / 1e3);
