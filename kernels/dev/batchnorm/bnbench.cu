@@ -6,9 +6,10 @@
 // both). Each figure is the mean of a CUDA graph of 20 back-to-back launches replayed 10 times (no host gaps).
 // The phases are separated by running the same kernel with parts switched off: y null (phases 1-2: moments,
 // grid barrier, finaliser, barrier), have_moments (the finaliser and its barrier alone, or with the element-wise
-// pass), and an empty cooperative kernel of the same grid with 0 / 1 / 2 grid barriers. Every variant prints an
-// FNV-1a hash of its outputs, so two builds of the kernels can be compared bit for bit. The last lines weight each
-// shape by its launches in one ResNet-152 step: milliseconds a step.
+// pass; over the partials the full launch left: the time is the point there, not the statistics), and an empty
+// cooperative kernel of the same grid with 0 / 1 / 2 grid barriers. Every variant prints an FNV-1a hash of its
+// outputs, so two builds of the kernels can be compared bit for bit. The last lines weight each shape by its
+// launches in one ResNet-152 step: milliseconds a step.
 #include "batchnorm/02_nhwc_vec.cu"
 
 #include <cuda_runtime.h>
@@ -139,6 +140,14 @@ static void coop(const void* f, int grid, void** args) {
     CK(cudaLaunchCooperativeKernel(f, dim3(grid), dim3(VB), args, 0, g_stream));
 }
 
+// The launchers' row split (cuda/bn.rs, Split::v8): 132 x per_sm chunks, at least 16 rows a thread; the chunk
+// count, and rpc its rows a chunk.
+static int split(long long rows, int rstep, int per_sm, long long& rpc) {
+    long long chunks = std::min<long long>(132LL * per_sm, std::max<long long>(1, (rows + 16LL * rstep - 1) / (16LL * rstep)));
+    rpc = (rows + chunks - 1) / chunks;
+    return (int)((rows + rpc - 1) / rpc);
+}
+
 static int resident(const void* f) {
     int per = 0;
     CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, f, VB, 0));
@@ -218,10 +227,8 @@ int main(int argc, char** argv) {
         const long long rows = s.rows;
         int c = s.c;
         const int G = c / 8, rstep = VB / G;
-        long long chunks = std::min<long long>(132LL * per_sm, std::max<long long>(1, (rows + 16LL * rstep - 1) / (16LL * rstep)));
-        long long rpc = (rows + chunks - 1) / chunks;
-        chunks = (rows + rpc - 1) / rpc;
-        int ichunks = (int)chunks;
+        long long rpc;
+        int ichunks = split(rows, rstep, per_sm, rpc);
         const int grid = std::min<int>(resident(f_train), ichunks);
         const int gridb = std::min<int>(resident(s.res ? f_join : f_bwd), ichunks);
         const double mb = rows * c * sizeof(T) / 1e6;
@@ -294,10 +301,8 @@ int main(int argc, char** argv) {
         long long rows = s.rows;
         int c = s.c;
         const int G = c / 8, rstep = VB / G;
-        long long chunks = std::min<long long>(132LL * per_sm, std::max<long long>(1, (rows + 16LL * rstep - 1) / (16LL * rstep)));
-        long long rpc = (rows + chunks - 1) / chunks;
-        chunks = (rows + rpc - 1) / rpc;
-        int ichunks = (int)chunks;
+        long long rpc;
+        int ichunks = split(rows, rstep, per_sm, rpc);
         const int grid = std::min<int>(resident((const void*)probe_read<false, false>), ichunks);
         const double bytes = rows * c * sizeof(T);
         double tb[4];
