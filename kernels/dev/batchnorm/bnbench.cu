@@ -1,9 +1,10 @@
 // bnbench: a standalone timing harness for the cooperative channels-last BatchNorm kernels of
 // kernels/batchnorm/02_nhwc_vec.cu, on ResNet-152's BatchNorm shapes (bf16), outside the trainer, so that a
 // kernel change is timed and checked in seconds on the GPU machine (nvcc there; no Rust build):
-//   nvcc -O3 -std=c++17 -arch=sm_90 -I kernels -o bnbench kernels/dev/batchnorm/bnbench.cu && ./bnbench [batch]
-// (scripts/bn-dev-bench.sh builds it from the working tree and from another revision of 02_nhwc_vec.cu and runs
-// both). Each figure is the mean of a CUDA graph of 20 back-to-back launches replayed 10 times (no host gaps).
+//   nvcc -O3 -std=c++17 -arch=sm_90 -I kernels -o bnbench kernels/dev/batchnorm/bnbench.cu
+//   ./bnbench [batch (256)] [chunks a SM (3)]
+// (scripts/bn-dev-bench.sh runs two such builds, one from another revision of 02_nhwc_vec.cu, alternating, and
+// compares their hashes). Each figure is the mean of a CUDA graph of 20 back-to-back launches replayed 10 times (no host gaps).
 // The phases are separated by running the same kernel with parts switched off: y null (phases 1-2: moments,
 // grid barrier, finaliser, barrier), have_moments (the finaliser and its barrier alone, or with the element-wise
 // pass; over the partials the full launch left: the time is the point there, not the statistics), and an empty
