@@ -47,36 +47,28 @@ __global__ void __launch_bounds__(VB, 4) probe_read(const T* __restrict__ x, con
                                                    int c, long long rpc, int chunks, float* out) {
     const int G = c >> 3, t = threadIdx.x, rstep = VB / G, ch0 = (t % G) * 8;
     float acc = 0.0f;
+    auto row = [&](long long r) {
+        const Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(x + r * c + ch0);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc += to_f32(v.v[j]);
+        if (TWO) {
+            const Vec8<T> w = *reinterpret_cast<const Vec8<T>*>(x2 + r * c + ch0);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc += to_f32(w.v[j]);
+        }
+    };
     for (int k = blockIdx.x; k < chunks; k += gridDim.x) {
         if (STRIDED) {
             const long long groups = (rows + rstep - 1) / rstep;
 #pragma unroll 4
             for (long long gi = k; gi < groups; gi += chunks) {
                 const long long r = gi * rstep + t / G;
-                if (r < rows) {
-                    const Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(x + r * c + ch0);
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) acc += to_f32(v.v[j]);
-                    if (TWO) {
-                        const Vec8<T> w = *reinterpret_cast<const Vec8<T>*>(x2 + r * c + ch0);
-#pragma unroll
-                        for (int j = 0; j < 8; ++j) acc += to_f32(w.v[j]);
-                    }
-                }
+                if (r < rows) row(r);
             }
         } else {
             const long long r0 = (long long)k * rpc, r1 = min(rows, r0 + rpc);
 #pragma unroll 4
-            for (long long r = r0 + t / G; r < r1; r += rstep) {
-                const Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(x + r * c + ch0);
-#pragma unroll
-                for (int j = 0; j < 8; ++j) acc += to_f32(v.v[j]);
-                if (TWO) {
-                    const Vec8<T> w = *reinterpret_cast<const Vec8<T>*>(x2 + r * c + ch0);
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) acc += to_f32(w.v[j]);
-                }
-            }
+            for (long long r = r0 + t / G; r < r1; r += rstep) row(r);
         }
     }
     out[blockIdx.x * VB + t] = acc;
