@@ -12,7 +12,8 @@
 // back to 01 otherwise).
 //
 // Reductions (moments, bwd_sum): block of 256 threads, grid (chunks). Thread t owns channel group cg = t % G
-// (channels 8 cg .. 8 cg + 7) and rows r0 + t / G, stepping by 256 / G over the chunk's rows; it accumulates 8 FP32
+// (channels 8 cg .. 8 cg + 7) and row t / G of each of its chunk's row groups (VB / G rows each: chunk k holds the
+// groups k, k + chunks, ..., see for_chunk_rows; the rpc argument is unused there); it accumulates 8 FP32
 // sums in registers, then the threads of one channel group are summed in a fixed order through shared memory and
 // written as part[chunk * c + ch] and part[(chunks + chunk) * c + ch]. Deterministic, no atomics.
 // Element-wise passes (apply, bwd_dx): one thread per 8 consecutive elements, grid-stride, 16-byte loads of the
@@ -79,6 +80,58 @@ __device__ __forceinline__ void chunk_sums(const float (&a)[8], const float (&b)
     __syncthreads();
 }
 
+// The rows of the reductions' chunks (moments, backward sums): row group gi holds rows gi VB / G .. (gi + 1) VB /
+// G - 1, one row a thread of a 256-thread block (4 KB of bf16), and chunk k of `chunks` the groups k, k + chunks,
+// k + 2 chunks, ..., taken from the last to the first (the kernel before wrote the tensor's end last, so that is
+// what L2 still holds). At each step the blocks of a launch read one contiguous window of the tensor, as the
+// element-wise passes do; chunks of consecutive rows (each block streaming its own 1/396th) had the moments pass
+// at 2.4-2.6 TB/s on the H100, against the element-wise pass's 2.8-3.0 (kernels/dev/batchnorm/bnbench.cu).
+// Row groups of a (rows, c) tensor: rows / rstep rounded up, rstep = VB / (c / 8) a power of two (32-bit: the
+// launchers check rows < 2^31).
+__device__ __forceinline__ int row_groups(int64_t rows, int c) {
+    const int shift = 8 - (__ffs(c >> 3) - 1);
+    return (int)((rows + (1 << shift) - 1) >> shift);
+}
+
+// f(r) for each row r of chunk `chunk` that this thread reads: row t / G of the chunk's row groups, from the
+// last group to the first (every chunk has one: chunks <= the groups, cuda/bn.rs's split), U rows in flight. Only
+// the tensor's last group can be short: with PEEL it is taken first on its own, so that the loop tests nothing;
+// without, each row is tested (fewer registers where f is large: the joins).
+template <int U, bool PEEL = true, typename F>
+__device__ __forceinline__ void for_chunk_rows(int64_t rows, int c, int chunk, int chunks, F&& f) {
+    const int rstep = VB / (c >> 3), lane = threadIdx.x / (c >> 3), ng = row_groups(rows, c);
+    int gi = ng - 1 - (ng - 1 - chunk) % chunks;
+    if (PEEL && gi == ng - 1) {
+        const int64_t r = (int64_t)gi * rstep + lane;
+        if (r < rows) f(r);
+        gi -= chunks;
+    }
+#pragma unroll U
+    for (; gi >= 0; gi -= chunks) {
+        const int64_t r = (int64_t)gi * rstep + lane;
+        if (PEEL || r < rows) f(r);
+    }
+}
+
+// Rows of each chunk: with rpc > 0 chunks of rpc consecutive rows (the convolution epilogue's moments), else the
+// row groups of for_chunk_rows (the moments pass's): with ng - 1 = q chunks + m, chunk k has q + 1 groups for
+// k <= m, q after, and chunk m the last group, short by ng rstep - rows rows. No division a chunk.
+struct ChunkRows {
+    int64_t rows, rpc, cut;
+    int q, m, rstep;
+    __device__ __forceinline__ ChunkRows(int64_t rows_, int64_t rpc_, int c, int chunks) : rows(rows_), rpc(rpc_) {
+        rstep = VB / (c >> 3);
+        const int ng = row_groups(rows, c);
+        q = (ng - 1) / chunks;
+        m = (ng - 1) - q * chunks;
+        cut = (int64_t)ng * rstep - rows;
+    }
+    __device__ __forceinline__ float operator()(int k) const {
+        if (rpc > 0) return (float)min(rpc, rows - (int64_t)k * rpc);
+        return (float)((int64_t)(q + (k <= m ? 1 : 0)) * rstep - (k == m ? cut : 0));
+    }
+};
+
 // Single-pass statistics of one chunk of rows, as sums of d = x - K with K the channel's value in row 0 (a value of
 // the data: the shifted sums do not cancel the way raw sums of x and x^2 do, whatever the mean). Writes
 // part[chunk * c + ch] = S_chunk = sum d and part[(chunks + chunk) * c + ch] = M2_chunk = sum d^2 - S^2 / n (the
@@ -89,8 +142,7 @@ template <typename T>
 __device__ void bnv_moments(const T* __restrict__ x, float* __restrict__ part, int64_t rows, int c, int64_t rpc,
                             int chunk, int chunks) {
     __shared__ float sh[GS_FLOATS];
-    const int G = c >> 3, t = threadIdx.x, cg = t % G, rstep = VB / G, ch0 = cg * 8;
-    const int64_t r0 = (int64_t)chunk * rpc, r1 = min(rows, r0 + rpc);
+    const int G = c >> 3, t = threadIdx.x, cg = t % G, ch0 = cg * 8;
     float k[8];
     {
         const Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(x + ch0);
@@ -98,8 +150,7 @@ __device__ void bnv_moments(const T* __restrict__ x, float* __restrict__ part, i
         for (int j = 0; j < 8; ++j) k[j] = to_f32(v.v[j]);
     }
     float s1[8] = {0, 0, 0, 0, 0, 0, 0, 0}, s2[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#pragma unroll 4
-    for (int64_t r = r0 + t / G; r < r1; r += rstep) {
+    for_chunk_rows<4>(rows, c, chunk, chunks, [&](int64_t r) {
         const Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(x + r * c + ch0);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -107,8 +158,8 @@ __device__ void bnv_moments(const T* __restrict__ x, float* __restrict__ part, i
             s1[j] += d;
             s2[j] = fmaf(d, d, s2[j]);
         }
-    }
-    const float n = (float)(r1 - r0);
+    });
+    const float n = ChunkRows(rows, 0, c, chunks)(chunk);
     chunk_sums(s1, s2, sh, G, c, [&](int ch, float S, float Q) {
         part[(int64_t)chunk * c + ch] = S;
         part[((int64_t)chunks + chunk) * c + ch] = fmaxf(fmaf(-S, S / n, Q), 0.0f);
@@ -271,16 +322,14 @@ __device__ void bnv_bwd_partial(const T* __restrict__ x, const T* __restrict__ d
                                 float* __restrict__ part, int64_t rows, int c, int64_t rpc, int relu, int chunk,
                                 int chunks) {
     __shared__ float sh[GS_FLOATS];
-    const int G = c >> 3, t = threadIdx.x, cg = t % G, rstep = VB / G, ch0 = cg * 8;
-    const int64_t r0 = (int64_t)chunk * rpc, r1 = min(rows, r0 + rpc);
+    const int G = c >> 3, t = threadIdx.x, cg = t % G, ch0 = cg * 8;
     const Consts k = load_consts(stats, weight, bias, c, ch0);
     float ag[8] = {0, 0, 0, 0, 0, 0, 0, 0}, agx[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#pragma unroll 4
-    for (int64_t r = r0 + t / G; r < r1; r += rstep) {
+    for_chunk_rows<4>(rows, c, chunk, chunks, [&](int64_t r) {
         const Vec8<T> xv = *reinterpret_cast<const Vec8<T>*>(x + r * c + ch0);
         const Vec8<T> gv = *reinterpret_cast<const Vec8<T>*>(dy + r * c + ch0);
         add_grad_row(xv, gv, k, relu, ag, agx);
-    }
+    });
     write_grad_partials(ag, agx, sh, G, part, c, chunk, chunks);
 }
 
@@ -301,13 +350,11 @@ __device__ void bnv_join_partial(const T* __restrict__ a, const T* __restrict__ 
                                  const float* __restrict__ bias, float* __restrict__ part, int64_t rows, int c,
                                  int64_t rpc, int chunk, int chunks, int bh = 0, int bw = 0) {
     __shared__ float sh[GS_FLOATS];
-    const int G = c >> 3, t = threadIdx.x, cg = t % G, rstep = VB / G, ch0 = cg * 8;
-    const int64_t r0 = (int64_t)chunk * rpc, r1 = min(rows, r0 + rpc);
+    const int G = c >> 3, t = threadIdx.x, cg = t % G, ch0 = cg * 8;
     const Consts k = load_consts(stats, weight, bias, c, ch0);
     float ag[8] = {0, 0, 0, 0, 0, 0, 0, 0}, agx[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     // STRIDED's coordinates take registers: 2 rows in flight there instead of 4 (no spills).
-#pragma unroll(STRIDED ? 2 : 4)
-    for (int64_t r = r0 + t / G; r < r1; r += rstep) {
+    for_chunk_rows<STRIDED ? 2 : 4, false>(rows, c, chunk, chunks, [&](int64_t r) {
         const int64_t i = r * c + ch0;
         const Vec8<T> av = *reinterpret_cast<const Vec8<T>*>(a + i);
         // The ReLU's mask: y > 0, or its bits (relu_bits8 of the same y) where the forward wrote them.
@@ -344,7 +391,7 @@ __device__ void bnv_join_partial(const T* __restrict__ a, const T* __restrict__ 
         }
         *reinterpret_cast<Vec8<T>*>(gout + i) = gv;
         add_grad_row(xv, gv, k, 0, ag, agx);
-    }
+    });
     write_grad_partials(ag, agx, sh, G, part, c, chunk, chunks);
 }
 
@@ -486,6 +533,7 @@ __device__ __forceinline__ void moments_final_cols(const float* part, float* __r
                                                    float* running_mean, float* running_var, float momentum, int ch,
                                                    int tx, int ty, float (&sh)[FY][NX]) {
     const float count = (float)rows;
+    const ChunkRows nrows(rows, rpc, c, chunks);
     // Up to FK partials a lane (chunks <= FK * FY: the launchers' default split, 132 x 3 chunks) are loaded
     // once, S and M2 together, so that the second sum waits for no load; the epilogue's 128-row chunks (thousands)
     // read them in the loops. The same additions in the same order either way.
@@ -515,14 +563,14 @@ __device__ __forceinline__ void moments_final_cols(const float* part, float* __r
         for (int i = 0; i < FK; ++i) {
             const int k = ty + i * FY;
             if (ch < c && k < chunks) {
-                const float n = (float)min(rpc, rows - (long long)k * rpc);
+                const float n = nrows(k);
                 const float d = sv[i] / n - dmean;
                 acc += fmaf(n * d, d, mv[i]);
             }
         }
     } else if (ch < c) {
         for (int k = ty; k < chunks; k += FY) {
-            const float n = (float)min(rpc, rows - (long long)k * rpc);
+            const float n = nrows(k);
             const float d = part[(int64_t)k * c + ch] / n - dmean;
             acc += fmaf(n * d, d, part[((int64_t)chunks + k) * c + ch]);
         }
@@ -561,9 +609,9 @@ __device__ __forceinline__ void bwd_final_cols(const float* part, float* __restr
     }
 }
 
-// Combines bn_nhwc_moments_v8's chunks into stats (3, c) = [mean, biased var, invstd] (chunk i holds
-// n_i = min(rpc, rows - i rpc) rows): D = sum S_i / N, mean = K + D, M2 = sum M2_i + n_i (S_i / n_i - D)^2, in a
-// fixed order. With running_mean (non-null) also PyTorch's running update in place, with the unbiased variance:
+// Combines bn_nhwc_moments_v8's chunks into stats (3, c) = [mean, biased var, invstd] (chunk i holds n_i rows:
+// rpc = 0 for the moments pass's row groups, rpc > 0 for a convolution epilogue's chunks of rpc rows, ChunkRows):
+// D = sum S_i / N, mean = K + D, M2 = sum M2_i + n_i (S_i / n_i - D)^2, in a fixed order. With running_mean (non-null) also PyTorch's running update in place, with the unbiased variance:
 // running = (1 - momentum) running + momentum batch, and num_batches_tracked (non-null) += 1. Block (FX, FY), one
 // block per FX channels.
 extern "C" __global__ void __launch_bounds__(FX * FY)
@@ -618,8 +666,8 @@ __device__ void bnv_train_stats(const T* __restrict__ x, float* __restrict__ par
     __shared__ float sh[FY][2];
     const int tx = threadIdx.x & 1, ty = threadIdx.x >> 1;
     for (int p = blockIdx.x; p < (c >> 1); p += gridDim.x) {
-        moments_final_cols<2>(part, stats, chunks, c, rows, rpc, eps, running_mean, running_var, momentum,
-                              2 * p + tx, tx, ty, sh);
+        moments_final_cols<2>(part, stats, chunks, c, rows, have_moments ? rpc : 0, eps, running_mean, running_var,
+                              momentum, 2 * p + tx, tx, ty, sh);
     }
     if (num_batches_tracked != nullptr && blockIdx.x == 0 && threadIdx.x == 0) num_batches_tracked[0] += 1;
     grid.sync();
@@ -671,11 +719,11 @@ __device__ void bnv_train2(const T* __restrict__ x, const T* __restrict__ r, flo
     const int tx = threadIdx.x & 1, ty = threadIdx.x >> 1, pairs = c >> 1;
     for (int p = blockIdx.x; p < 2 * pairs; p += gridDim.x) {
         if (p < pairs) {
-            moments_final_cols<2>(part, stats, chunks, c, rows, rpc, eps, running_mean, running_var, momentum,
-                                  2 * p + tx, tx, ty, sh);
+            moments_final_cols<2>(part, stats, chunks, c, rows, have_moments ? rpc : 0, eps, running_mean,
+                                  running_var, momentum, 2 * p + tx, tx, ty, sh);
         } else {
-            moments_final_cols<2>(part_r, stats_r, chunks, c, rows, rpc, eps_r, running_mean_r, running_var_r,
-                                  momentum_r, 2 * (p - pairs) + tx, tx, ty, sh);
+            moments_final_cols<2>(part_r, stats_r, chunks, c, rows, have_moments ? rpc : 0, eps_r, running_mean_r,
+                                  running_var_r, momentum_r, 2 * (p - pairs) + tx, tx, ty, sh);
         }
     }
     if (blockIdx.x == 0 && threadIdx.x == 0) {
@@ -846,16 +894,15 @@ __device__ void bnv_train_bwd_pool(const T* __restrict__ x, PoolDy<T> src, const
     const int G = c >> 3;
     {
         __shared__ float shp[GS_FLOATS];
-        const int t = threadIdx.x, rstep = VB / G, ch0 = (t % G) * 8;
+        const int t = threadIdx.x, ch0 = (t % G) * 8;
         const Consts k = load_consts(stats, weight, bias, c, ch0);
         for (int kk = blockIdx.x; kk < chunks; kk += gridDim.x) {
             const int chunk = rev ? chunks - 1 - kk : kk;
-            const int64_t r0 = (int64_t)chunk * rpc, r1 = min(rows, r0 + rpc);
             float ag[8] = {0, 0, 0, 0, 0, 0, 0, 0}, agx[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-            for (int64_t r = r0 + t / G; r < r1; r += rstep) {
+            for_chunk_rows<1>(rows, c, chunk, chunks, [&](int64_t r) {
                 const Vec8<T> xv = *reinterpret_cast<const Vec8<T>*>(x + r * c + ch0);
                 add_grad_row(xv, src.at((int)r, ch0), k, 1, ag, agx);
-            }
+            });
             write_grad_partials(ag, agx, shp, G, part, c, chunk, chunks);
         }
     }

@@ -259,7 +259,9 @@ fn stats_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
         unsafe { b.launch(sp.v8_rows_cfg()) }.w()?;
         let f = dev.get_or_load_custom_func("bn_nhwc_moments_final", MODULE_V8, ptx::BATCHNORM_02_NHWC_VEC)?;
         let mut b = f.builder();
-        b.arg(&part).arg(&stats).arg(&chunks).arg(&sp.c).arg(&sp.rows).arg(&sp.rows_per_chunk).arg(&eps);
+        // rpc 0: the moments pass's chunks are row groups (02_nhwc_vec.cu, chunk_rows), not runs of rpc rows.
+        let groups = 0i64;
+        b.arg(&part).arg(&stats).arg(&chunks).arg(&sp.c).arg(&sp.rows).arg(&groups).arg(&eps);
         b.arg(&rm).arg(&rv).arg(&nb).arg(&momentum);
         // SAFETY: matches bn_nhwc_moments_final (part, stats, chunks, c, rows, rpc, eps, running_mean,
         // running_var, num_batches_tracked, momentum); stats holds 3*c elements; the running addresses are null
