@@ -526,6 +526,13 @@ __device__ __forceinline__ float lane_sum(float acc, float (&sh)[FY][NX], int tx
     return r;
 }
 
+// A chunk's term of the second (M2) sum: its own M2 plus n (mean_k - dmean)^2, with n its rows and mean_k = S / n
+// (Chan's merge about the first sum's mean).
+__device__ __forceinline__ float m2_term(float s, float m2, float n, float dmean) {
+    const float d = s / n - dmean;
+    return fmaf(n * d, d, m2);
+}
+
 // Channel ch (column tx, lane ty) of bn_nhwc_moments_final; every thread of the block calls it (barriers).
 template <int NX>
 __device__ __forceinline__ void moments_final_cols(const float* part, float* __restrict__ stats,
@@ -562,18 +569,11 @@ __device__ __forceinline__ void moments_final_cols(const float* part, float* __r
 #pragma unroll
         for (int i = 0; i < FK; ++i) {
             const int k = ty + i * FY;
-            if (ch < c && k < chunks) {
-                const float n = nrows(k);
-                const float d = sv[i] / n - dmean;
-                acc += fmaf(n * d, d, mv[i]);
-            }
+            if (ch < c && k < chunks) acc += m2_term(sv[i], mv[i], nrows(k), dmean);
         }
     } else if (ch < c) {
-        for (int k = ty; k < chunks; k += FY) {
-            const float n = nrows(k);
-            const float d = part[(int64_t)k * c + ch] / n - dmean;
-            acc += fmaf(n * d, d, part[((int64_t)chunks + k) * c + ch]);
-        }
+        for (int k = ty; k < chunks; k += FY)
+            acc += m2_term(part[(int64_t)k * c + ch], part[((int64_t)chunks + k) * c + ch], nrows(k), dmean);
     }
     const float m2 = lane_sum<NX>(acc, sh, tx, ty);
     if (ty == 0 && ch < c) {
