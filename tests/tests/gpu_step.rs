@@ -195,7 +195,10 @@ fn fused_step_matches_autograd_on_cuda() -> Result<()> {
         out.grads.get(&v.as_tensor().id()).cloned().with_context(|| format!("no gradient for {name}"))
     };
     for (arch, stem, size, n) in cases {
-        let x = Tensor::randn(0f32, 1.0, (n, 3, size, size), &Device::Cpu)?.to_device(&gpu)?;
+        // A fixed batch (seeded_randn) per case: drawn anew each run, about one run in fifteen put a gradient
+        // past its ratio bound, on main's kernels and on bn-strided's alike (H100, 2026-12-06: autograd's own error
+        // landed unusually close to FP32 in that draw), and the loss bound failed once too.
+        let x = integration_tests::seeded_randn(&[n, 3, size, size], 1206 + size as u64).to_device(&gpu)?;
         let labels = Tensor::new((0..n as u32).map(|i| (i * 7 + 3) % 10).collect::<Vec<_>>().as_slice(), &gpu)?;
         let (loss32, g32) = autograd(&model(arch, stem, &gpu)?, &x, &labels, Precision::F32, 1.0)?;
         let m = model(arch, stem, &gpu)?;
@@ -265,7 +268,7 @@ fn fused_step_matches_autograd_on_cuda() -> Result<()> {
 fn fused_step_with_frozen_batchnorm_matches_autograd_on_cuda() -> Result<()> {
     let gpu = cuda()?;
     let frozen = integration_tests::freeze_bn_at_test_stats;
-    let x = Tensor::randn(0f32, 1.0, (8, 3, 64, 64), &Device::Cpu)?.to_device(&gpu)?;
+    let x = integration_tests::seeded_randn(&[8, 3, 64, 64], 1207).to_device(&gpu)?;
     let labels = Tensor::new(&[3u32, 0, 9, 4, 1, 1, 7, 2], &gpu)?;
     let a = model(Arch::ResNet18, Stem::ImageNet, &gpu)?;
     frozen(&a)?;
@@ -351,7 +354,7 @@ fn fused_runner_matches_autograd_over_three_fp16_steps() -> Result<()> {
     // The same three batches for every run.
     let mut batches = Vec::new();
     for i in 0..3u32 {
-        let x = Tensor::randn(0f32, 1.0, (16, 3, 32, 32), &Device::Cpu)?.to_device(&gpu)?;
+        let x = integration_tests::seeded_randn(&[16, 3, 32, 32], 1208 + i as u64).to_device(&gpu)?;
         let labels = Tensor::new((0..16u32).map(|j| (j * 7 + i) % 10).collect::<Vec<_>>().as_slice(), &gpu)?;
         batches.push((x, labels));
     }
@@ -605,7 +608,7 @@ fn epilogue_stats_match_the_pass() -> Result<()> {
     // at this size amplifies those: the H200 run of 2026-12-05 measured losses 2.7066 (epilogue) and 2.7447
     // (pass), and the fused and autograd bf16 steps of fused_step_matches_autograd_on_cuda differ by as much. So
     // the epilogue's distance to FP32 must be of the size of the pass's own.
-    let x = Tensor::randn(0f32, 1.0, (8, 3, 64, 64), &Device::Cpu)?.to_device(&gpu)?;
+    let x = integration_tests::seeded_randn(&[8, 3, 64, 64], 1211).to_device(&gpu)?;
     let labels = Tensor::new((0..8u32).collect::<Vec<_>>().as_slice(), &gpu)?;
     let step = |conv: bool, prec: Precision| -> Result<(f32, Vec<(String, Tensor)>)> {
         let mut m = model(Arch::ResNet50, Stem::ImageNet, &gpu)?;
