@@ -42,7 +42,7 @@ extern "C" __global__ void __launch_bounds__(VB, 4) bnbench_empty_coop(int syncs
 // second tensor at the same places (the backward's x and dy). STRIDED instead takes row groups of 256 / G rows
 // (4 KB, the block's 256 threads once) k, k + chunks, k + 2 chunks, ...: at each step the grid reads one
 // contiguous window, as the element-wise passes do. Each thread's sum goes to out (so that nothing is dropped).
-template <bool STRIDED, bool TWO>
+template <bool STRIDED, bool TWO, int U = 4>
 __global__ void __launch_bounds__(VB, 4) probe_read(const T* __restrict__ x, const T* __restrict__ x2, long long rows,
                                                    int c, long long rpc, int chunks, float* out) {
     const int G = c >> 3, t = threadIdx.x, rstep = VB / G, ch0 = (t % G) * 8;
@@ -60,14 +60,14 @@ __global__ void __launch_bounds__(VB, 4) probe_read(const T* __restrict__ x, con
     for (int k = blockIdx.x; k < chunks; k += gridDim.x) {
         if (STRIDED) {
             const long long groups = (rows + rstep - 1) / rstep;
-#pragma unroll 4
+#pragma unroll(U)
             for (long long gi = k; gi < groups; gi += chunks) {
                 const long long r = gi * rstep + t / G;
                 if (r < rows) row(r);
             }
         } else {
             const long long r0 = (long long)k * rpc, r1 = min(rows, r0 + rpc);
-#pragma unroll 4
+#pragma unroll(U)
             for (long long r = r0 + t / G; r < r1; r += rstep) row(r);
         }
     }
@@ -287,7 +287,8 @@ int main(int argc, char** argv) {
         for (int k = 0; k < 7; ++k) step[k] += v[k] * s.fwd;
         step[7] += t_bwd * s.bwd;
     }
-    std::printf("phase 1's reads alone (probe_read, TB/s): contiguous chunks as now / strided row groups; x, then x + dy\n");
+    std::printf("phase 1's reads alone (probe_read, TB/s): contiguous chunks / strided row groups, 4 rows in flight a "
+                "thread; x, then x + dy; then x alone with 8 rows in flight (contiguous / strided)\n");
     float* pout;
     CK(cudaMalloc(&pout, 2048 * VB * sizeof(float)));
     for (const Shape& s : shapes) {
@@ -298,15 +299,17 @@ int main(int argc, char** argv) {
         int ichunks = split(rows, rstep, per_sm, rpc);
         const int grid = std::min<int>(resident((const void*)probe_read<false, false>), ichunks);
         const double bytes = rows * c * sizeof(T);
-        double tb[4];
+        double tb[6];
         void* args[] = {&x, &dy, (void*)&rows, &c, &rpc, &ichunks, &pout};
-        const void* fs[4] = {(const void*)probe_read<false, false>, (const void*)probe_read<true, false>,
-                             (const void*)probe_read<false, true>, (const void*)probe_read<true, true>};
-        for (int k = 0; k < 4; ++k) {
+        const void* fs[6] = {(const void*)probe_read<false, false>,   (const void*)probe_read<true, false>,
+                             (const void*)probe_read<false, true>,    (const void*)probe_read<true, true>,
+                             (const void*)probe_read<false, false, 8>, (const void*)probe_read<true, false, 8>};
+        for (int k = 0; k < 6; ++k) {
             const double us = time_us([&] { CK(cudaLaunchKernel(fs[k], dim3(grid), dim3(VB), args, 0, g_stream)); });
-            tb[k] = bytes * (k < 2 ? 1 : 2) / us / 1e6;
+            tb[k] = bytes * (k == 2 || k == 3 ? 2 : 1) / us / 1e6;
         }
-        std::printf("  %-20s  x: %5.2f / %5.2f   x + dy: %5.2f / %5.2f\n", s.name, tb[0], tb[1], tb[2], tb[3]);
+        std::printf("  %-20s  x: %5.2f / %5.2f   x + dy: %5.2f / %5.2f   x, 8 in flight: %5.2f / %5.2f\n", s.name,
+                    tb[0], tb[1], tb[2], tb[3], tb[4], tb[5]);
     }
     std::printf("per ResNet-152 step (these shapes, launches weighted; the stem and train2 not separate), ms:\n");
     for (int k = 0; k < 8; ++k) std::printf("  %-12s %8.3f\n", cols[k], step[k] / 1e3);
