@@ -84,8 +84,9 @@ __device__ __forceinline__ void chunk_sums(const float (&a)[8], const float (&b)
 // G - 1, one row a thread of a 256-thread block (4 KB of bf16), and chunk k of `chunks` the groups k, k + chunks,
 // k + 2 chunks, ..., taken from the last to the first (the kernel before wrote the tensor's end last, so that is
 // what L2 still holds). At each step the blocks of a launch read one contiguous window of the tensor, as the
-// element-wise passes do; chunks of consecutive rows (each block streaming its own 1/396th) had the moments pass
-// at 2.4-2.6 TB/s on the H100, against the element-wise pass's 2.8-3.0 (kernels/dev/batchnorm/bnbench.cu).
+// element-wise passes do. On an H100 (kernels/dev/batchnorm/bnbench.cu, 2026-12-06) the backward launches took 4%
+// less time a ResNet-152 step than over chunks of consecutive rows (each block streaming its own 1/396th); the
+// moments pass gained nothing (x alone reads at 2.2-2.6 TB/s either way: too few bytes in flight a thread).
 // Row groups of a (rows, c) tensor: rows / rstep rounded up, rstep = VB / (c / 8) a power of two (32-bit: the
 // launchers check rows < 2^31).
 __device__ __forceinline__ int row_groups(int64_t rows, int c) {
@@ -611,7 +612,8 @@ __device__ __forceinline__ void bwd_final_cols(const float* part, float* __restr
 
 // Combines bn_nhwc_moments_v8's chunks into stats (3, c) = [mean, biased var, invstd] (chunk i holds n_i rows:
 // rpc = 0 for the moments pass's row groups, rpc > 0 for a convolution epilogue's chunks of rpc rows, ChunkRows):
-// D = sum S_i / N, mean = K + D, M2 = sum M2_i + n_i (S_i / n_i - D)^2, in a fixed order. With running_mean (non-null) also PyTorch's running update in place, with the unbiased variance:
+// D = sum S_i / N, mean = K + D, M2 = sum M2_i + n_i (S_i / n_i - D)^2, in a fixed order. With running_mean
+// (non-null) also PyTorch's running update in place, with the unbiased variance:
 // running = (1 - momentum) running + momentum batch, and num_batches_tracked (non-null) += 1. Block (FX, FY), one
 // block per FX channels.
 extern "C" __global__ void __launch_bounds__(FX * FY)
