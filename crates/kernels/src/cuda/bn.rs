@@ -259,7 +259,8 @@ fn stats_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
         unsafe { b.launch(sp.v8_rows_cfg()) }.w()?;
         let f = dev.get_or_load_custom_func("bn_nhwc_moments_final", MODULE_V8, ptx::BATCHNORM_02_NHWC_VEC)?;
         let mut b = f.builder();
-        // rpc 0: the moments pass's chunks are row groups (02_nhwc_vec.cu, chunk_rows), not runs of rpc rows.
+        // rpc 0: the moments pass's chunks are row groups (02_nhwc_vec.cu: for_chunk_rows, ChunkRows), not runs
+        // of rpc rows.
         let groups = 0i64;
         b.arg(&part).arg(&stats).arg(&chunks).arg(&sp.c).arg(&sp.rows).arg(&groups).arg(&eps);
         b.arg(&rm).arg(&rv).arg(&nb).arg(&momentum);
