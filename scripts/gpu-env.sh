@@ -4,9 +4,10 @@
 #   source scripts/gpu-env.sh; gpu_libs; unpack_bin DIST BIN trainer gpu-tests
 
 # gpu_libs: puts the CUDA 13 libraries of the machine's PyTorch wheels (cuBLAS, cuDNN, NCCL, cudart) on
-# LD_LIBRARY_PATH; libcuda.so.1 is the driver's.
+# LD_LIBRARY_PATH; libcuda.so.1 is the driver's. GPU_SITE is that wheels' folder (ktrace builds against its CUPTI).
+GPU_SITE=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
 gpu_libs() {
-    local site=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
+    local site=$GPU_SITE
     export LD_LIBRARY_PATH="$site/cu13/lib:$site/cudnn/lib:$site/nccl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 }
 

@@ -197,7 +197,7 @@ main() {
     fi
 
     if [ -n "${KTRACE:-}" ] && [ -f "$KTRACE/ktrace.c" ] && [ $((SECONDS + 100)) -lt "${TIME_BUDGET_S:-600}" ]; then
-        local sp="$site/cu13" inc kd kds=()
+        local sp="$GPU_SITE/cu13" inc kd kds=()
         inc="$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")/../include"
         if gcc -O2 -shared -fPIC "$KTRACE/ktrace.c" -o "$bin/libktrace.so" -I"$sp/include" -I"$inc" \
             -L"$sp/lib" -l:libcupti.so.13 -lpthread; then

@@ -4,7 +4,9 @@
 # (--clock-control none). docs/PROFILING.md shows how to read the table.
 #   scripts/profile.sh TRAINER_BIN [KERNEL_REGEX] [BATCH] [DTYPE] [LAUNCH_COUNT]
 #   e.g. scripts/profile.sh dist-bin/trainer 'regex:gemm|im2col|maxpool' 32 bf16 40
-# Output under $OUT (default /tmp): profile.ncu-rep, profile.csv, profile-table.md.
+# Output under $OUT (default /tmp): profile.ncu-rep, profile.csv, profile-table.md. PROFILE_SET='key=value' adds
+# one --set to the bench (e.g. PROFILE_SET='kernels.bn_stats="fused"'), PROFILE_TAG a suffix to the file names
+# (two profiles in one call), SKIP the matching launches to skip first (default 2000).
 set -uo pipefail
 bin=${1:?trainer binary}
 kernels=${2:-regex:.}
@@ -31,13 +33,14 @@ metrics=(
 m=$(IFS=,; echo "${metrics[*]}")
 # Skip the warm-up step's launches: profile kernels from the timed step only (one warm-up, one timed step).
 "$ncu" --clock-control none --target-processes all --kernel-name "$kernels" --launch-skip "${SKIP:-2000}" \
-    --launch-count "$count" --metrics "$m" --export "$out/profile" --force-overwrite \
-    "$bin" bench --config "$here/../configs/resnet152.toml" --set device=cuda:0 --dtypes "$dtype" \
-    --batch-sizes "$batch" --warmup 1 --steps 1 > "$out/profile-run.log" 2>&1
+    --launch-count "$count" --metrics "$m" --export "$out/profile${PROFILE_TAG:-}" --force-overwrite \
+    "$bin" bench --config "$here/../configs/resnet152.toml" --set device=cuda:0 ${PROFILE_SET:+--set "$PROFILE_SET"} \
+    --dtypes "$dtype" --batch-sizes "$batch" --warmup 1 --steps 1 > "$out/profile-run${PROFILE_TAG:-}.log" 2>&1
 rc=$?
-tail -5 "$out/profile-run.log"
-"$ncu" --import "$out/profile.ncu-rep" --csv --page raw > "$out/profile.csv" 2>/dev/null || { echo "profile: no report"; exit 1; }
-python3 - "$out/profile.csv" <<'PY' | tee "$out/profile-table.md"
+tail -5 "$out/profile-run${PROFILE_TAG:-}.log"
+"$ncu" --import "$out/profile${PROFILE_TAG:-}.ncu-rep" --csv --page raw > "$out/profile${PROFILE_TAG:-}.csv" 2>/dev/null ||
+    { echo "profile: no report"; exit 1; }
+python3 - "$out/profile${PROFILE_TAG:-}.csv" <<'PY' | tee "$out/profile-table${PROFILE_TAG:-}.md"
 import csv, sys, collections
 rows = list(csv.reader(open(sys.argv[1])))
 if len(rows) < 3:

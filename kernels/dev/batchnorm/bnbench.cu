@@ -1,5 +1,6 @@
 // bnbench: a standalone timing harness for the cooperative channels-last BatchNorm kernels of
-// kernels/batchnorm/02_nhwc_vec.cu, on ResNet-152's BatchNorm shapes (bf16), outside the trainer, so that a
+// kernels/batchnorm/02_nhwc_vec.cu, on ResNet-152's BatchNorm shapes (bf16; fp16 built with -DBNBENCH_F16),
+// outside the trainer, so that a
 // kernel change is timed and checked in seconds on the GPU machine (nvcc there; no Rust build):
 //   nvcc -O3 -std=c++17 -arch=sm_90 -I kernels -o bnbench kernels/dev/batchnorm/bnbench.cu
 //   ./bnbench [batch (256)] [chunks a SM (3)]
@@ -30,7 +31,15 @@
         }                                                                                                   \
     } while (0)
 
+#ifdef BNBENCH_F16
+typedef __half T;
+#define BNB_K(name) name##_f16
+static const char* const kDtype = "fp16";
+#else
 typedef __nv_bfloat16 T;
+#define BNB_K(name) name##_bf16
+static const char* const kDtype = "bf16";
+#endif
 
 extern "C" __global__ void __launch_bounds__(VB, 4) bnbench_empty_coop(int syncs) {
     cg::grid_group grid = cg::this_grid();
@@ -81,7 +90,7 @@ __global__ void fill_rand(T* p, long long n, unsigned seed, float offset) {
         h ^= h >> 15;
         h *= 2246822519u;
         h ^= h >> 13;
-        p[i] = __float2bfloat16_rn((float)(h & 0xffff) / 16384.0f - 2.0f + offset);
+        p[i] = from_f32<T>((float)(h & 0xffff) / 16384.0f - 2.0f + offset);
     }
 }
 
@@ -155,7 +164,7 @@ int main(int argc, char** argv) {
     CK(cudaGetDeviceProperties(&prop, 0));
     g_sms = prop.multiProcessorCount;
     CK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
-    std::printf("bnbench: %s, %d SMs, batch %lld, bf16, chunks target 132 x %d\n", prop.name, g_sms, n, per_sm);
+    std::printf("bnbench: %s, %d SMs, batch %lld, %s, chunks target 132 x %d\n", prop.name, g_sms, n, kDtype, per_sm);
 
     const Shape shapes[] = {
         {"l1 inner 56x56x64", n * 3136, 64, false, 6, 6},     {"l1 out 56x56x256", n * 3136, 256, true, 3, 3},
@@ -206,9 +215,9 @@ int main(int argc, char** argv) {
     }
     CK(cudaDeviceSynchronize());
 
-    const void* f_train = (const void*)bn_nhwc_train_v8_bf16;
-    const void* f_bwd = (const void*)bn_nhwc_train_bwd_v8_bf16;
-    const void* f_join = (const void*)bn_nhwc_train_join_bwd_2_v8_bf16;
+    const void* f_train = (const void*)BNB_K(bn_nhwc_train_v8);
+    const void* f_bwd = (const void*)BNB_K(bn_nhwc_train_bwd_v8);
+    const void* f_join = (const void*)BNB_K(bn_nhwc_train_join_bwd_2_v8);
     const void* f_empty = (const void*)bnbench_empty_coop;
 
     // Per step totals (us), per column.
@@ -237,7 +246,7 @@ int main(int argc, char** argv) {
         // Hashes of one launch from fresh running statistics.
         full();
         CK(cudaStreamSynchronize(g_stream));
-        unsigned long long h_stats = fnv(stats, 3 * c * 4), h_y = fnv(y, rows * c * 2);
+        unsigned long long h_stats = fnv(stats, 3 * c * 4), h_y = fnv(y, rows * c * sizeof(T));
         unsigned long long h_mask = s.res ? fnv(mask, rows * c / 8) : 0;
         const double t_full = time_us(full);
         void* args_stats[] = {&x, &resp, &part, &stats, &w, &bias, &ynull, &maskp, (void*)&rows, &c, &rpc, &ichunks,
@@ -266,7 +275,7 @@ int main(int argc, char** argv) {
             auto join = [&] { coop(f_join, gridb, args_j); };
             join();
             CK(cudaStreamSynchronize(g_stream));
-            h_b1 = fnv(dx, rows * c * 2) ^ fnv(g, rows * c * 2);
+            h_b1 = fnv(dx, rows * c * sizeof(T)) ^ fnv(g, rows * c * sizeof(T));
             h_b2 = fnv(sums, 2 * c * 4);
             t_bwd = time_us(join);
         } else {
@@ -275,7 +284,7 @@ int main(int argc, char** argv) {
             auto bwd = [&] { coop(f_bwd, gridb, args_b); };
             bwd();
             CK(cudaStreamSynchronize(g_stream));
-            h_b1 = fnv(dx, rows * c * 2);
+            h_b1 = fnv(dx, rows * c * sizeof(T));
             h_b2 = fnv(sums, 2 * c * 4);
             t_bwd = time_us(bwd);
         }
