@@ -6,6 +6,8 @@
 # Each run: ResNet-152 (configs/resnet152.toml, no --set: the defaults) in DTYPE (default bf16) at BATCH (default
 # 256), WARMUP (3) + STEPS (10) steps. Prints one line per run (label, round, img/s, peak GiB, alloc GiB) and a
 # summary per label (mean img/s, against the first label); logs in $OUT (default .): ab-LABEL-ROUND.log.
+# AB_SET='key=value' adds one --set to every run (e.g. AB_SET='kernels.bn_stats="fused"': two builds on a
+# non-default path).
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${OUT:-$PWD}"
@@ -21,7 +23,7 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
         read -r -a words <<< "${spec#*:}"
         log="$out/ab-$label-$round.log"
         timeout "${BENCH_TIMEOUT:-150}" env "${words[@]}" bench --config "$here/configs/resnet152.toml" \
-            --dtypes "${DTYPE:-bf16}" --batch-sizes "${BATCH:-256}" --warmup "${WARMUP:-3}" --steps "${STEPS:-10}" \
+            ${AB_SET:+--set "$AB_SET"} --dtypes "${DTYPE:-bf16}" --batch-sizes "${BATCH:-256}" --warmup "${WARMUP:-3}" --steps "${STEPS:-10}" \
             > "$log" 2>&1 || echo "ab-bench: $label round $round failed (see $log)"
         # The table row: arch, dtype, batch, img/s, step ms, peak GiB, alloc GiB.
         row="$(grep -E "^resnet152 " "$log" | tail -1)"
