@@ -23,7 +23,8 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
         read -r -a words <<< "${spec#*:}"
         log="$out/ab-$label-$round.log"
         timeout "${BENCH_TIMEOUT:-150}" env "${words[@]}" bench --config "$here/configs/resnet152.toml" \
-            ${AB_SET:+--set "$AB_SET"} --dtypes "${DTYPE:-bf16}" --batch-sizes "${BATCH:-256}" --warmup "${WARMUP:-3}" --steps "${STEPS:-10}" \
+            ${AB_SET:+--set "$AB_SET"} --dtypes "${DTYPE:-bf16}" --batch-sizes "${BATCH:-256}" \
+            --warmup "${WARMUP:-3}" --steps "${STEPS:-10}" \
             > "$log" 2>&1 || echo "ab-bench: $label round $round failed (see $log)"
         # The table row: arch, dtype, batch, img/s, step ms, peak GiB, alloc GiB.
         row="$(grep -E "^resnet152 " "$log" | tail -1)"

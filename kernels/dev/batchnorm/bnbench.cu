@@ -1,7 +1,7 @@
 // bnbench: a standalone timing harness for the cooperative channels-last BatchNorm kernels of
 // kernels/batchnorm/02_nhwc_vec.cu, on ResNet-152's BatchNorm shapes (bf16; fp16 built with -DBNBENCH_F16),
-// outside the trainer, so that a
-// kernel change is timed and checked in seconds on the GPU machine (nvcc there; no Rust build):
+// outside the trainer, so that a kernel change is timed and checked in seconds on the GPU machine (nvcc there; no
+// Rust build):
 //   nvcc -O3 -std=c++17 -arch=sm_90 -I kernels -o bnbench kernels/dev/batchnorm/bnbench.cu
 //   ./bnbench [batch (256)] [chunks a SM (3)]
 // (scripts/bn-dev-bench.sh runs two such builds, one from another revision of 02_nhwc_vec.cu, alternating, and
