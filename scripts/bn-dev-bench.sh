@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Times the cooperative BatchNorm kernels of kernels/batchnorm/02_nhwc_vec.cu on ResNet-152's shapes with the
 # standalone harness kernels/dev/batchnorm/bnbench.cu, for two builds side by side (alternating rounds), and checks
-# that their outputs hash the same (bit for bit). Runs on the GPU machine.
+# that their outputs hash the same (bit for bit). Runs on the GPU machine. The same works for the TMA GEMM
+# epilogue harness kernels/dev/gemm/tmabench.cu (two builds of it; BATCH is its one argument too): the hash check
+# takes, on every shape line (l1 .. l4), the first four words and every 16-digit hex word.
 #   usage: bash scripts/bn-dev-bench.sh NEW_BIN OLD_BIN [BATCH]
 # Build the binaries where nvcc is (the wheel's nvcc here; -L its lib folder for cudart_static), e.g.
 #   nvcc -O3 -std=c++17 -arch=sm_90 -I kernels -o bnbench-new kernels/dev/batchnorm/bnbench.cu
@@ -22,7 +24,11 @@ for r in $(seq 1 "${ROUNDS:-2}"); do
     done
 done
 # Bit for bit: the hash columns of the first rounds.
-hashes() { awk -F'|' '/^l[1-4] /{print $1 $4}' "$1" | awk '{print $1, $2, $3, $(NF-4), $(NF-3), $(NF-2), $(NF-1), $NF}'; }
+hashes() {
+    awk '/^l[1-4] /{s = $1 " " $2 " " $3 " " $4
+        for (i = 5; i <= NF; i++) if (length($i) == 16 && $i ~ /^[0-9a-f]+$/) s = s " " $i
+        print s}' "$1"
+}
 if diff <(hashes "$out/bnbench-old-1.txt") <(hashes "$out/bnbench-new-1.txt") > "$out/bnbench-hashes.txt"; then
     echo "hashes: same (old and new bit for bit)" | tee -a "$out/bnbench-hashes.txt"
 else

@@ -1,0 +1,287 @@
+// tmabench: a standalone timing harness for the TMA GEMM kernels of kernels/gemm/05_tma_wgmma.cu with and without
+// their BatchNorm epilogues, on ResNet-152's 1x1 convolutions at batch N (default 256), outside the trainer, so that
+// an epilogue change is timed and checked in seconds on the GPU machine (nvcc there; no Rust build):
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I kernels -o tmabench kernels/dev/gemm/tmabench.cu
+//   ./tmabench [batch (256)]
+// For each shape and tile (x256, x128) it times, in bf16:
+//   - the forward 1x1 convolution as the NT GEMM, plain (gemm_nt_x*) and with the BatchNorm moments of its output
+//     in the epilogue (gemm_nt_stats_x*);
+//   - the grad-input 1x1 convolution as the NN GEMM, plain (gemm_nn_x*) and with the BatchNorm backward sums of its
+//     output in the epilogue, reading z (gemm_nn_gsums_x*).
+// Launches as the trainer's tma_run does (crates/kernels/src/cuda/tma.rs): the same tensor maps (A boxes of
+// 64 x 128, B 64 x BN for NT and 64 x 64 for NN, C 64 x 64, 128-byte swizzle), a persistent grid of
+// min(units, SMs) blocks, no split-K (the epilogue kernels take none; the plain ones are timed the same way, so
+// the difference is the epilogue's cost), C stored through its tensor map. Each figure is the mean of a CUDA graph
+// of 20 back-to-back launches replayed 10 times. Each output prints an FNV-1a hash (C, and the partials), so that
+// two builds of an epilogue can be compared bit for bit (scripts: run both binaries and diff the hash columns).
+// The last lines weight each shape by its launches in one ResNet-152 step: milliseconds a step.
+#include "gemm/05_tma_wgmma.cu"
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <vector>
+
+#define CK(x)                                                                                                \
+    do {                                                                                                     \
+        cudaError_t e_ = (x);                                                                                \
+        if (e_ != cudaSuccess) {                                                                             \
+            std::fprintf(stderr, "tmabench: %s failed: %s (line %d)\n", #x, cudaGetErrorString(e_), __LINE__); \
+            std::exit(1);                                                                                    \
+        }                                                                                                    \
+    } while (0)
+
+typedef __nv_bfloat16 T;
+
+static cudaStream_t g_stream;
+static int g_sms = 0;
+static PFN_cuTensorMapEncodeTiled_v12000 g_encode = nullptr;
+
+// The trainer's tma_map: a row-major outer x inner matrix, boxes of 64 x box_outer, 128-byte swizzle, zero fill.
+static ig::TmaDesc tma_map(const void* p, int inner, int outer, int box_outer) {
+    CUtensorMap m;
+    const cuuint64_t dims[2] = {(cuuint64_t)inner, (cuuint64_t)outer};
+    const cuuint64_t strides[1] = {(cuuint64_t)inner * sizeof(T)};
+    const cuuint32_t boxes[2] = {64, (cuuint32_t)box_outer};
+    const cuuint32_t es[2] = {1, 1};
+    const CUresult r = g_encode(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(p), dims, strides, boxes,
+                                es, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) {
+        std::fprintf(stderr, "tmabench: cuTensorMapEncodeTiled failed (%d) for %d x %d\n", (int)r, outer, inner);
+        std::exit(1);
+    }
+    ig::TmaDesc d;
+    static_assert(sizeof(d) == sizeof(m), "TmaDesc is a CUtensorMap");
+    std::memcpy(&d, &m, sizeof(m));
+    return d;
+}
+
+// Deterministic pseudo-random values in [-2, 2) * scale + offset, a hash of the index and seed.
+__global__ void fill_rand(T* p, long long n, unsigned seed, float scale, float offset) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        unsigned h = (unsigned)i * 2654435761u ^ seed;
+        h ^= h >> 15;
+        h *= 2246822519u;
+        h ^= h >> 13;
+        p[i] = __float2bfloat16_rn(((float)(h & 0xffff) / 16384.0f - 2.0f) * scale + offset);
+    }
+}
+
+static unsigned long long fnv(const void* d, size_t bytes) {
+    std::vector<unsigned char> h(bytes);
+    CK(cudaMemcpy(h.data(), d, bytes, cudaMemcpyDeviceToHost));
+    unsigned long long x = 1469598103934665603ull;
+    for (unsigned char b : h) x = (x ^ b) * 1099511628211ull;
+    return x;
+}
+
+// Mean microseconds of one launch: a graph of `reps` launches, replayed `iters` times after 2 warm-up replays.
+static double time_us(const std::function<void()>& launch, int reps = 20, int iters = 10) {
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    CK(cudaStreamBeginCapture(g_stream, cudaStreamCaptureModeGlobal));
+    for (int i = 0; i < reps; ++i) launch();
+    CK(cudaStreamEndCapture(g_stream, &g));
+    CK(cudaGraphInstantiate(&ge, g, 0));
+    for (int i = 0; i < 2; ++i) CK(cudaGraphLaunch(ge, g_stream));
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+    CK(cudaEventRecord(a, g_stream));
+    for (int i = 0; i < iters; ++i) CK(cudaGraphLaunch(ge, g_stream));
+    CK(cudaEventRecord(b, g_stream));
+    CK(cudaEventSynchronize(b));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    CK(cudaGraphExecDestroy(ge));
+    CK(cudaGraphDestroy(g));
+    CK(cudaEventDestroy(a));
+    CK(cudaEventDestroy(b));
+    return ms * 1e3 / (reps * iters);
+}
+
+struct Shape1x1 {
+    const char* name;
+    long long m;  // output pixels n * p * q
+    int cin, cout;
+    int launches;  // 1x1 convolutions of this shape in one ResNet-152 step (forward; the grad-input alike)
+};
+
+// One kernel launch: (map A, map B, map C, C, workspace / partials, bias / z, shape), as tma_run passes them.
+struct Launch {
+    const void* f;
+    ig::TmaDesc ma, mb, mc;
+    T* c;
+    float* ws;
+    const T* bias;
+    ig::Shape sh;
+    int grid, smem;
+    void operator()() {
+        void* args[] = {&ma, &mb, &mc, &c, &ws, &bias, &sh};
+        CK(cudaLaunchKernel(f, dim3(grid), dim3(ig::TMA_THREADS), args, (size_t)smem, g_stream));
+    }
+};
+
+template <int BN>
+static Launch make(const void* f, const ig::TmaDesc& ma, const ig::TmaDesc& mb, T* c, float* ws, const T* bias,
+                   int m, int n, int k, const float* stats, const float* w, const float* b) {
+    Launch l;
+    l.f = f;
+    l.ma = ma;
+    l.mb = mb;
+    l.mc = tma_map(c, n, m, 64);
+    l.c = c;
+    l.ws = ws;
+    l.bias = bias;
+    std::memset(&l.sh, 0, sizeof(l.sh));
+    l.sh.M = m;
+    l.sh.N = n;
+    l.sh.K = k;
+    l.sh.lda = k;
+    l.sh.ldb = k;
+    l.sh.ldc = n;
+    l.sh.k_split = (k + ig::TMA_KD - 1) / ig::TMA_KD * ig::TMA_KD;
+    l.sh.tma_c = 1;
+    l.sh.bn_stats = stats;
+    l.sh.bn_weight = w;
+    l.sh.bn_bias = b;
+    const long long units = (long long)((m + ig::TMA_BM - 1) / ig::TMA_BM) * ((n + BN - 1) / BN);
+    l.grid = (int)std::min<long long>(units, g_sms);
+    l.smem = ig::TmaCfg<BN>::SMEM_BYTES;
+    CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, l.smem));
+    return l;
+}
+
+int main(int argc, char** argv) {
+    const long long batch = argc > 1 ? std::atoll(argv[1]) : 256;
+    CK(cudaSetDevice(0));
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    g_sms = prop.multiProcessorCount;
+    CK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
+    cudaDriverEntryPointQueryResult q;
+    CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", reinterpret_cast<void**>(&g_encode), 12000,
+                                        cudaEnableDefault, &q));
+    if (q != cudaDriverEntryPointSuccess || g_encode == nullptr) {
+        std::fprintf(stderr, "tmabench: no cuTensorMapEncodeTiled in the driver\n");
+        return 1;
+    }
+    std::printf("tmabench: %s, %d SMs, batch %lld, bf16, no split-K\n", prop.name, g_sms, batch);
+
+    // ResNet-152's bottleneck 1x1 convolutions (conv1: 4c -> c, conv3: c -> 4c; the first block of each stage
+    // has conv1 from the previous stage's width, counted with the rest here), launches in one step.
+    const Shape1x1 shapes[] = {
+        {"l1 conv1 256->64", batch * 3136, 256, 64, 3},      {"l1 conv3 64->256", batch * 3136, 64, 256, 3},
+        {"l2 conv1 512->128", batch * 784, 512, 128, 8},     {"l2 conv3 128->512", batch * 784, 128, 512, 8},
+        {"l3 conv1 1024->256", batch * 196, 1024, 256, 36}, {"l3 conv3 256->1024", batch * 196, 256, 1024, 36},
+        {"l4 conv1 2048->512", batch * 49, 2048, 512, 3},   {"l4 conv3 512->2048", batch * 49, 512, 2048, 3},
+    };
+    size_t max_mk = 0, max_mn = 0, max_nk = 0;
+    int max_n = 0;
+    for (const Shape1x1& s : shapes) {
+        max_mk = std::max(max_mk, (size_t)s.m * s.cin);
+        max_mn = std::max(max_mn, (size_t)s.m * s.cout);
+        max_nk = std::max(max_nk, (size_t)s.cin * s.cout);
+        max_n = std::max(max_n, std::max(s.cin, s.cout));
+    }
+    T *x, *wt, *y, *dy, *dx, *z;
+    CK(cudaMalloc(&x, max_mk * sizeof(T)));
+    CK(cudaMalloc(&wt, max_nk * sizeof(T)));
+    CK(cudaMalloc(&y, max_mn * sizeof(T)));
+    CK(cudaMalloc(&dy, max_mn * sizeof(T)));
+    CK(cudaMalloc(&dx, max_mk * sizeof(T)));
+    CK(cudaMalloc(&z, max_mk * sizeof(T)));
+    fill_rand<<<1024, 256, 0, g_stream>>>(x, max_mk, 1u, 1.0f, 0.0f);
+    fill_rand<<<1024, 256, 0, g_stream>>>(wt, max_nk, 2u, 0.05f, 0.0f);
+    fill_rand<<<1024, 256, 0, g_stream>>>(dy, max_mn, 3u, 1.0f, 0.0f);
+    fill_rand<<<1024, 256, 0, g_stream>>>(z, max_mk, 4u, 1.0f, 0.1f);
+    // The grad-input's BatchNorm (that of the conv's input, whose gradient dx is): statistics (3, c) = [mean, var,
+    // invstd], weight, bias.
+    float *stats, *bw, *bb, *part;
+    CK(cudaMalloc(&stats, 3 * max_n * sizeof(float)));
+    CK(cudaMalloc(&bw, max_n * sizeof(float)));
+    CK(cudaMalloc(&bb, max_n * sizeof(float)));
+    {
+        std::vector<float> hs(3 * max_n), hw(max_n), hb(max_n);
+        for (int i = 0; i < max_n; ++i) {
+            hs[i] = 0.1f;
+            hs[max_n + i] = 1.0f;
+            hs[2 * max_n + i] = 1.0f;
+            hw[i] = 0.5f + 0.001f * i;
+            hb[i] = 0.01f * (i % 17) - 0.05f;
+        }
+        CK(cudaMemcpy(stats, hs.data(), hs.size() * 4, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(bw, hw.data(), hw.size() * 4, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(bb, hb.data(), hb.size() * 4, cudaMemcpyHostToDevice));
+    }
+    size_t max_part = 0;
+    for (const Shape1x1& s : shapes) {
+        const size_t rows = (s.m + ig::TMA_BM - 1) / ig::TMA_BM;
+        max_part = std::max(max_part, (2 * rows + 1) * (size_t)std::max(s.cin, s.cout));
+    }
+    CK(cudaMalloc(&part, max_part * sizeof(float)));
+    CK(cudaDeviceSynchronize());
+
+    struct Kernels {
+        int bn;
+        const void *nt, *nt_stats, *nn, *nn_gsums;
+    };
+    const Kernels tiles[] = {
+        {256, (const void*)gemm_nt_x256_vec_bf16, (const void*)gemm_nt_stats_x256_vec_bf16,
+         (const void*)gemm_nn_x256_vec_bf16, (const void*)gemm_nn_gsums_x256_vec_bf16},
+        {128, (const void*)gemm_nt_x128_vec_bf16, (const void*)gemm_nt_stats_x128_vec_bf16,
+         (const void*)gemm_nn_x128_vec_bf16, (const void*)gemm_nn_gsums_x128_vec_bf16},
+    };
+    double step[2][4] = {{0}};
+    std::printf("%-20s %4s | %9s %9s %7s | %9s %9s %7s | hashes: fwd C, stats, bwd C, sums\n", "shape", "tile",
+                "fwd", "+stats", "+%", "bgrad", "+sums", "+%");
+    for (const Shape1x1& s : shapes) {
+        const int m = (int)s.m;
+        for (int ti = 0; ti < 2; ++ti) {
+            const Kernels& kt = tiles[ti];
+            // Forward: y (m x cout) = x (m x cin) . W^T, W (cout x cin), K-major both.
+            const ig::TmaDesc fa = tma_map(x, s.cin, m, 128), fb = tma_map(wt, s.cin, s.cout, kt.bn);
+            // Grad-input: dx (m x cin) = dy (m x cout) . W, W (cout x cin) read as K x N = cout x cin, N-major.
+            const ig::TmaDesc ga = tma_map(dy, s.cout, m, 128), gb = tma_map(wt, s.cin, s.cout, 64);
+            Launch fwd, fwd_s, bwd, bwd_s;
+            if (kt.bn == 256) {
+                fwd = make<256>(kt.nt, fa, fb, y, part, nullptr, m, s.cout, s.cin, nullptr, nullptr, nullptr);
+                fwd_s = make<256>(kt.nt_stats, fa, fb, y, part, nullptr, m, s.cout, s.cin, nullptr, nullptr, nullptr);
+                bwd = make<256>(kt.nn, ga, gb, dx, part, nullptr, m, s.cin, s.cout, nullptr, nullptr, nullptr);
+                bwd_s = make<256>(kt.nn_gsums, ga, gb, dx, part, z, m, s.cin, s.cout, stats, bw, bb);
+            } else {
+                fwd = make<128>(kt.nt, fa, fb, y, part, nullptr, m, s.cout, s.cin, nullptr, nullptr, nullptr);
+                fwd_s = make<128>(kt.nt_stats, fa, fb, y, part, nullptr, m, s.cout, s.cin, nullptr, nullptr, nullptr);
+                bwd = make<128>(kt.nn, ga, gb, dx, part, nullptr, m, s.cin, s.cout, nullptr, nullptr, nullptr);
+                bwd_s = make<128>(kt.nn_gsums, ga, gb, dx, part, z, m, s.cin, s.cout, stats, bw, bb);
+            }
+            // Hashes of one launch each (the partials: the stats kernel's, then the sums kernel's).
+            fwd_s();
+            CK(cudaStreamSynchronize(g_stream));
+            const size_t rows = (s.m + ig::TMA_BM - 1) / ig::TMA_BM;
+            const unsigned long long h_y = fnv(y, (size_t)m * s.cout * sizeof(T));
+            const unsigned long long h_st = fnv(part, (2 * rows + 1) * s.cout * sizeof(float));
+            bwd_s();
+            CK(cudaStreamSynchronize(g_stream));
+            const unsigned long long h_dx = fnv(dx, (size_t)m * s.cin * sizeof(T));
+            const unsigned long long h_su = fnv(part, 2 * rows * s.cin * sizeof(float));
+            const double t[4] = {time_us(fwd), time_us(fwd_s), time_us(bwd), time_us(bwd_s)};
+            std::printf("%-20s x%-3d | %9.1f %9.1f %+6.1f%% | %9.1f %9.1f %+6.1f%% | %016llx %016llx %016llx %016llx\n",
+                        s.name, kt.bn, t[0], t[1], 100.0 * (t[1] / t[0] - 1.0), t[2], t[3],
+                        100.0 * (t[3] / t[2] - 1.0), h_y, h_st, h_dx, h_su);
+            for (int k = 0; k < 4; ++k) step[ti][k] += t[k] * s.launches;
+        }
+    }
+    std::printf("per ResNet-152 step (these 1x1 shapes, launches weighted), ms: fwd / +stats / bgrad / +sums\n");
+    for (int ti = 0; ti < 2; ++ti)
+        std::printf("  x%-3d %8.3f %8.3f %8.3f %8.3f\n", tiles[ti].bn, step[ti][0] / 1e3, step[ti][1] / 1e3,
+                    step[ti][2] / 1e3, step[ti][3] / 1e3);
+    return 0;
+}
