@@ -13,7 +13,9 @@
 // min(units, SMs) blocks, no split-K (the epilogue kernels take none; the plain ones are timed the same way, so
 // the difference is the epilogue's cost), C stored through its tensor map. Each figure is the mean of a CUDA graph
 // of 20 back-to-back launches replayed 10 times. Each output prints an FNV-1a hash (C, and the partials), so that
-// two builds of an epilogue can be compared bit for bit (scripts: run both binaries and diff the hash columns).
+// two builds of an epilogue can be compared bit for bit (scripts/bn-dev-bench.sh runs two builds and compares
+// them). On the l3 and l4 shapes the partials are also checked against FP64 sums on the host (the exit status
+// says whether every check passed).
 // The last lines weight each shape by its launches in one ResNet-152 step: milliseconds a step.
 #include "gemm/05_tma_wgmma.cu"
 
@@ -22,6 +24,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -80,6 +83,81 @@ static unsigned long long fnv(const void* d, size_t bytes) {
     unsigned long long x = 1469598103934665603ull;
     for (unsigned char b : h) x = (x ^ b) * 1099511628211ull;
     return x;
+}
+
+template <typename U>
+static std::vector<U> host(const U* d, size_t n) {
+    std::vector<U> h(n);
+    CK(cudaMemcpy(h.data(), d, n * sizeof(U), cudaMemcpyDeviceToHost));
+    return h;
+}
+
+static float bf(T v) { return __bfloat162float(v); }
+
+// The harness's own check, against a host computation in FP64 from the kernel's stored output: the moments'
+// partials of a STATS launch (each chunk of 128 rows: S = sum y, M2 = sum of squares about the chunk's mean;
+// merged here with Chan et al.), as relative errors of the column sums and M2s (worst column).
+static void check_stats(const T* y_d, const float* part_d, int m, int n, double& e_s, double& e_m2) {
+    const std::vector<T> y = host(y_d, (size_t)m * n);
+    const int chunks = (m + ig::TMA_BM - 1) / ig::TMA_BM;
+    const std::vector<float> part = host(part_d, (size_t)2 * chunks * n);
+    std::vector<double> s(n, 0.0), a(n, 0.0), m2(n, 0.0);
+    for (int r = 0; r < m; ++r)
+        for (int c = 0; c < n; ++c) {
+            const double v = bf(y[(size_t)r * n + c]);
+            s[c] += v;
+            a[c] += std::fabs(v);
+        }
+    for (int r = 0; r < m; ++r)
+        for (int c = 0; c < n; ++c) {
+            const double d = bf(y[(size_t)r * n + c]) - s[c] / m;
+            m2[c] += d * d;
+        }
+    e_s = e_m2 = 0.0;
+    for (int c = 0; c < n; ++c) {
+        double gs = 0.0;
+        for (int t = 0; t < chunks; ++t) gs += part[(size_t)t * n + c];
+        const double gmean = gs / m;
+        double gm2 = 0.0;
+        for (int t = 0; t < chunks; ++t) {
+            const double nt = std::min(ig::TMA_BM, m - ig::TMA_BM * t), d = part[(size_t)t * n + c] / nt - gmean;
+            gm2 += part[(size_t)(chunks + t) * n + c] + nt * d * d;
+        }
+        e_s = std::max(e_s, std::fabs(gs - s[c]) / std::max(a[c], 1e-30));
+        e_m2 = std::max(e_m2, std::fabs(gm2 - m2[c]) / std::max(m2[c], 1e-30));
+    }
+}
+
+// The same for a GSUMS launch: per column of dx, sum g and sum g xhat over the rows where the BatchNorm + ReLU
+// passes (fmaf(z - mean, invstd weight, bias) >= 0, as the kernel decides it), g the stored dx, xhat = (z - mean)
+// invstd; relative to the sums of |g| and |g xhat|.
+static void check_sums(const T* dx_d, const T* z_d, const float* part_d, int m, int n, const std::vector<float>& st,
+                       int stride, const std::vector<float>& w, const std::vector<float>& b, double& e_g,
+                       double& e_gx) {
+    const std::vector<T> dx = host(dx_d, (size_t)m * n), z = host(z_d, (size_t)m * n);
+    const int chunks = (m + ig::TMA_BM - 1) / ig::TMA_BM;
+    const std::vector<float> part = host(part_d, (size_t)2 * chunks * n);
+    std::vector<double> sg(n, 0.0), sgx(n, 0.0), ag(n, 0.0), agx(n, 0.0);
+    for (int r = 0; r < m; ++r)
+        for (int c = 0; c < n; ++c) {
+            const float mean = st[c], invstd = st[2 * stride + c], zv = bf(z[(size_t)r * n + c]);
+            if (!(std::fmaf(zv - mean, invstd * w[c], b[c]) >= 0.f)) continue;
+            const double g = bf(dx[(size_t)r * n + c]), xh = (double)(zv - mean) * invstd;
+            sg[c] += g;
+            sgx[c] += g * xh;
+            ag[c] += std::fabs(g);
+            agx[c] += std::fabs(g * xh);
+        }
+    e_g = e_gx = 0.0;
+    for (int c = 0; c < n; ++c) {
+        double gg = 0.0, ggx = 0.0;
+        for (int t = 0; t < chunks; ++t) {
+            gg += part[(size_t)t * n + c];
+            ggx += part[(size_t)(chunks + t) * n + c];
+        }
+        e_g = std::max(e_g, std::fabs(gg - sg[c]) / std::max(ag[c], 1e-30));
+        e_gx = std::max(e_gx, std::fabs(ggx - sgx[c]) / std::max(agx[c], 1e-30));
+    }
 }
 
 // Mean microseconds of one launch: a graph of `reps` launches, replayed `iters` times after 2 warm-up replays.
@@ -208,8 +286,8 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&stats, 3 * max_n * sizeof(float)));
     CK(cudaMalloc(&bw, max_n * sizeof(float)));
     CK(cudaMalloc(&bb, max_n * sizeof(float)));
+    std::vector<float> hs(3 * max_n), hw(max_n), hb(max_n);
     {
-        std::vector<float> hs(3 * max_n), hw(max_n), hb(max_n);
         for (int i = 0; i < max_n; ++i) {
             hs[i] = 0.1f;
             hs[max_n + i] = 1.0f;
@@ -240,6 +318,7 @@ int main(int argc, char** argv) {
          (const void*)gemm_nn_x128_vec_bf16, (const void*)gemm_nn_gsums_x128_vec_bf16},
     };
     double step[2][4] = {{0}};
+    int fails = 0;
     std::printf("%-20s %4s | %9s %9s %7s | %9s %9s %7s | hashes: fwd C, stats, bwd C, sums\n", "shape", "tile",
                 "fwd", "+stats", "+%", "bgrad", "+sums", "+%");
     for (const Shape1x1& s : shapes) {
@@ -272,10 +351,26 @@ int main(int argc, char** argv) {
             CK(cudaStreamSynchronize(g_stream));
             const unsigned long long h_dx = fnv(dx, (size_t)m * s.cin * sizeof(T));
             const unsigned long long h_su = fnv(part, 2 * rows * s.cin * sizeof(float));
+            // The host check on the shapes small enough to copy and sum quickly (l3, l4): the sums' partials are
+            // still in part; the statistics' are recomputed by a second launch.
+            const bool check = (size_t)m * std::max(s.cin, s.cout) <= ((size_t)64 << 20);
+            double e_g = 0, e_gx = 0, e_s = 0, e_m2 = 0;
+            if (check) {
+                check_sums(dx, z, part, m, s.cin, hs, max_n, hw, hb, e_g, e_gx);
+                fwd_s();
+                CK(cudaStreamSynchronize(g_stream));
+                check_stats(y, part, m, s.cout, e_s, e_m2);
+            }
             const double t[4] = {time_us(fwd), time_us(fwd_s), time_us(bwd), time_us(bwd_s)};
             std::printf("%-20s x%-3d | %9.1f %9.1f %+6.1f%% | %9.1f %9.1f %+6.1f%% | %016llx %016llx %016llx %016llx\n",
                         s.name, kt.bn, t[0], t[1], 100.0 * (t[1] / t[0] - 1.0), t[2], t[3],
                         100.0 * (t[3] / t[2] - 1.0), h_y, h_st, h_dx, h_su);
+            if (check) {
+                const bool ok = e_s < 1e-5 && e_m2 < 1e-5 && e_g < 1e-5 && e_gx < 1e-5;
+                std::printf("  check against FP64 on the host: stats S %.1e M2 %.1e, sums g %.1e g xhat %.1e: %s\n", e_s,
+                            e_m2, e_g, e_gx, ok ? "ok" : "FAIL");
+                fails += !ok;
+            }
             for (int k = 0; k < 4; ++k) step[ti][k] += t[k] * s.launches;
         }
     }
@@ -283,5 +378,6 @@ int main(int argc, char** argv) {
     for (int ti = 0; ti < 2; ++ti)
         std::printf("  x%-3d %8.3f %8.3f %8.3f %8.3f\n", tiles[ti].bn, step[ti][0] / 1e3, step[ti][1] / 1e3,
                     step[ti][2] / 1e3, step[ti][3] / 1e3);
-    return 0;
+    if (fails) std::printf("tmabench: %d host check(s) FAILED\n", fails);
+    return fails ? 1 : 0;
 }
