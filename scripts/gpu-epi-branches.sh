@@ -36,6 +36,6 @@ for v in $variants; do
   echo "== tmabench $v against main" | tee -a $OUT/summary.txt
   mkdir -p $b/tma/$v
   OUT=$b/tma/$v ROUNDS=1 bash scripts/bn-dev-bench.sh $d/tmabench-$v $d/tmabench > $b/tma/$v/all.txt 2>&1
-  grep -E "^(tmabench|l[1-4] |  x|hashes|== )" $b/tma/$v/all.txt | tee -a $OUT/summary.txt
+  grep -E "^(tmabench|l[1-4] |  x|  check|hashes|== )" $b/tma/$v/all.txt | tee -a $OUT/summary.txt
 done
 tar czf $OUT/logs.tgz -C $b logs tma
