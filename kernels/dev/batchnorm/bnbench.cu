@@ -14,22 +14,10 @@
 // launches in one ResNet-152 step: milliseconds a step.
 #include "batchnorm/02_nhwc_vec.cu"
 
-#include <cuda_runtime.h>
+#define DEV_HARNESS "bnbench"
+#include "dev/devbench.cuh"
 
-#include <cstdio>
-#include <cstdlib>
-#include <functional>
 #include <string>
-#include <vector>
-
-#define CK(x)                                                                                               \
-    do {                                                                                                    \
-        cudaError_t e_ = (x);                                                                               \
-        if (e_ != cudaSuccess) {                                                                            \
-            std::fprintf(stderr, "bnbench: %s failed: %s (line %d)\n", #x, cudaGetErrorString(e_), __LINE__); \
-            std::exit(1);                                                                                   \
-        }                                                                                                   \
-    } while (0)
 
 #ifdef BNBENCH_F16
 typedef __half T;
@@ -86,11 +74,7 @@ __global__ void __launch_bounds__(VB, 4) probe_read(const T* __restrict__ x, con
 // Deterministic pseudo-random values in [-2, 2) (plus `offset`), a hash of the index and seed.
 __global__ void fill_rand(T* p, long long n, unsigned seed, float offset) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        unsigned h = (unsigned)i * 2654435761u ^ seed;
-        h ^= h >> 15;
-        h *= 2246822519u;
-        h ^= h >> 13;
-        p[i] = from_f32<T>((float)(h & 0xffff) / 16384.0f - 2.0f + offset);
+        p[i] = from_f32<T>(hash_unit(i, seed) + offset);
     }
 }
 
@@ -103,40 +87,6 @@ struct Shape {
 };
 
 static int g_sms = 0;
-static cudaStream_t g_stream;
-
-static unsigned long long fnv(const void* d, size_t bytes) {
-    std::vector<unsigned char> h(bytes);
-    CK(cudaMemcpy(h.data(), d, bytes, cudaMemcpyDeviceToHost));
-    unsigned long long x = 1469598103934665603ull;
-    for (unsigned char b : h) x = (x ^ b) * 1099511628211ull;
-    return x;
-}
-
-// Mean microseconds of one launch: a graph of `reps` launches, replayed `iters` times after 2 warm-up replays.
-static double time_us(const std::function<void()>& launch, int reps = 20, int iters = 10) {
-    cudaGraph_t g;
-    cudaGraphExec_t ge;
-    CK(cudaStreamBeginCapture(g_stream, cudaStreamCaptureModeGlobal));
-    for (int i = 0; i < reps; ++i) launch();
-    CK(cudaStreamEndCapture(g_stream, &g));
-    CK(cudaGraphInstantiate(&ge, g, 0));
-    for (int i = 0; i < 2; ++i) CK(cudaGraphLaunch(ge, g_stream));
-    cudaEvent_t a, b;
-    CK(cudaEventCreate(&a));
-    CK(cudaEventCreate(&b));
-    CK(cudaEventRecord(a, g_stream));
-    for (int i = 0; i < iters; ++i) CK(cudaGraphLaunch(ge, g_stream));
-    CK(cudaEventRecord(b, g_stream));
-    CK(cudaEventSynchronize(b));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    CK(cudaGraphExecDestroy(ge));
-    CK(cudaGraphDestroy(g));
-    CK(cudaEventDestroy(a));
-    CK(cudaEventDestroy(b));
-    return ms * 1e3 / (reps * iters);
-}
 
 static void coop(const void* f, int grid, void** args) {
     CK(cudaLaunchCooperativeKernel(f, dim3(grid), dim3(VB), args, 0, g_stream));

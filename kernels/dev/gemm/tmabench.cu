@@ -19,30 +19,18 @@
 // The last lines weight each shape by its launches in one ResNet-152 step: milliseconds a step.
 #include "gemm/05_tma_wgmma.cu"
 
+#define DEV_HARNESS "tmabench"
+#include "dev/devbench.cuh"
+
 #include <cuda.h>
 #include <cudaTypedefs.h>
-#include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
-#include <functional>
-#include <vector>
-
-#define CK(x)                                                                                                \
-    do {                                                                                                     \
-        cudaError_t e_ = (x);                                                                                \
-        if (e_ != cudaSuccess) {                                                                             \
-            std::fprintf(stderr, "tmabench: %s failed: %s (line %d)\n", #x, cudaGetErrorString(e_), __LINE__); \
-            std::exit(1);                                                                                    \
-        }                                                                                                    \
-    } while (0)
 
 typedef __nv_bfloat16 T;
 
-static cudaStream_t g_stream;
 static int g_sms = 0;
 static PFN_cuTensorMapEncodeTiled_v12000 g_encode = nullptr;
 
@@ -69,20 +57,8 @@ static ig::TmaDesc tma_map(const void* p, int inner, int outer, int box_outer) {
 // Deterministic pseudo-random values in [-2, 2) * scale + offset, a hash of the index and seed.
 __global__ void fill_rand(T* p, long long n, unsigned seed, float scale, float offset) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        unsigned h = (unsigned)i * 2654435761u ^ seed;
-        h ^= h >> 15;
-        h *= 2246822519u;
-        h ^= h >> 13;
-        p[i] = __float2bfloat16_rn(((float)(h & 0xffff) / 16384.0f - 2.0f) * scale + offset);
+        p[i] = __float2bfloat16_rn(hash_unit(i, seed) * scale + offset);
     }
-}
-
-static unsigned long long fnv(const void* d, size_t bytes) {
-    std::vector<unsigned char> h(bytes);
-    CK(cudaMemcpy(h.data(), d, bytes, cudaMemcpyDeviceToHost));
-    unsigned long long x = 1469598103934665603ull;
-    for (unsigned char b : h) x = (x ^ b) * 1099511628211ull;
-    return x;
 }
 
 template <typename U>
@@ -158,31 +134,6 @@ static void check_sums(const T* dx_d, const T* z_d, const float* part_d, int m, 
         e_g = std::max(e_g, std::fabs(gg - sg[c]) / std::max(ag[c], 1e-30));
         e_gx = std::max(e_gx, std::fabs(ggx - sgx[c]) / std::max(agx[c], 1e-30));
     }
-}
-
-// Mean microseconds of one launch: a graph of `reps` launches, replayed `iters` times after 2 warm-up replays.
-static double time_us(const std::function<void()>& launch, int reps = 20, int iters = 10) {
-    cudaGraph_t g;
-    cudaGraphExec_t ge;
-    CK(cudaStreamBeginCapture(g_stream, cudaStreamCaptureModeGlobal));
-    for (int i = 0; i < reps; ++i) launch();
-    CK(cudaStreamEndCapture(g_stream, &g));
-    CK(cudaGraphInstantiate(&ge, g, 0));
-    for (int i = 0; i < 2; ++i) CK(cudaGraphLaunch(ge, g_stream));
-    cudaEvent_t a, b;
-    CK(cudaEventCreate(&a));
-    CK(cudaEventCreate(&b));
-    CK(cudaEventRecord(a, g_stream));
-    for (int i = 0; i < iters; ++i) CK(cudaGraphLaunch(ge, g_stream));
-    CK(cudaEventRecord(b, g_stream));
-    CK(cudaEventSynchronize(b));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    CK(cudaGraphExecDestroy(ge));
-    CK(cudaGraphDestroy(g));
-    CK(cudaEventDestroy(a));
-    CK(cudaEventDestroy(b));
-    return ms * 1e3 / (reps * iters);
 }
 
 struct Shape1x1 {
