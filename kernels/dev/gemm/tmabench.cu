@@ -205,7 +205,8 @@ int main(int argc, char** argv) {
     std::printf("tmabench: %s, %d SMs, batch %lld, bf16, no split-K\n", prop.name, g_sms, batch);
 
     // ResNet-152's bottleneck 1x1 convolutions (conv1: 4c -> c, conv3: c -> 4c; the first block of each stage
-    // has conv1 from the previous stage's width, counted with the rest here), launches in one step.
+    // has conv1 from the previous stage's width, counted with the rest here, and the downsample convolutions are
+    // left out), launches in one step: an approximation, for the epilogues' relative cost.
     const Shape1x1 shapes[] = {
         {"l1 conv1 256->64", batch * 3136, 256, 64, 3},      {"l1 conv3 64->256", batch * 3136, 64, 256, 3},
         {"l2 conv1 512->128", batch * 784, 512, 128, 8},     {"l2 conv3 128->512", batch * 784, 128, 512, 8},
