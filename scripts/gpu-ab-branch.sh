@@ -1,21 +1,34 @@
 #!/usr/bin/env bash
-# Runs ON the GPU machine: is a branch's kernel change faster and still right? One call, figures first:
-#   1. `trainer bench` A/B, main against the branch (scripts/ab-bench.sh: ResNet-152 bf16 batch 256, alternating,
-#      ROUNDS rounds, default 3);
-#   2. the branch's gpu-step tests (all, or those matching STEP_TESTS="name ..."), with their printed errors;
-#   3. the branch's gpu-tests matching GPU_TESTS (default "cooperative batchnorm"; empty skips them);
-#   4. with bnbench in both folders: the BatchNorm harness (scripts/bn-dev-bench.sh, branch against main);
+# Runs ON the GPU machine: is a branch's kernel change faster and still right? One call, figures first, for one
+# or more branches against main:
+#   1. `trainer bench` A/B, main against every branch (scripts/ab-bench.sh: ResNet-152 bf16 batch 256,
+#      alternating, ROUNDS rounds, default 3; AB_SET='key=value' puts every run on a non-default path);
+#   2. each branch's gpu-step tests (all, or those matching STEP_TESTS="name ..."), with their printed errors;
+#   3. each branch's gpu-tests matching GPU_TESTS (default "cooperative batchnorm"; empty skips them);
+#   4. each dev harness that main's folder and a branch's both hold, branch against main (scripts/bn-dev-bench.sh:
+#      timings, and whether every hash is the same): bnbench (kernels/dev/batchnorm/bnbench.cu, the BatchNorm
+#      kernels) and tmabench (kernels/dev/gemm/tmabench.cu, the TMA GEMMs and their epilogues);
 #   5. with MAIN_STEP_TESTS=1 and gpu-step-tests in MAIN: main's gpu-step tests too.
-#   usage: bash scripts/gpu-ab-branch.sh MAIN_DIR BRANCH_DIR
+#   usage: bash scripts/gpu-ab-branch.sh MAIN_DIR BRANCH_DIR [BRANCH_DIR ...]
 # Each DIR holds trainer[.xz|.gz] and BUILD_INFO (scripts/package-gpu.sh, recompressed with xz to fit the carry
-# limit), BRANCH_DIR also gpu-step-tests and gpu-tests, and either may hold bnbench[.xz|.gz] (nvcc -O3 -std=c++17
-# -arch=sm_90 -I kernels -L <the wheel's lib> -o bnbench kernels/dev/batchnorm/bnbench.cu, built on each
-# checkout). Writes $OUT/summary.txt (the lines below), the test logs, and logs.tgz (the A/B and harness logs):
-# at most 6 files, within the device tool's 8.
+# limit), a BRANCH_DIR also gpu-step-tests and gpu-tests, and any may hold bnbench / tmabench[.xz|.gz], each built
+# with nvcc on its checkout (the harnesses' headers say how). A branch is named by its folder's name. Writes
+# $OUT/summary.txt (the lines below), the test logs (step-tests-NAME.log, tests-NAME.log) and logs.tgz (the A/B
+# and harness logs): with one or two branches, within the device tool's 8 files.
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-main="${1:?usage: gpu-ab-branch.sh MAIN_DIR BRANCH_DIR}"
-branch="${2:?usage: gpu-ab-branch.sh MAIN_DIR BRANCH_DIR}"
+usage="usage: gpu-ab-branch.sh MAIN_DIR BRANCH_DIR [BRANCH_DIR ...]"
+main="${1:?$usage}"
+shift
+[ $# -ge 1 ] || { echo "$usage" >&2; exit 2; }
+declare -A dir=([main]="$main")
+names=()
+for d in "$@"; do
+    name="$(basename "$d")"
+    [ -z "${dir[$name]:-}" ] || { echo "gpu-ab-branch: two folders named $name" >&2; exit 2; }
+    dir[$name]="$d"
+    names+=("$name")
+done
 out="${OUT:-$PWD/gpu-out}"
 mkdir -p "$out"
 summary="$out/summary.txt"
@@ -25,25 +38,26 @@ log() { echo "[$((SECONDS - t0))s] $*" | tee -a "$summary"; }
 source "$here/scripts/gpu-env.sh"
 gpu_libs
 bin="$(mktemp -d /tmp/gpu-ab-branch.XXXXXX)"
-mkdir -p "$bin/main" "$bin/branch" "$bin/logs"
+mkdir -p "$bin/logs"
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit,driver_version --format=csv,noheader 2>&1 | tee -a "$summary"
-for side in main branch; do
-    dir=$main
-    [ "$side" = branch ] && dir=$branch
-    log "$side: $(head -1 "$dir/BUILD_INFO" 2>/dev/null || echo "no BUILD_INFO in $dir")"
-    unpack_bin "$dir" "$bin/$side" trainer || { log "gpu-ab-branch: no trainer in $dir"; exit 2; }
+specs=()
+for side in main "${names[@]}"; do
+    mkdir -p "$bin/$side"
+    log "$side: $(head -1 "${dir[$side]}/BUILD_INFO" 2>/dev/null || echo "no BUILD_INFO in ${dir[$side]}")"
+    unpack_bin "${dir[$side]}" "$bin/$side" trainer || { log "gpu-ab-branch: no trainer in ${dir[$side]}"; exit 2; }
+    specs+=("$side:$bin/$side/trainer")
 done
 fails=0
 
-log "== A/B: main / branch (ResNet-152 bf16 batch ${BATCH:-256}, ${ROUNDS:-3} rounds)"
+log "== A/B: main / ${names[*]} (ResNet-152 bf16 batch ${BATCH:-256}, ${ROUNDS:-3} rounds${AB_SET:+, --set $AB_SET})"
 OUT="$bin/logs" ROUNDS="${ROUNDS:-3}" BENCH_TIMEOUT="${BENCH_TIMEOUT:-70}" bash "$here/scripts/ab-bench.sh" \
-    "main:$bin/main/trainer" "branch:$bin/branch/trainer" 2>&1 | tee -a "$summary"
+    "${specs[@]}" 2>&1 | tee -a "$summary"
 
 # run_tests SIDE BINARY LOG FILTERS...: one test binary of SIDE, its results and printed errors into the summary.
 run_tests() {
     local side="$1" name="$2" logf="$3" rc
     shift 3
-    if ! unpack_bin "$([ "$side" = main ] && echo "$main" || echo "$branch")" "$bin/$side" "$name" 2> /dev/null; then
+    if ! unpack_bin "${dir[$side]}" "$bin/$side" "$name" 2> /dev/null; then
         log "$side: no $name, skipped"
         return 0
     fi
@@ -54,26 +68,37 @@ run_tests() {
     grep -E "^test |test result|px (f32|bf16|fp16)|fp16 steps|^Error" "$out/$logf" | cut -c1-200 | tee -a "$summary"
     [ "$rc" -eq 0 ] || { log "$name ($side): exit $rc"; fails=$((fails + 1)); }
 }
-# shellcheck disable=SC2086
-run_tests branch gpu-step-tests step-tests-branch.log ${STEP_TESTS:-}
-if [ -n "${GPU_TESTS-cooperative batchnorm}" ]; then
+for side in "${names[@]}"; do
     # shellcheck disable=SC2086
-    run_tests branch gpu-tests tests-branch.log ${GPU_TESTS-cooperative batchnorm}
-fi
+    run_tests "$side" gpu-step-tests "step-tests-$side.log" ${STEP_TESTS:-}
+    if [ -n "${GPU_TESTS-cooperative batchnorm}" ]; then
+        # shellcheck disable=SC2086
+        run_tests "$side" gpu-tests "tests-$side.log" ${GPU_TESTS-cooperative batchnorm}
+    fi
+done
 
-if unpack_bin "$main" "$bin/main" bnbench 2> /dev/null && unpack_bin "$branch" "$bin/branch" bnbench 2> /dev/null; then
-    log "== BatchNorm harness: new = branch, old = main"
-    mkdir -p "$bin/logs/bnb"
-    OUT="$bin/logs/bnb" ROUNDS=1 timeout 60 bash "$here/scripts/bn-dev-bench.sh" "$bin/branch/bnbench" \
-        "$bin/main/bnbench" > "$bin/logs/bnb/all.txt" 2>&1
-    tail -1 "$bin/logs/bnb/all.txt" | tee -a "$summary"
-    for v in old new; do
-        echo "-- $v ($([ "$v" = old ] && echo main || echo branch))"
-        sed -n '/phase 1.s reads alone/,$p' "$bin/logs/bnb/bnbench-$v-1.txt"
-    done | tee -a "$summary"
-else
-    log "no bnbench in both folders: the harness skipped"
-fi
+# The dev harnesses, each branch's build against main's: the hash verdict, then each side's figures (bnbench: its
+# probe and per-step lines; tmabench: its shape rows, host checks and per-step lines).
+for h in bnbench tmabench; do
+    unpack_bin "$main" "$bin/main" "$h" 2> /dev/null || { log "main: no $h, that harness skipped"; continue; }
+    for side in "${names[@]}"; do
+        unpack_bin "${dir[$side]}" "$bin/$side" "$h" 2> /dev/null || { log "$side: no $h, skipped"; continue; }
+        log "== $h: new = $side, old = main"
+        hl="$bin/logs/$h-$side"
+        mkdir -p "$hl"
+        OUT="$hl" ROUNDS=1 timeout 120 bash "$here/scripts/bn-dev-bench.sh" "$bin/$side/$h" "$bin/main/$h" \
+            > "$hl/all.txt" 2>&1
+        tail -1 "$hl/all.txt" | tee -a "$summary"
+        for v in old new; do
+            echo "-- $v ($([ "$v" = old ] && echo main || echo "$side"))"
+            if [ "$h" = bnbench ]; then
+                sed -n '/phase 1.s reads alone/,$p' "$hl/bnbench-$v-1.txt"
+            else
+                grep -E "^(l[1-4] |  x|  check|tmabench: [0-9]+ host)" "$hl/bnbench-$v-1.txt"
+            fi
+        done | tee -a "$summary"
+    done
+done
 
 if [ -n "${MAIN_STEP_TESTS:-}" ]; then
     # shellcheck disable=SC2086
