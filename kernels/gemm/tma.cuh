@@ -130,14 +130,23 @@ constexpr int TMA_BM = 128, TMA_KD = 64, TMA_THREADS = 384, TMA_GROUP = 8;
 constexpr int TMA_A_BYTES = TMA_BM * TMA_KD * 2;
 // Epilogue staging: per consumer warpgroup 64 rows x 128 columns of C (two 64 x 64 boxes, 128-byte swizzle).
 constexpr int TMA_EPI_WG_BYTES = 64 * 128 * 2, TMA_EPI_BYTES = 2 * TMA_EPI_WG_BYTES;
-// Per block-tile width BN (256: tile x256, 128: tile x128, 64: tile x64): stages and dynamic shared memory (alignment slack,
-// the stages, 2 x STAGES barriers). The launcher's Tile constants (cuda_gemm.rs) repeat these sizes.
-template <int BN>
+// What a TMA kernel's epilogue adds (the EPI template argument).
+constexpr int EPI_PLAIN = 0, EPI_MOMENTS = 1, EPI_GRAD_SUMS = 2;
+
+// Per block-tile width BN (256: tile x256, 128: tile x128, 64: tile x64) and epilogue: stages and dynamic shared
+// memory (alignment slack, the stages, the epilogue staging, the z tile, 2 x STAGES barriers and the z tile's
+// two). The GRAD_SUMS kernels at x128 give up one stage for the unit's z tile (128 x 128, loaded by the producer
+// through TMA: the epilogue reads it from shared memory instead of waiting on global loads), in the same total.
+// The launcher's Tile constants (crates/kernels/src/variants.rs) repeat these sizes.
+template <int BN, int EPI = EPI_PLAIN>
 struct TmaCfg {
-    static constexpr int STAGES = BN == 256 ? 4 : BN == 128 ? 6 : 8;
+    static constexpr bool Z_SMEM = EPI == EPI_GRAD_SUMS && BN == 128;
+    static constexpr int STAGES = (BN == 256 ? 4 : BN == 128 ? 6 : 8) - (Z_SMEM ? 1 : 0);
     static constexpr int B_BYTES = BN * TMA_KD * 2;
     static constexpr int STAGE_BYTES = TMA_A_BYTES + B_BYTES;
-    static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + TMA_EPI_BYTES + 2 * STAGES * 8;
+    static constexpr int Z_BYTES = Z_SMEM ? TMA_BM * BN * 2 : 0;
+    static constexpr int SMEM_BYTES =
+        1024 + STAGES * STAGE_BYTES + TMA_EPI_BYTES + Z_BYTES + 2 * STAGES * 8 + (Z_SMEM ? 16 : 0);
 };
 
 // Work unit u -> (row tile, column tile, k-split).
@@ -475,11 +484,17 @@ __device__ __forceinline__ void load_pair(const T* p, float& a, float& b) {
 // part[tm * N + col] = sum g and part[(chunks + tm) * N + col] = sum g xhat, chunks = ceil(M / 128): the partial
 // layout of the sums pass, which bn_nhwc_bwd_final_v8 reduces. Reduction: the 8 lanes sharing a column set by
 // reduce-scatter (rs_sum8), then the 8 consumer warps in the staging buffers, in a fixed order.
-template <typename T, int BN>
+// ZS: z comes from the unit's z tile in shared memory at zs (TmaCfg::Z_SMEM: four 64 x 64 boxes, box (row half,
+// column half) at 8192 (2 rh + ch), 128-byte swizzle as the C staging), ready once the barrier zfull has
+// completed phase zpar; every consumer thread arrives on zempty (256 arrivals) once its values are in registers,
+// which frees the tile for the next unit's load. Same values, same arithmetic: bit for bit the global loads' sums.
+template <typename T, int BN, bool ZS = false>
 __device__ __forceinline__ void tma_epilogue_grad_sums(const float (&acc)[BN / 2], float* __restrict__ part,
                                                        const T* __restrict__ z, const Shape& sh, int tm, int tn,
-                                                       int cw, float* red) {
+                                                       int cw, float* red, uint32_t zs = 0, uint32_t zfull = 0,
+                                                       uint32_t zempty = 0, uint32_t zpar = 0) {
     const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, w8 = cw * 4 + warp;
+    if constexpr (ZS) mbar_wait(zfull, zpar);
     const int ct = threadIdx.x - 128;
     const int M = sh.M, N = sh.N;
     const int row = tm * TMA_BM + 16 * w8 + (lane >> 2);
@@ -504,7 +519,19 @@ __device__ __forceinline__ void tma_epilogue_grad_sums(const float (&acc)[BN / 2
                 for (int h = 0; h < 2; ++h) {
                     if (valid[h]) {
                         float z0, z1;
-                        load_pair(z + (size_t)(row + 8 * h) * N + col, z0, z1);
+                        if constexpr (ZS) {
+                            const int r = 16 * warp + (lane >> 2) + 8 * h;  // row within the warpgroup's 64
+                            const uint32_t addr = zs + (2 * cw + (j >> 3)) * 8192 + r * 128 +
+                                                  (((j & 7) ^ (r & 7)) << 4) + ((lane & 3) << 2);
+                            uint32_t v;
+                            asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+                            T pair[2];
+                            memcpy(pair, &v, 4);
+                            z0 = to_f(pair[0]);
+                            z1 = to_f(pair[1]);
+                        } else {
+                            load_pair(z + (size_t)(row + 8 * h) * N + col, z0, z1);
+                        }
                         const float g0 = !(fmaf(z0 - mean.x, sc0, b.x) >= 0.f) ? 0.f : stored<T>(acc[4 * j + 2 * h]);
                         const float g1 =
                             !(fmaf(z1 - mean.y, sc1, b.y) >= 0.f) ? 0.f : stored<T>(acc[4 * j + 2 * h + 1]);
@@ -525,6 +552,7 @@ __device__ __forceinline__ void tma_epilogue_grad_sums(const float (&acc)[BN / 2
         gs[g] = sg[0];
         gx[g] = sgx[0];
     }
+    if constexpr (ZS) mbar_arrive(zempty);
     stage_pairs<G, BN>(gs, gx, red, w8, lane);
     const int chunks = (M + TMA_BM - 1) / TMA_BM;
     for (int col = ct; col < BN; col += 256) {
@@ -639,18 +667,23 @@ __device__ __forceinline__ void bnin_b(uint32_t sb, const BnIn8& k) {
     for (int i = 0; i < 64 / STEP; ++i) bnin_chunk<T>(base + (r0 + STEP * i) * 128, k);
 }
 
-// What a TMA kernel's epilogue adds (the EPI template argument).
-constexpr int EPI_PLAIN = 0, EPI_MOMENTS = 1, EPI_GRAD_SUMS = 2;
-
 template <typename T, int CONV, bool A_KMAJOR, bool B_KMAJOR, int BN, int EPI = EPI_PLAIN, int XF = XF_NONE>
-__device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* tb, const TmaDesc* tc, T* C,
-                                              float* ws, const T* bias, const Shape& sh, unsigned char* smem_raw) {
-    using Cfg = TmaCfg<BN>;
+__device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* tb, const TmaDesc* tc,
+                                              const TmaDesc* tz, T* C, float* ws, const T* bias, const Shape& sh,
+                                              unsigned char* smem_raw) {
+    using Cfg = TmaCfg<BN, EPI>;
     constexpr int STAGES = Cfg::STAGES, STAGE_BYTES = Cfg::STAGE_BYTES;
+    constexpr bool Z_SMEM = Cfg::Z_SMEM;
+    static_assert(Cfg::SMEM_BYTES == TmaCfg<BN>::SMEM_BYTES, "one shared-memory size per tile width");
     unsigned char* smem = align1k<unsigned char>(smem_raw);
     const uint32_t s0 = smem_u32(smem);
     const uint32_t epi = s0 + STAGES * STAGE_BYTES;  // epilogue staging, TMA_EPI_BYTES
-    const uint32_t bars = epi + TMA_EPI_BYTES;        // full[s] at bars + 8 s, empty[s] at + 8 (S + s)
+    const uint32_t zbuf = epi + TMA_EPI_BYTES;        // the unit's z tile, Cfg::Z_BYTES
+    const uint32_t bars = zbuf + Cfg::Z_BYTES;        // full[s] at bars + 8 s, empty[s] at + 8 (S + s)
+    const uint32_t zfull = bars + 16 * STAGES, zempty = zfull + 8;  // Z_SMEM: the z tile's
+    // Z_SMEM with C stored through its map (the launcher's tma_c; its z map tz then covers z like C's): the
+    // producer loads each unit's z tile; otherwise the epilogue reads z from global memory.
+    const bool z_tma = Z_SMEM && sh.tma_c;
     const int tid = threadIdx.x, wg = tid >> 7;
     const int M = sh.M, N = sh.N, K = sh.K;
     const int mt = (M + TMA_BM - 1) / TMA_BM, nt = (N + BN - 1) / BN;
@@ -661,6 +694,10 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
             mbar_init(bars + 8 * s, 1);
             mbar_init(bars + 8 * (STAGES + s), 2);
         }
+        if (Z_SMEM) {
+            mbar_init(zfull, 1);
+            mbar_init(zempty, 256);
+        }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
@@ -668,11 +705,23 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
     if (wg == 0) {
         setmaxnreg_dec<40>();
         if (tid == 0) {
-            int it = 0;
-            for (int u = blockIdx.x; u < units; u += gridDim.x) {
+            int it = 0, zu = 0;
+            for (int u = blockIdx.x; u < units; u += gridDim.x, ++zu) {
                 int tm, tn, ks, k0;
                 const int kts = tma_unit_ktiles(u, mt, nt, splits, sh, tm, tn, ks, k0);
                 TmaPos pos = tma_pos_init<CONV>(sh, tm, k0);
+                // Z_SMEM: the unit's z tile, once the previous unit's epilogue has read the last one. Issued after
+                // the unit's first min(kts, STAGES) k-tiles: the next k-tile's stage frees only when the consumers
+                // have begun this unit, past that epilogue, so the wait costs the operands nothing.
+                auto load_z = [&]() {
+                    static_assert(!Z_SMEM || BN == 128, "the z tile is four 64 x 64 boxes");
+                    mbar_wait(zempty, (zu & 1) ^ 1);
+                    mbar_expect_tx(zfull, Cfg::Z_BYTES);
+#pragma unroll
+                    for (int b = 0; b < 4; ++b)
+                        tma_load_2d(zbuf + b * 8192, tz, tn * BN + 64 * (b & 1), tm * TMA_BM + 64 * (b >> 1), zfull);
+                };
+                const int z_after = min(kts, STAGES) - 1;
                 for (int kt = 0; kt < kts; ++kt, ++it) {
                     const int s = it % STAGES;
                     const uint32_t par = (it / STAGES) & 1;
@@ -683,7 +732,9 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
                     tma_produce<CONV, A_KMAJOR, B_KMAJOR, BN>(ta, tb, sh, tm, tn, k0 + kt * TMA_KD, pos, sa,
                                                               sa + TMA_A_BYTES, full);
                     tma_pos_next<CONV>(sh, pos);
+                    if (z_tma && kt == z_after) load_z();
                 }
+                if (z_tma && kts == 0) load_z();
             }
         }
         return;
@@ -724,8 +775,8 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
             consumers_bar();
         }
     };
-    int it = 0;
-    for (int u = blockIdx.x; u < units; u += gridDim.x) {
+    int it = 0, zu = 0;
+    for (int u = blockIdx.x; u < units; u += gridDim.x, ++zu) {
         int tm, tn, ks, k0;
         const int kts = tma_unit_ktiles(u, mt, nt, splits, sh, tm, tn, ks, k0);
 #pragma unroll
@@ -777,8 +828,13 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
             tma_epilogue_stats<T, BN>(acc, ws, sh, tm, tn, cw, reinterpret_cast<float*>(smem + STAGES * STAGE_BYTES));
         } else if constexpr (EPI == EPI_GRAD_SUMS) {
             // ws: the sums' partials; the bias argument: the BatchNorm's input z (no bias in these passes).
-            tma_epilogue_grad_sums<T, BN>(acc, ws, bias, sh, tm, tn, cw,
-                                          reinterpret_cast<float*>(smem + STAGES * STAGE_BYTES));
+            float* red = reinterpret_cast<float*>(smem + STAGES * STAGE_BYTES);
+            if (z_tma) {
+                tma_epilogue_grad_sums<T, BN, Z_SMEM>(acc, ws, bias, sh, tm, tn, cw, red, zbuf, zfull, zempty,
+                                                      zu & 1);
+            } else {
+                tma_epilogue_grad_sums<T, BN>(acc, ws, bias, sh, tm, tn, cw, red);
+            }
         }
         // Epilogue straight from the accumulators: fragment j (8 columns), element e: row + 8 (e >= 2),
         // column 2 (lane % 4) + (e & 1).
@@ -877,8 +933,10 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
 
 }  // namespace ig
 
-// One TMA kernel: (map A, map B, map C, C, split-K workspace, bias, shape), MODE one of ig::TMA_GEMM /
-// TMA_CONV_*, AK / BKM whether A / B are K-major, BN the tile width. Used by gemm/ and conv/05_tma_wgmma.cu.
+// One TMA kernel: (map A, map B, map C, map Z, C, split-K workspace, bias, shape), MODE one of ig::TMA_GEMM /
+// TMA_CONV_*, AK / BKM whether A / B are K-major, BN the tile width. Map Z is read only by the GSUMS kernels at
+// x128 with map C in use (TmaCfg::Z_SMEM): z (the bias argument) as map C covers C. Used by gemm/ and
+// conv/05_tma_wgmma.cu.
 #define IG_TMA_KERNEL(NAME, T, MODE, AK, BKM, BN) IG_TMA_KERNEL_S(NAME, T, MODE, AK, BKM, BN, ig::EPI_PLAIN)
 // The same with the BatchNorm statistics of the output in the epilogue (ig::tma_epilogue_stats): the workspace
 // argument is the partials buffer, and there is no split-K.
@@ -894,8 +952,8 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
 #define IG_TMA_KERNEL_SX(NAME, T, MODE, AK, BKM, BN, EPI, XF)                                                    \
     extern "C" __global__ void __launch_bounds__(ig::TMA_THREADS, 1)                                            \
         NAME(const __grid_constant__ ig::TmaDesc ta, const __grid_constant__ ig::TmaDesc tb,                    \
-             const __grid_constant__ ig::TmaDesc tc, T* __restrict__ c, float* __restrict__ ws,                  \
-             const T* __restrict__ bias, ig::Shape sh) {                                                        \
+             const __grid_constant__ ig::TmaDesc tc, const __grid_constant__ ig::TmaDesc tz, T* __restrict__ c,  \
+             float* __restrict__ ws, const T* __restrict__ bias, ig::Shape sh) {                                 \
         extern __shared__ __align__(1024) unsigned char ig_smem[];                                               \
-        ig::tma_gemm_body<T, MODE, AK, BKM, BN, EPI, XF>(&ta, &tb, &tc, c, ws, bias, sh, ig_smem);               \
+        ig::tma_gemm_body<T, MODE, AK, BKM, BN, EPI, XF>(&ta, &tb, &tc, &tz, c, ws, bias, sh, ig_smem);          \
     }

@@ -9,7 +9,7 @@
 //   - the grad-input 1x1 convolution as the NN GEMM, plain (gemm_nn_x*) and with the BatchNorm backward sums of its
 //     output in the epilogue, reading z (gemm_nn_gsums_x*).
 // Launches as the trainer's tma_run does (crates/kernels/src/cuda/tma.rs): the same tensor maps (A boxes of
-// 64 x 128, B 64 x BN for NT and 64 x 64 for NN, C 64 x 64, 128-byte swizzle), a persistent grid of
+// 64 x 128, B 64 x BN for NT and 64 x 64 for NN, C and z 64 x 64, 128-byte swizzle), a persistent grid of
 // min(units, SMs) blocks, no split-K (the epilogue kernels take none; the plain ones are timed the same way, so
 // the difference is the epilogue's cost), C stored through its tensor map. Each figure is the mean of a CUDA graph
 // of 20 back-to-back launches replayed 10 times. Each output prints an FNV-1a hash (C, and the partials), so that
@@ -143,17 +143,18 @@ struct Shape1x1 {
     int launches;  // 1x1 convolutions of this shape in one ResNet-152 step (forward; the grad-input alike)
 };
 
-// One kernel launch: (map A, map B, map C, C, workspace / partials, bias / z, shape), as tma_run passes them.
+// One kernel launch: (map A, map B, map C, map Z, C, workspace / partials, bias / z, shape), as tma_run passes
+// them.
 struct Launch {
     const void* f;
-    ig::TmaDesc ma, mb, mc;
+    ig::TmaDesc ma, mb, mc, mz;
     T* c;
     float* ws;
     const T* bias;
     ig::Shape sh;
     int grid, smem;
     void operator()() {
-        void* args[] = {&ma, &mb, &mc, &c, &ws, &bias, &sh};
+        void* args[] = {&ma, &mb, &mc, &mz, &c, &ws, &bias, &sh};
         CK(cudaLaunchKernel(f, dim3(grid), dim3(ig::TMA_THREADS), args, (size_t)smem, g_stream));
     }
 };
@@ -166,6 +167,12 @@ static Launch make(const void* f, const ig::TmaDesc& ma, const ig::TmaDesc& mb, 
     l.ma = ma;
     l.mb = mb;
     l.mc = tma_map(c, n, m, 64);
+    // z (the bias argument of a GSUMS launch) has C's shape and map.
+    if (bias != nullptr) {
+        l.mz = tma_map(bias, n, m, 64);
+    } else {
+        std::memset(&l.mz, 0, sizeof(l.mz));
+    }
     l.c = c;
     l.ws = ws;
     l.bias = bias;
