@@ -71,6 +71,13 @@ __device__ __forceinline__ void tma_store_2d(const TmaDesc* map, uint32_t src, i
                  "r"(c0), "r"(c1), "r"(src)
                  : "memory");
 }
+// Prefetches the box at (c0 inner, c1 outer) into L2.
+__device__ __forceinline__ void tma_prefetch_2d(const TmaDesc* map, int c0, int c1) {
+    asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];\n" ::"l"(
+                     reinterpret_cast<uint64_t>(map)),
+                 "r"(c0), "r"(c1)
+                 : "memory");
+}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Waits until this thread's bulk groups have finished reading shared memory (READ) or completely.
 template <bool READ>
@@ -134,17 +141,18 @@ constexpr int TMA_EPI_WG_BYTES = 64 * 128 * 2, TMA_EPI_BYTES = 2 * TMA_EPI_WG_BY
 constexpr int EPI_PLAIN = 0, EPI_MOMENTS = 1, EPI_GRAD_SUMS = 2;
 
 // Per block-tile width BN (256: tile x256, 128: tile x128, 64: tile x64) and epilogue: stages and dynamic shared
-// memory (alignment slack, the stages, the epilogue staging, the z tile, 2 x STAGES barriers and the z tile's
-// two). The GRAD_SUMS kernels at x128 give up one stage for the unit's z tile (128 x 128, loaded by the producer
-// through TMA: the epilogue reads it from shared memory instead of waiting on global loads), in the same total.
-// The launcher's Tile constants (crates/kernels/src/variants.rs) repeat these sizes.
+// memory (alignment slack, the stages, the epilogue staging, the z chunk, 2 x STAGES barriers and the z chunk's
+// two). The GRAD_SUMS kernels at x128 and x256 give up one stage for a z chunk (128 rows x 128 columns, loaded
+// through TMA by a thread of the producer warpgroup: the epilogue reads z from shared memory instead of waiting
+// on global loads), within the plain kernels' total (the size the launcher passes for every kernel of the tile:
+// crates/kernels/src/variants.rs repeats it).
 template <int BN, int EPI = EPI_PLAIN>
 struct TmaCfg {
-    static constexpr bool Z_SMEM = EPI == EPI_GRAD_SUMS && BN == 128;
+    static constexpr bool Z_SMEM = EPI == EPI_GRAD_SUMS && BN >= 128;
     static constexpr int STAGES = (BN == 256 ? 4 : BN == 128 ? 6 : 8) - (Z_SMEM ? 1 : 0);
     static constexpr int B_BYTES = BN * TMA_KD * 2;
     static constexpr int STAGE_BYTES = TMA_A_BYTES + B_BYTES;
-    static constexpr int Z_BYTES = Z_SMEM ? TMA_BM * BN * 2 : 0;
+    static constexpr int Z_BYTES = Z_SMEM ? TMA_BM * 128 * 2 : 0;
     static constexpr int SMEM_BYTES =
         1024 + STAGES * STAGE_BYTES + TMA_EPI_BYTES + Z_BYTES + 2 * STAGES * 8 + (Z_SMEM ? 16 : 0);
 };
@@ -484,17 +492,17 @@ __device__ __forceinline__ void load_pair(const T* p, float& a, float& b) {
 // part[tm * N + col] = sum g and part[(chunks + tm) * N + col] = sum g xhat, chunks = ceil(M / 128): the partial
 // layout of the sums pass, which bn_nhwc_bwd_final_v8 reduces. Reduction: the 8 lanes sharing a column set by
 // reduce-scatter (rs_sum8), then the 8 consumer warps in the staging buffers, in a fixed order.
-// ZS: z comes from the unit's z tile in shared memory at zs (TmaCfg::Z_SMEM: four 64 x 64 boxes, box (row half,
-// column half) at 8192 (2 rh + ch), 128-byte swizzle as the C staging), ready once the barrier zfull has
-// completed phase zpar; every consumer thread arrives on zempty (256 arrivals) once its values are in registers,
-// which frees the tile for the next unit's load. Same values, same arithmetic: bit for bit the global loads' sums.
+// ZS: z comes from shared memory at zs, one chunk of 128 columns at a time (TmaCfg::Z_SMEM: four 64 x 64 boxes,
+// box (row half, column half) at 8192 (2 rh + ch), 128-byte swizzle as the C staging). Chunk c of the unit is
+// the barrier zfull's phase zq0 + c; every consumer thread arrives on zempty (256 arrivals) once it has that
+// chunk's values in registers, which frees the buffer for the next chunk. Same values, same arithmetic: bit for
+// bit the global loads' sums.
 template <typename T, int BN, bool ZS = false>
 __device__ __forceinline__ void tma_epilogue_grad_sums(const float (&acc)[BN / 2], float* __restrict__ part,
                                                        const T* __restrict__ z, const Shape& sh, int tm, int tn,
                                                        int cw, float* red, uint32_t zs = 0, uint32_t zfull = 0,
-                                                       uint32_t zempty = 0, uint32_t zpar = 0) {
+                                                       uint32_t zempty = 0, int zq0 = 0) {
     const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, w8 = cw * 4 + warp;
-    if constexpr (ZS) mbar_wait(zfull, zpar);
     const int ct = threadIdx.x - 128;
     const int M = sh.M, N = sh.N;
     const int row = tm * TMA_BM + 16 * w8 + (lane >> 2);
@@ -504,6 +512,9 @@ __device__ __forceinline__ void tma_epilogue_grad_sums(const float (&acc)[BN / 2
 #pragma unroll
     for (int g = 0; g < G; ++g) {
         float sg[8], sgx[8];
+        if constexpr (ZS) {
+            if (g % 4 == 0) mbar_wait(zfull, (zq0 + g / 4) & 1);  // 4 groups of 32 columns per chunk
+        }
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) {
             const int j = 4 * g + jj;
@@ -521,7 +532,7 @@ __device__ __forceinline__ void tma_epilogue_grad_sums(const float (&acc)[BN / 2
                         float z0, z1;
                         if constexpr (ZS) {
                             const int r = 16 * warp + (lane >> 2) + 8 * h;  // row within the warpgroup's 64
-                            const uint32_t addr = zs + (2 * cw + (j >> 3)) * 8192 + r * 128 +
+                            const uint32_t addr = zs + (2 * cw + ((j >> 3) & 1)) * 8192 + r * 128 +
                                                   (((j & 7) ^ (r & 7)) << 4) + ((lane & 3) << 2);
                             uint32_t v;
                             asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
@@ -551,8 +562,10 @@ __device__ __forceinline__ void tma_epilogue_grad_sums(const float (&acc)[BN / 2
         rs_sum8(sgx, lane);
         gs[g] = sg[0];
         gx[g] = sgx[0];
+        if constexpr (ZS) {
+            if (g % 4 == 3) mbar_arrive(zempty);
+        }
     }
-    if constexpr (ZS) mbar_arrive(zempty);
     stage_pairs<G, BN>(gs, gx, red, w8, lane);
     const int chunks = (M + TMA_BM - 1) / TMA_BM;
     for (int col = ct; col < BN; col += 256) {
@@ -674,16 +687,17 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
     using Cfg = TmaCfg<BN, EPI>;
     constexpr int STAGES = Cfg::STAGES, STAGE_BYTES = Cfg::STAGE_BYTES;
     constexpr bool Z_SMEM = Cfg::Z_SMEM;
-    static_assert(Cfg::SMEM_BYTES == TmaCfg<BN>::SMEM_BYTES, "one shared-memory size per tile width");
+    static_assert(Cfg::SMEM_BYTES <= TmaCfg<BN>::SMEM_BYTES, "the launcher passes the plain kernel's size");
     unsigned char* smem = align1k<unsigned char>(smem_raw);
     const uint32_t s0 = smem_u32(smem);
     const uint32_t epi = s0 + STAGES * STAGE_BYTES;  // epilogue staging, TMA_EPI_BYTES
-    const uint32_t zbuf = epi + TMA_EPI_BYTES;        // the unit's z tile, Cfg::Z_BYTES
+    const uint32_t zbuf = epi + TMA_EPI_BYTES;        // the z chunk, Cfg::Z_BYTES
     const uint32_t bars = zbuf + Cfg::Z_BYTES;        // full[s] at bars + 8 s, empty[s] at + 8 (S + s)
-    const uint32_t zfull = bars + 16 * STAGES, zempty = zfull + 8;  // Z_SMEM: the z tile's
-    // Z_SMEM with C stored through its map (the launcher's tma_c; its z map tz then covers z like C's): the
-    // producer loads each unit's z tile; otherwise the epilogue reads z from global memory.
+    const uint32_t zfull = bars + 16 * STAGES, zempty = zfull + 8;  // Z_SMEM: the z chunk's
+    // Z_SMEM with C stored through its map (the launcher's tma_c; its z map tz then covers z like C's): a producer
+    // thread loads z; otherwise the epilogue reads z from global memory.
     const bool z_tma = Z_SMEM && sh.tma_c;
+    constexpr int ZCH = BN / 128;  // z chunks per unit (Z_SMEM)
     const int tid = threadIdx.x, wg = tid >> 7;
     const int M = sh.M, N = sh.N, K = sh.K;
     const int mt = (M + TMA_BM - 1) / TMA_BM, nt = (N + BN - 1) / BN;
@@ -705,23 +719,11 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
     if (wg == 0) {
         setmaxnreg_dec<40>();
         if (tid == 0) {
-            int it = 0, zu = 0;
-            for (int u = blockIdx.x; u < units; u += gridDim.x, ++zu) {
+            int it = 0;
+            for (int u = blockIdx.x; u < units; u += gridDim.x) {
                 int tm, tn, ks, k0;
                 const int kts = tma_unit_ktiles(u, mt, nt, splits, sh, tm, tn, ks, k0);
                 TmaPos pos = tma_pos_init<CONV>(sh, tm, k0);
-                // Z_SMEM: the unit's z tile, once the previous unit's epilogue has read the last one. Issued after
-                // the unit's first min(kts, STAGES) k-tiles: the next k-tile's stage frees only when the consumers
-                // have begun this unit, past that epilogue, so the wait costs the operands nothing.
-                auto load_z = [&]() {
-                    static_assert(!Z_SMEM || BN == 128, "the z tile is four 64 x 64 boxes");
-                    mbar_wait(zempty, (zu & 1) ^ 1);
-                    mbar_expect_tx(zfull, Cfg::Z_BYTES);
-#pragma unroll
-                    for (int b = 0; b < 4; ++b)
-                        tma_load_2d(zbuf + b * 8192, tz, tn * BN + 64 * (b & 1), tm * TMA_BM + 64 * (b >> 1), zfull);
-                };
-                const int z_after = min(kts, STAGES) - 1;
                 for (int kt = 0; kt < kts; ++kt, ++it) {
                     const int s = it % STAGES;
                     const uint32_t par = (it / STAGES) & 1;
@@ -732,9 +734,30 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
                     tma_produce<CONV, A_KMAJOR, B_KMAJOR, BN>(ta, tb, sh, tm, tn, k0 + kt * TMA_KD, pos, sa,
                                                               sa + TMA_A_BYTES, full);
                     tma_pos_next<CONV>(sh, pos);
-                    if (z_tma && kt == z_after) load_z();
                 }
-                if (z_tma && kts == 0) load_z();
+            }
+        } else if (z_tma && tid == 32) {
+            // The z loader: each unit's chunks in turn, each as soon as the epilogue has read the one before
+            // (the next unit's first chunk then loads during that unit's MMAs). A chunk that the epilogue will
+            // wait for right after the one before (x256's second) is prefetched into L2 with the first.
+            int q = 0;
+            for (int u = blockIdx.x; u < units; u += gridDim.x) {
+                int tm, tn, ks;
+                tma_unit(u, mt, nt, splits, tm, tn, ks);
+#pragma unroll
+                for (int ch = 0; ch < ZCH; ++ch, ++q) {
+                    const int c0 = tn * BN + 128 * ch, r0 = tm * TMA_BM;
+                    if (ch == 0) {
+#pragma unroll
+                        for (int c2 = 1; c2 < ZCH; ++c2)
+#pragma unroll
+                            for (int b = 0; b < 4; ++b) tma_prefetch_2d(tz, c0 + 128 * c2 + 64 * (b & 1), r0 + 64 * (b >> 1));
+                    }
+                    mbar_wait(zempty, (q & 1) ^ 1);
+                    mbar_expect_tx(zfull, Cfg::Z_BYTES);
+#pragma unroll
+                    for (int b = 0; b < 4; ++b) tma_load_2d(zbuf + b * 8192, tz, c0 + 64 * (b & 1), r0 + 64 * (b >> 1), zfull);
+                }
             }
         }
         return;
@@ -831,7 +854,7 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
             float* red = reinterpret_cast<float*>(smem + STAGES * STAGE_BYTES);
             if (z_tma) {
                 tma_epilogue_grad_sums<T, BN, Z_SMEM>(acc, ws, bias, sh, tm, tn, cw, red, zbuf, zfull, zempty,
-                                                      zu & 1);
+                                                      zu * ZCH);
             } else {
                 tma_epilogue_grad_sums<T, BN>(acc, ws, bias, sh, tm, tn, cw, red);
             }
@@ -935,7 +958,7 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
 
 // One TMA kernel: (map A, map B, map C, map Z, C, split-K workspace, bias, shape), MODE one of ig::TMA_GEMM /
 // TMA_CONV_*, AK / BKM whether A / B are K-major, BN the tile width. Map Z is read only by the GSUMS kernels at
-// x128 with map C in use (TmaCfg::Z_SMEM): z (the bias argument) as map C covers C. Used by gemm/ and
+// x128 / x256 with map C in use (TmaCfg::Z_SMEM): z (the bias argument) as map C covers C. Used by gemm/ and
 // conv/05_tma_wgmma.cu.
 #define IG_TMA_KERNEL(NAME, T, MODE, AK, BKM, BN) IG_TMA_KERNEL_S(NAME, T, MODE, AK, BKM, BN, ig::EPI_PLAIN)
 // The same with the BatchNorm statistics of the output in the epilogue (ig::tma_epilogue_stats): the workspace
