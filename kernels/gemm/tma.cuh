@@ -133,6 +133,9 @@ __device__ __forceinline__ void tma_load_im2col(uint32_t dst, const TmaDesc* map
 constexpr int TMA_GEMM = 0, TMA_CONV_FWD = 1, TMA_CONV_DGRAD = 2, TMA_CONV_WGRAD = 3, TMA_CONV_DGRAD_S = 4,
               TMA_CONV_WGRAD_T = 5;
 
+// The TMA kernels take map Z (after map C): lets a harness built against an older tree pass their arguments.
+#define IG_TMA_HAS_MAP_Z 1
+
 constexpr int TMA_BM = 128, TMA_KD = 64, TMA_THREADS = 384, TMA_GROUP = 8;
 constexpr int TMA_A_BYTES = TMA_BM * TMA_KD * 2;
 // Epilogue staging: per consumer warpgroup 64 rows x 128 columns of C (two 64 x 64 boxes, 128-byte swizzle).

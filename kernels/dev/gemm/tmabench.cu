@@ -2,6 +2,7 @@
 // their BatchNorm epilogues, on ResNet-152's 1x1 convolutions at batch N (default 256), outside the trainer, so that
 // an epilogue change is timed and checked in seconds on the GPU machine (nvcc there; no Rust build):
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I kernels -o tmabench kernels/dev/gemm/tmabench.cu
+// (-I another checkout's kernels/ times that checkout's kernels with this harness.)
 //   ./tmabench [batch (256)]
 // For each shape and tile (x256, x128) it times, in bf16:
 //   - the forward 1x1 convolution as the NT GEMM, plain (gemm_nt_x*) and with the BatchNorm moments of its output
@@ -16,7 +17,11 @@
 // two builds of an epilogue can be compared bit for bit (scripts/bn-dev-bench.sh runs two builds and compares
 // them). On the l3 and l4 shapes the partials are also checked against FP64 sums on the host (the exit status
 // says whether every check passed).
+// Then the same for the stride-1 3x3 grad-input convolutions (conv2 of the bottlenecks that do not downsample), plain
+// (conv_dgrad_x*_tma) and with the backward sums (conv_dgrad_gsums_x*_tma), through the trainer's im2col map of dy
+// (kernels/conv/05_tma_wgmma.cu; crates/kernels/src/cuda/conv.rs's Dgrad pass).
 // The last lines weight each shape by its launches in one ResNet-152 step: milliseconds a step.
+#include "conv/05_tma_wgmma.cu"
 #include "gemm/05_tma_wgmma.cu"
 
 #define DEV_HARNESS "tmabench"
@@ -33,6 +38,7 @@ typedef __nv_bfloat16 T;
 
 static int g_sms = 0;
 static PFN_cuTensorMapEncodeTiled_v12000 g_encode = nullptr;
+static PFN_cuTensorMapEncodeIm2col_v12000 g_encode_im2col = nullptr;
 
 // The trainer's tma_map: a row-major outer x inner matrix, boxes of 64 x box_outer, 128-byte swizzle, zero fill.
 static ig::TmaDesc tma_map(const void* p, int inner, int outer, int box_outer) {
@@ -50,6 +56,28 @@ static ig::TmaDesc tma_map(const void* p, int inner, int outer, int box_outer) {
     }
     ig::TmaDesc d;
     static_assert(sizeof(d) == sizeof(m), "TmaDesc is a CUtensorMap");
+    std::memcpy(&d, &m, sizeof(m));
+    return d;
+}
+
+// The trainer's tma_im2col_map for a stride-1 pass: the channels-last tensor (n, h, w, c), columns of `pixels`
+// pixels x 64 channels, window corners from `lo` to h - 1 + `up` (both dimensions), zero fill outside.
+static ig::TmaDesc im2col_map(const void* p, int n, int h, int w, int c, int lo, int up, int pixels) {
+    CUtensorMap m;
+    const cuuint64_t dims[4] = {(cuuint64_t)c, (cuuint64_t)w, (cuuint64_t)h, (cuuint64_t)n};
+    const cuuint64_t strides[3] = {(cuuint64_t)c * sizeof(T), (cuuint64_t)w * c * sizeof(T),
+                                   (cuuint64_t)h * w * c * sizeof(T)};
+    const int lower[2] = {lo, lo}, upper[2] = {up, up};
+    const cuuint32_t es[4] = {1, 1, 1, 1};
+    const CUresult r = g_encode_im2col(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<void*>(p), dims, strides,
+                                       lower, upper, 64, (cuuint32_t)pixels, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                       CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) {
+        std::fprintf(stderr, "tmabench: cuTensorMapEncodeIm2col failed (%d) for %dx%dx%dx%d\n", (int)r, n, h, w, c);
+        std::exit(1);
+    }
+    ig::TmaDesc d;
     std::memcpy(&d, &m, sizeof(m));
     return d;
 }
@@ -144,7 +172,7 @@ struct Shape1x1 {
 };
 
 // One kernel launch: (map A, map B, map C, map Z, C, workspace / partials, bias / z, shape), as tma_run passes
-// them.
+// them (without map Z when built against kernels from before it: then the z map is unused).
 struct Launch {
     const void* f;
     ig::TmaDesc ma, mb, mc, mz;
@@ -154,7 +182,11 @@ struct Launch {
     ig::Shape sh;
     int grid, smem;
     void operator()() {
+#ifdef IG_TMA_HAS_MAP_Z
         void* args[] = {&ma, &mb, &mc, &mz, &c, &ws, &bias, &sh};
+#else
+        void* args[] = {&ma, &mb, &mc, &c, &ws, &bias, &sh};
+#endif
         CK(cudaLaunchKernel(f, dim3(grid), dim3(ig::TMA_THREADS), args, (size_t)smem, g_stream));
     }
 };
@@ -209,6 +241,12 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "tmabench: no cuTensorMapEncodeTiled in the driver\n");
         return 1;
     }
+    CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeIm2col", reinterpret_cast<void**>(&g_encode_im2col),
+                                        12000, cudaEnableDefault, &q));
+    if (q != cudaDriverEntryPointSuccess || g_encode_im2col == nullptr) {
+        std::fprintf(stderr, "tmabench: no cuTensorMapEncodeIm2col in the driver\n");
+        return 1;
+    }
     std::printf("tmabench: %s, %d SMs, batch %lld, bf16, no split-K\n", prop.name, g_sms, batch);
 
     // ResNet-152's bottleneck 1x1 convolutions (conv1: 4c -> c, conv3: c -> 4c; the first block of each stage
@@ -240,24 +278,29 @@ int main(int argc, char** argv) {
     fill_rand<<<1024, 256, 0, g_stream>>>(dy, max_mn, 3u, 1.0f, 0.0f);
     fill_rand<<<1024, 256, 0, g_stream>>>(z, max_mk, 4u, 1.0f, 0.1f);
     // The grad-input's BatchNorm (that of the conv's input, whose gradient dx is): statistics (3, c) = [mean, var,
-    // invstd], weight, bias.
+    // invstd] (rows of c: the kernel reads invstd at 2 N + col, so set_bn lays them out for each launch's N),
+    // weight, bias.
     float *stats, *bw, *bb, *part;
     CK(cudaMalloc(&stats, 3 * max_n * sizeof(float)));
     CK(cudaMalloc(&bw, max_n * sizeof(float)));
     CK(cudaMalloc(&bb, max_n * sizeof(float)));
-    std::vector<float> hs(3 * max_n), hw(max_n), hb(max_n);
-    {
-        for (int i = 0; i < max_n; ++i) {
-            hs[i] = 0.1f;
-            hs[max_n + i] = 1.0f;
-            hs[2 * max_n + i] = 1.0f;
-            hw[i] = 0.5f + 0.001f * i;
-            hb[i] = 0.01f * (i % 17) - 0.05f;
+    std::vector<float> hs, hw(max_n), hb(max_n);
+    auto set_bn = [&](int n) {
+        hs.assign(3 * n, 0.f);
+        for (int i = 0; i < n; ++i) {
+            hs[i] = 0.1f + 0.01f * (i % 7) - 0.03f;
+            const float var = 1.0f + 0.002f * (i % 13);
+            hs[n + i] = var;
+            hs[2 * n + i] = 1.0f / std::sqrt(var + 1e-5f);
         }
         CK(cudaMemcpy(stats, hs.data(), hs.size() * 4, cudaMemcpyHostToDevice));
-        CK(cudaMemcpy(bw, hw.data(), hw.size() * 4, cudaMemcpyHostToDevice));
-        CK(cudaMemcpy(bb, hb.data(), hb.size() * 4, cudaMemcpyHostToDevice));
+    };
+    for (int i = 0; i < max_n; ++i) {
+        hw[i] = 0.5f + 0.001f * i;
+        hb[i] = 0.01f * (i % 17) - 0.05f;
     }
+    CK(cudaMemcpy(bw, hw.data(), hw.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(bb, hb.data(), hb.size() * 4, cudaMemcpyHostToDevice));
     size_t max_part = 0;
     for (const Shape1x1& s : shapes) {
         const size_t rows = (s.m + ig::TMA_BM - 1) / ig::TMA_BM;
@@ -301,6 +344,7 @@ int main(int argc, char** argv) {
                 bwd_s = make<128>(kt.nn_gsums, ga, gb, dx, part, z, m, s.cin, s.cout, stats, bw, bb);
             }
             // Hashes of one launch each (the partials: the stats kernel's, then the sums kernel's).
+            set_bn(s.cin);
             fwd_s();
             CK(cudaStreamSynchronize(g_stream));
             const size_t rows = (s.m + ig::TMA_BM - 1) / ig::TMA_BM;
@@ -315,7 +359,7 @@ int main(int argc, char** argv) {
             const bool check = (size_t)m * std::max(s.cin, s.cout) <= ((size_t)64 << 20);
             double e_g = 0, e_gx = 0, e_s = 0, e_m2 = 0;
             if (check) {
-                check_sums(dx, z, part, m, s.cin, hs, max_n, hw, hb, e_g, e_gx);
+                check_sums(dx, z, part, m, s.cin, hs, s.cin, hw, hb, e_g, e_gx);
                 fwd_s();
                 CK(cudaStreamSynchronize(g_stream));
                 check_stats(y, part, m, s.cout, e_s, e_m2);
@@ -337,6 +381,84 @@ int main(int argc, char** argv) {
     for (int ti = 0; ti < 2; ++ti)
         std::printf("  x%-3d %8.3f %8.3f %8.3f %8.3f\n", tiles[ti].bn, step[ti][0] / 1e3, step[ti][1] / 1e3,
                     step[ti][2] / 1e3, step[ti][3] / 1e3);
+
+    // The stride-1 3x3 grad-input (pad 1, c -> c): dx (n h w x c) = im2col(dy, corners of padding r - 1 - pad = 1)
+    // . w read as K x N = (tap, ko) x c; z (the BatchNorm + ReLU's input before this conv) is dx-shaped.
+    struct Conv3x3 {
+        const char* name;
+        int hw, c;
+        int launches;  // stride-1 conv2s of this stage in one ResNet-152 step
+    };
+    const Conv3x3 convs[] = {
+        {"l1 conv2 3x3 64", 56, 64, 3},
+        {"l2 conv2 3x3 128", 28, 128, 7},
+        {"l3 conv2 3x3 256", 14, 256, 35},
+        {"l4 conv2 3x3 512", 7, 512, 2},
+    };
+    T* wc;
+    CK(cudaMalloc(&wc, (size_t)9 * 512 * 512 * sizeof(T)));
+    fill_rand<<<1024, 256, 0, g_stream>>>(wc, (long long)9 * 512 * 512, 5u, 0.02f, 0.0f);
+    struct ConvKernels {
+        int bn;
+        const void *dgrad, *dgrad_gsums;
+    };
+    const ConvKernels ctiles[] = {
+        {256, (const void*)conv_dgrad_x256_tma_bf16, (const void*)conv_dgrad_gsums_x256_tma_bf16},
+        {128, (const void*)conv_dgrad_x128_tma_bf16, (const void*)conv_dgrad_gsums_x128_tma_bf16},
+    };
+    double cstep[2][2] = {{0}};
+    std::printf("%-20s %4s | %9s %9s %7s | hashes: bwd C, sums\n", "shape", "tile", "bgrad", "+sums", "+%");
+    for (const Conv3x3& cv : convs) {
+        const int m = (int)(batch * cv.hw * cv.hw), c = cv.c, k = 9 * c;
+        if ((size_t)m * c > max_mk || (size_t)m * c > max_mn) {
+            std::fprintf(stderr, "tmabench: %s does not fit the buffers\n", cv.name);
+            return 1;
+        }
+        for (const ConvKernels& kt : ctiles) {
+            const ig::TmaDesc ga = im2col_map(dy, (int)batch, cv.hw, cv.hw, c, -1, -1, 128);
+            const ig::TmaDesc gb = tma_map(wc, k, c, 64);
+            Launch bwd, bwd_s;
+            if (kt.bn == 256) {
+                bwd = make<256>(kt.dgrad, ga, gb, dx, part, nullptr, m, c, k, nullptr, nullptr, nullptr);
+                bwd_s = make<256>(kt.dgrad_gsums, ga, gb, dx, part, z, m, c, k, stats, bw, bb);
+            } else {
+                bwd = make<128>(kt.dgrad, ga, gb, dx, part, nullptr, m, c, k, nullptr, nullptr, nullptr);
+                bwd_s = make<128>(kt.dgrad_gsums, ga, gb, dx, part, z, m, c, k, stats, bw, bb);
+            }
+            for (Launch* l : {&bwd, &bwd_s}) {
+                ig::Shape& sh = l->sh;
+                sh.n = (int)batch;
+                sh.h = sh.w = sh.p = sh.q = cv.hw;
+                sh.c = sh.ko = c;
+                sh.r = sh.s = 3;
+                sh.stride = sh.pad = 1;
+            }
+            set_bn(c);
+            bwd_s();
+            CK(cudaStreamSynchronize(g_stream));
+            const size_t rows = (m + ig::TMA_BM - 1) / ig::TMA_BM;
+            const unsigned long long h_dx = fnv(dx, (size_t)m * c * sizeof(T));
+            const unsigned long long h_su = fnv(part, 2 * rows * c * sizeof(float));
+            const bool check = (size_t)m * c <= ((size_t)64 << 20);
+            double e_g = 0, e_gx = 0;
+            if (check) check_sums(dx, z, part, m, c, hs, c, hw, hb, e_g, e_gx);
+            const double t[2] = {time_us(bwd), time_us(bwd_s)};
+            std::printf("%-20s x%-3d | %9.1f %9.1f %+6.1f%% | %016llx %016llx\n", cv.name, kt.bn, t[0], t[1],
+                        100.0 * (t[1] / t[0] - 1.0), h_dx, h_su);
+            if (check) {
+                const bool ok = e_g < 1e-5 && e_gx < 1e-5;
+                std::printf("  check against FP64 on the host: sums g %.1e g xhat %.1e: %s\n", e_g, e_gx,
+                            ok ? "ok" : "FAIL");
+                fails += !ok;
+            }
+            const int ti = kt.bn == 256 ? 0 : 1;
+            cstep[ti][0] += t[0] * cv.launches;
+            cstep[ti][1] += t[1] * cv.launches;
+        }
+    }
+    std::printf("per ResNet-152 step (these 3x3 grad-inputs, launches weighted), ms: bgrad / +sums\n");
+    for (int ti = 0; ti < 2; ++ti)
+        std::printf("  x%-3d %8.3f %8.3f\n", ctiles[ti].bn, cstep[ti][0] / 1e3, cstep[ti][1] / 1e3);
     if (fails) std::printf("tmabench: %d host check(s) FAILED\n", fails);
     return fails ? 1 : 0;
 }
