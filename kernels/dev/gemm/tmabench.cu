@@ -171,8 +171,9 @@ struct Shape1x1 {
     int launches;  // 1x1 convolutions of this shape in one ResNet-152 step (forward; the grad-input alike)
 };
 
-// One kernel launch: (map A, map B, map C, map Z, C, workspace / partials, bias / z, shape), as tma_run passes
-// them (without map Z when built against kernels from before it: then the z map is unused).
+// One kernel launch: (map A, map B, map C, [map Z,] C, workspace / partials, bias / z, shape), as tma_run passes
+// them; map Z (z's tensor map, for GSUMS kernels that load z through TMA) only where the kernels take it
+// (IG_TMA_HAS_MAP_Z), so that the harness builds against trees with and without it.
 struct Launch {
     const void* f;
     ig::TmaDesc ma, mb, mc, mz;
@@ -199,7 +200,7 @@ static Launch make(const void* f, const ig::TmaDesc& ma, const ig::TmaDesc& mb, 
     l.ma = ma;
     l.mb = mb;
     l.mc = tma_map(c, n, m, 64);
-    // z (the bias argument of a GSUMS launch) has C's shape and map.
+    // z (the bias argument of a GSUMS launch) has C's shape and map (map Z, where the kernels take one).
     if (bias != nullptr) {
         l.mz = tma_map(bias, n, m, 64);
     } else {
