@@ -750,16 +750,19 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
 #pragma unroll
                 for (int ch = 0; ch < ZCH; ++ch, ++q) {
                     const int c0 = tn * BN + 128 * ch, r0 = tm * TMA_BM;
+                    // Box b: rows r0 + 64 (b / 2), columns c0 + 64 (b % 2).
                     if (ch == 0) {
 #pragma unroll
                         for (int c2 = 1; c2 < ZCH; ++c2)
 #pragma unroll
-                            for (int b = 0; b < 4; ++b) tma_prefetch_2d(tz, c0 + 128 * c2 + 64 * (b & 1), r0 + 64 * (b >> 1));
+                            for (int b = 0; b < 4; ++b)
+                                tma_prefetch_2d(tz, c0 + 128 * c2 + 64 * (b & 1), r0 + 64 * (b >> 1));
                     }
                     mbar_wait(zempty, (q & 1) ^ 1);
                     mbar_expect_tx(zfull, Cfg::Z_BYTES);
 #pragma unroll
-                    for (int b = 0; b < 4; ++b) tma_load_2d(zbuf + b * 8192, tz, c0 + 64 * (b & 1), r0 + 64 * (b >> 1), zfull);
+                    for (int b = 0; b < 4; ++b)
+                        tma_load_2d(zbuf + b * 8192, tz, c0 + 64 * (b & 1), r0 + 64 * (b >> 1), zfull);
                 }
             }
         }
