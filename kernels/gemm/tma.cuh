@@ -144,20 +144,26 @@ constexpr int TMA_EPI_WG_BYTES = 64 * 128 * 2, TMA_EPI_BYTES = 2 * TMA_EPI_WG_BY
 constexpr int EPI_PLAIN = 0, EPI_MOMENTS = 1, EPI_GRAD_SUMS = 2;
 
 // Per block-tile width BN (256: tile x256, 128: tile x128, 64: tile x64) and epilogue: stages and dynamic shared
-// memory (alignment slack, the stages, the epilogue staging, the z chunk, 2 x STAGES barriers and the z chunk's
-// two). The GRAD_SUMS kernels at x128 and x256 give up one stage for a z chunk (128 rows x 128 columns, loaded
-// through TMA by a thread of the producer warpgroup: the epilogue reads z from shared memory instead of waiting
-// on global loads), within the plain kernels' total (the size the launcher passes for every kernel of the tile:
+// memory (alignment slack, the stages, the epilogue staging, the z buffers, 2 x STAGES barriers and 2 x Z_BUFS).
+// The GRAD_SUMS kernels give up stages for a ring of Z_BUFS buffers of z, each one chunk of 128 rows x ZW columns
+// (ZW = min(BN, 128); a unit has ZCH = BN / ZW chunks), loaded through TMA by a thread of the producer
+// warpgroup, so that the epilogue reads z from shared memory instead of waiting on global loads: x64 six stages
+// and two buffers, x128 four stages and two (one buffer left the next unit's z latency exposed on the short-K
+// shapes, whose units are shorter than it), x256 three stages and one buffer (its two chunks take turns). Each
+// fits within the plain kernels' total (the size the launcher passes for every kernel of the tile:
 // crates/kernels/src/variants.rs repeats it).
 template <int BN, int EPI = EPI_PLAIN>
 struct TmaCfg {
-    static constexpr bool Z_SMEM = EPI == EPI_GRAD_SUMS && BN >= 128;
-    static constexpr int STAGES = (BN == 256 ? 4 : BN == 128 ? 6 : 8) - (Z_SMEM ? 1 : 0);
+    static constexpr bool Z_SMEM = EPI == EPI_GRAD_SUMS;
+    static constexpr int STAGES = Z_SMEM ? (BN == 256 ? 3 : BN == 128 ? 4 : 6) : (BN == 256 ? 4 : BN == 128 ? 6 : 8);
     static constexpr int B_BYTES = BN * TMA_KD * 2;
     static constexpr int STAGE_BYTES = TMA_A_BYTES + B_BYTES;
-    static constexpr int Z_BYTES = Z_SMEM ? TMA_BM * 128 * 2 : 0;
+    static constexpr int ZW = BN < 128 ? BN : 128;
+    static constexpr int ZCH = BN / ZW;
+    static constexpr int Z_BUFS = Z_SMEM ? (BN == 256 ? 1 : 2) : 0;
+    static constexpr int Z_CHUNK_BYTES = TMA_BM * ZW * 2;
     static constexpr int SMEM_BYTES =
-        1024 + STAGES * STAGE_BYTES + TMA_EPI_BYTES + Z_BYTES + 2 * STAGES * 8 + (Z_SMEM ? 16 : 0);
+        1024 + STAGES * STAGE_BYTES + TMA_EPI_BYTES + Z_BUFS * Z_CHUNK_BYTES + 2 * STAGES * 8 + 2 * Z_BUFS * 8;
 };
 
 // Work unit u -> (row tile, column tile, k-split).
@@ -495,16 +501,19 @@ __device__ __forceinline__ void load_pair(const T* p, float& a, float& b) {
 // part[tm * N + col] = sum g and part[(chunks + tm) * N + col] = sum g xhat, chunks = ceil(M / 128): the partial
 // layout of the sums pass, which bn_nhwc_bwd_final_v8 reduces. Reduction: the 8 lanes sharing a column set by
 // reduce-scatter (rs_sum8), then the 8 consumer warps in the staging buffers, in a fixed order.
-// ZS: z comes from shared memory at zs, one chunk of 128 columns at a time (TmaCfg::Z_SMEM: four 64 x 64 boxes,
-// box (row half, column half) at 8192 (2 rh + ch), 128-byte swizzle as the C staging). Chunk c of the unit is
-// the barrier zfull's phase zq0 + c; every consumer thread arrives on zempty (256 arrivals) once it has that
-// chunk's values in registers, which frees the buffer for the next chunk. Same values, same arithmetic: bit for
-// bit the global loads' sums.
-template <typename T, int BN, bool ZS = false>
+// ZS: z comes from a ring of ZBUFS shared-memory buffers of one chunk each (TmaCfg::Z_SMEM): chunk q of the
+// block (the unit's first is zq0, then one per ZW = min(BN, 128) columns) lies in buffer b = q % ZBUFS at
+// zs + b Z_CHUNK_BYTES, as 64 x 64 boxes, box (row half, column box) at 8192 (ZW / 64 rh + cb), 128-byte swizzle as
+// the C staging; it is ready once barrier zfull + 8 b has completed phase q / ZBUFS. Every consumer thread arrives
+// on zempty + 8 b (256 arrivals) once it has that chunk's values in registers, which frees the buffer for chunk
+// q + ZBUFS. Same values, same arithmetic: bit for bit the global loads' sums.
+template <typename T, int BN, bool ZS = false, int ZBUFS = 1>
 __device__ __forceinline__ void tma_epilogue_grad_sums(const float (&acc)[BN / 2], float* __restrict__ part,
                                                        const T* __restrict__ z, const Shape& sh, int tm, int tn,
                                                        int cw, float* red, uint32_t zs = 0, uint32_t zfull = 0,
                                                        uint32_t zempty = 0, int zq0 = 0) {
+    constexpr int ZW = BN < 128 ? BN : 128, ZGROUPS = ZW / 32, ZBOXES = ZW / 64;  // per chunk: groups, column boxes
+    int zb = 0;  // ZS: the buffer of the chunk being read
     const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, w8 = cw * 4 + warp;
     const int ct = threadIdx.x - 128;
     const int M = sh.M, N = sh.N;
@@ -516,7 +525,11 @@ __device__ __forceinline__ void tma_epilogue_grad_sums(const float (&acc)[BN / 2
     for (int g = 0; g < G; ++g) {
         float sg[8], sgx[8];
         if constexpr (ZS) {
-            if (g % 4 == 0) mbar_wait(zfull, (zq0 + g / 4) & 1);  // 4 groups of 32 columns per chunk
+            if (g % ZGROUPS == 0) {
+                const int q = zq0 + g / ZGROUPS;
+                zb = q % ZBUFS;
+                mbar_wait(zfull + 8 * zb, (q / ZBUFS) & 1);
+            }
         }
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) {
@@ -535,7 +548,8 @@ __device__ __forceinline__ void tma_epilogue_grad_sums(const float (&acc)[BN / 2
                         float z0, z1;
                         if constexpr (ZS) {
                             const int r = 16 * warp + (lane >> 2) + 8 * h;  // row within the warpgroup's 64
-                            const uint32_t addr = zs + (2 * cw + ((j >> 3) & 1)) * 8192 + r * 128 +
+                            const uint32_t addr = zs + zb * (TMA_BM * ZW * 2) +
+                                                  (ZBOXES * cw + ((j >> 3) & (ZBOXES - 1))) * 8192 + r * 128 +
                                                   (((j & 7) ^ (r & 7)) << 4) + ((lane & 3) << 2);
                             uint32_t v;
                             asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
@@ -566,7 +580,7 @@ __device__ __forceinline__ void tma_epilogue_grad_sums(const float (&acc)[BN / 2
         gs[g] = sg[0];
         gx[g] = sgx[0];
         if constexpr (ZS) {
-            if (g % 4 == 3) mbar_arrive(zempty);
+            if (g % ZGROUPS == ZGROUPS - 1) mbar_arrive(zempty + 8 * zb);
         }
     }
     stage_pairs<G, BN>(gs, gx, red, w8, lane);
@@ -694,13 +708,14 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
     unsigned char* smem = align1k<unsigned char>(smem_raw);
     const uint32_t s0 = smem_u32(smem);
     const uint32_t epi = s0 + STAGES * STAGE_BYTES;  // epilogue staging, TMA_EPI_BYTES
-    const uint32_t zbuf = epi + TMA_EPI_BYTES;        // the z chunk, Cfg::Z_BYTES
-    const uint32_t bars = zbuf + Cfg::Z_BYTES;        // full[s] at bars + 8 s, empty[s] at + 8 (S + s)
-    const uint32_t zfull = bars + 16 * STAGES, zempty = zfull + 8;  // Z_SMEM: the z chunk's
+    constexpr int ZCH = Cfg::ZCH, ZW = Cfg::ZW, Z_BUFS = Cfg::Z_BUFS, Z_CHUNK = Cfg::Z_CHUNK_BYTES;
+    const uint32_t zbuf = epi + TMA_EPI_BYTES;        // the z buffers, Z_BUFS x Z_CHUNK
+    const uint32_t bars = zbuf + Z_BUFS * Z_CHUNK;    // full[s] at bars + 8 s, empty[s] at + 8 (S + s)
+    // Z_SMEM: zfull[b] at zfull + 8 b, zempty[b] at zempty + 8 b.
+    const uint32_t zfull = bars + 16 * STAGES, zempty = zfull + 8 * Z_BUFS;
     // Z_SMEM with C stored through its map (the launcher's tma_c; its z map tz then covers z like C's): a producer
     // thread loads z; otherwise the epilogue reads z from global memory.
     const bool z_tma = Z_SMEM && sh.tma_c;
-    constexpr int ZCH = BN / 128;  // z chunks per unit (Z_SMEM)
     const int tid = threadIdx.x, wg = tid >> 7;
     const int M = sh.M, N = sh.N, K = sh.K;
     const int mt = (M + TMA_BM - 1) / TMA_BM, nt = (N + BN - 1) / BN;
@@ -711,9 +726,9 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
             mbar_init(bars + 8 * s, 1);
             mbar_init(bars + 8 * (STAGES + s), 2);
         }
-        if (Z_SMEM) {
-            mbar_init(zfull, 1);
-            mbar_init(zempty, 256);
+        for (int b = 0; b < Z_BUFS; ++b) {
+            mbar_init(zfull + 8 * b, 1);
+            mbar_init(zempty + 8 * b, 256);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -740,29 +755,33 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
                 }
             }
         } else if (z_tma && tid == 32) {
-            // The z loader: each unit's chunks in turn, each as soon as the epilogue has read the one before
-            // (the next unit's first chunk then loads during that unit's MMAs). A chunk that the epilogue will
-            // wait for right after the one before (x256's second) is prefetched into L2 with the first.
+            // The z loader: each unit's chunks in turn, each into the next buffer of the ring as soon as the
+            // epilogue has read the chunk that held it (with two buffers the next unit's z loads during this
+            // unit). A chunk that the epilogue waits for right after the one before (x256's second, in the one
+            // buffer) is prefetched into L2 with the first.
             int q = 0;
             for (int u = blockIdx.x; u < units; u += gridDim.x) {
                 int tm, tn, ks;
                 tma_unit(u, mt, nt, splits, tm, tn, ks);
 #pragma unroll
                 for (int ch = 0; ch < ZCH; ++ch, ++q) {
-                    const int c0 = tn * BN + 128 * ch, r0 = tm * TMA_BM;
-                    // Box b: rows r0 + 64 (b / 2), columns c0 + 64 (b % 2).
-                    if (ch == 0) {
+                    const int c0 = tn * BN + ZW * ch, r0 = tm * TMA_BM;
+                    constexpr int CB = ZW / 64;  // column boxes per row half
+                    // Box b: rows r0 + 64 (b / CB), columns c0 + 64 (b % CB).
+                    if (ch == 0 && Z_BUFS < ZCH) {
 #pragma unroll
                         for (int c2 = 1; c2 < ZCH; ++c2)
 #pragma unroll
-                            for (int b = 0; b < 4; ++b)
-                                tma_prefetch_2d(tz, c0 + 128 * c2 + 64 * (b & 1), r0 + 64 * (b >> 1));
+                            for (int b = 0; b < 2 * CB; ++b)
+                                tma_prefetch_2d(tz, c0 + ZW * c2 + 64 * (b % CB), r0 + 64 * (b / CB));
                     }
-                    mbar_wait(zempty, (q & 1) ^ 1);
-                    mbar_expect_tx(zfull, Cfg::Z_BYTES);
+                    const int zb = q % Z_BUFS;
+                    mbar_wait(zempty + 8 * zb, ((q / Z_BUFS) & 1) ^ 1);
+                    mbar_expect_tx(zfull + 8 * zb, Z_CHUNK);
 #pragma unroll
-                    for (int b = 0; b < 4; ++b)
-                        tma_load_2d(zbuf + b * 8192, tz, c0 + 64 * (b & 1), r0 + 64 * (b >> 1), zfull);
+                    for (int b = 0; b < 2 * CB; ++b)
+                        tma_load_2d(zbuf + zb * Z_CHUNK + b * 8192, tz, c0 + 64 * (b % CB), r0 + 64 * (b / CB),
+                                    zfull + 8 * zb);
                 }
             }
         }
@@ -859,8 +878,8 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
             // ws: the sums' partials; the bias argument: the BatchNorm's input z (no bias in these passes).
             float* red = reinterpret_cast<float*>(smem + STAGES * STAGE_BYTES);
             if (z_tma) {
-                tma_epilogue_grad_sums<T, BN, Z_SMEM>(acc, ws, bias, sh, tm, tn, cw, red, zbuf, zfull, zempty,
-                                                      zu * ZCH);
+                tma_epilogue_grad_sums<T, BN, Z_SMEM, (Z_BUFS > 0 ? Z_BUFS : 1)>(acc, ws, bias, sh, tm, tn, cw, red,
+                                                                                 zbuf, zfull, zempty, zu * ZCH);
             } else {
                 tma_epilogue_grad_sums<T, BN>(acc, ws, bias, sh, tm, tn, cw, red);
             }
@@ -963,8 +982,8 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
 }  // namespace ig
 
 // One TMA kernel: (map A, map B, map C, map Z, C, split-K workspace, bias, shape), MODE one of ig::TMA_GEMM /
-// TMA_CONV_*, AK / BKM whether A / B are K-major, BN the tile width. Map Z is read only by the GSUMS kernels at
-// x128 / x256 with map C in use (TmaCfg::Z_SMEM): z (the bias argument) as map C covers C. Used by gemm/ and
+// TMA_CONV_*, AK / BKM whether A / B are K-major, BN the tile width. Map Z is read only by the GSUMS kernels
+// with map C in use (TmaCfg::Z_SMEM): z (the bias argument) as map C covers C. Used by gemm/ and
 // conv/05_tma_wgmma.cu.
 #define IG_TMA_KERNEL(NAME, T, MODE, AK, BKM, BN) IG_TMA_KERNEL_S(NAME, T, MODE, AK, BKM, BN, ig::EPI_PLAIN)
 // The same with the BatchNorm statistics of the output in the epilogue (ig::tma_epilogue_stats): the workspace

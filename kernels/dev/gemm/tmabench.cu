@@ -4,7 +4,7 @@
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I kernels -o tmabench kernels/dev/gemm/tmabench.cu
 // (-I another checkout's kernels/ times that checkout's kernels with this harness.)
 //   ./tmabench [batch (256)]
-// For each shape and tile (x256, x128) it times, in bf16:
+// For each shape and tile (x256, x128, x64) it times, in bf16:
 //   - the forward 1x1 convolution as the NT GEMM, plain (gemm_nt_x*) and with the BatchNorm moments of its output
 //     in the epilogue (gemm_nt_stats_x*);
 //   - the grad-input 1x1 convolution as the NN GEMM, plain (gemm_nn_x*) and with the BatchNorm backward sums of its
@@ -228,6 +228,12 @@ static Launch make(const void* f, const ig::TmaDesc& ma, const ig::TmaDesc& mb, 
     return l;
 }
 
+// make<BN> for the tile width bn (256, 128 or 64).
+template <typename... A>
+static Launch make_bn(int bn, A... a) {
+    return bn == 256 ? make<256>(a...) : bn == 128 ? make<128>(a...) : make<64>(a...);
+}
+
 int main(int argc, char** argv) {
     const long long batch = argc > 1 ? std::atoll(argv[1]) : 256;
     CK(cudaSetDevice(0));
@@ -319,31 +325,29 @@ int main(int argc, char** argv) {
          (const void*)gemm_nn_x256_vec_bf16, (const void*)gemm_nn_gsums_x256_vec_bf16},
         {128, (const void*)gemm_nt_x128_vec_bf16, (const void*)gemm_nt_stats_x128_vec_bf16,
          (const void*)gemm_nn_x128_vec_bf16, (const void*)gemm_nn_gsums_x128_vec_bf16},
+        {64, (const void*)gemm_nt_x64_vec_bf16, (const void*)gemm_nt_stats_x64_vec_bf16,
+         (const void*)gemm_nn_x64_vec_bf16, (const void*)gemm_nn_gsums_x64_vec_bf16},
     };
-    double step[2][4] = {{0}};
+    constexpr int NT = sizeof(tiles) / sizeof(tiles[0]);
+    double step[NT][4] = {{0}};
     int fails = 0;
     std::printf("%-20s %4s | %9s %9s %7s | %9s %9s %7s | hashes: fwd C, stats, bwd C, sums\n", "shape", "tile",
                 "fwd", "+stats", "+%", "bgrad", "+sums", "+%");
     for (const Shape1x1& s : shapes) {
         const int m = (int)s.m;
-        for (int ti = 0; ti < 2; ++ti) {
+        for (int ti = 0; ti < NT; ++ti) {
             const Kernels& kt = tiles[ti];
             // Forward: y (m x cout) = x (m x cin) . W^T, W (cout x cin), K-major both.
             const ig::TmaDesc fa = tma_map(x, s.cin, m, 128), fb = tma_map(wt, s.cin, s.cout, kt.bn);
             // Grad-input: dx (m x cin) = dy (m x cout) . W, W (cout x cin) read as K x N = cout x cin, N-major.
             const ig::TmaDesc ga = tma_map(dy, s.cout, m, 128), gb = tma_map(wt, s.cin, s.cout, 64);
-            Launch fwd, fwd_s, bwd, bwd_s;
-            if (kt.bn == 256) {
-                fwd = make<256>(kt.nt, fa, fb, y, part, nullptr, m, s.cout, s.cin, nullptr, nullptr, nullptr);
-                fwd_s = make<256>(kt.nt_stats, fa, fb, y, part, nullptr, m, s.cout, s.cin, nullptr, nullptr, nullptr);
-                bwd = make<256>(kt.nn, ga, gb, dx, part, nullptr, m, s.cin, s.cout, nullptr, nullptr, nullptr);
-                bwd_s = make<256>(kt.nn_gsums, ga, gb, dx, part, z, m, s.cin, s.cout, stats, bw, bb);
-            } else {
-                fwd = make<128>(kt.nt, fa, fb, y, part, nullptr, m, s.cout, s.cin, nullptr, nullptr, nullptr);
-                fwd_s = make<128>(kt.nt_stats, fa, fb, y, part, nullptr, m, s.cout, s.cin, nullptr, nullptr, nullptr);
-                bwd = make<128>(kt.nn, ga, gb, dx, part, nullptr, m, s.cin, s.cout, nullptr, nullptr, nullptr);
-                bwd_s = make<128>(kt.nn_gsums, ga, gb, dx, part, z, m, s.cin, s.cout, stats, bw, bb);
-            }
+            Launch fwd = make_bn(kt.bn, kt.nt, fa, fb, y, part, nullptr, m, s.cout, s.cin, nullptr, nullptr,
+                                       nullptr);
+            Launch fwd_s = make_bn(kt.bn, kt.nt_stats, fa, fb, y, part, nullptr, m, s.cout, s.cin, nullptr,
+                                         nullptr, nullptr);
+            Launch bwd = make_bn(kt.bn, kt.nn, ga, gb, dx, part, nullptr, m, s.cin, s.cout, nullptr, nullptr,
+                                       nullptr);
+            Launch bwd_s = make_bn(kt.bn, kt.nn_gsums, ga, gb, dx, part, z, m, s.cin, s.cout, stats, bw, bb);
             // Hashes of one launch each (the partials: the stats kernel's, then the sums kernel's).
             set_bn(s.cin);
             fwd_s();
@@ -379,7 +383,7 @@ int main(int argc, char** argv) {
         }
     }
     std::printf("per ResNet-152 step (these 1x1 shapes, launches weighted), ms: fwd / +stats / bgrad / +sums\n");
-    for (int ti = 0; ti < 2; ++ti)
+    for (int ti = 0; ti < NT; ++ti)
         std::printf("  x%-3d %8.3f %8.3f %8.3f %8.3f\n", tiles[ti].bn, step[ti][0] / 1e3, step[ti][1] / 1e3,
                     step[ti][2] / 1e3, step[ti][3] / 1e3);
 
@@ -406,8 +410,10 @@ int main(int argc, char** argv) {
     const ConvKernels ctiles[] = {
         {256, (const void*)conv_dgrad_x256_tma_bf16, (const void*)conv_dgrad_gsums_x256_tma_bf16},
         {128, (const void*)conv_dgrad_x128_tma_bf16, (const void*)conv_dgrad_gsums_x128_tma_bf16},
+        {64, (const void*)conv_dgrad_x64_tma_bf16, (const void*)conv_dgrad_gsums_x64_tma_bf16},
     };
-    double cstep[2][2] = {{0}};
+    constexpr int NC = sizeof(ctiles) / sizeof(ctiles[0]);
+    double cstep[NC][2] = {{0}};
     std::printf("%-20s %4s | %9s %9s %7s | hashes: bwd C, sums\n", "shape", "tile", "bgrad", "+sums", "+%");
     for (const Conv3x3& cv : convs) {
         const int m = (int)(batch * cv.hw * cv.hw), c = cv.c, k = 9 * c;
@@ -415,17 +421,12 @@ int main(int argc, char** argv) {
             std::fprintf(stderr, "tmabench: %s does not fit the buffers\n", cv.name);
             return 1;
         }
-        for (const ConvKernels& kt : ctiles) {
+        for (int ti = 0; ti < NC; ++ti) {
+            const ConvKernels& kt = ctiles[ti];
             const ig::TmaDesc ga = im2col_map(dy, (int)batch, cv.hw, cv.hw, c, -1, -1, 128);
             const ig::TmaDesc gb = tma_map(wc, k, c, 64);
-            Launch bwd, bwd_s;
-            if (kt.bn == 256) {
-                bwd = make<256>(kt.dgrad, ga, gb, dx, part, nullptr, m, c, k, nullptr, nullptr, nullptr);
-                bwd_s = make<256>(kt.dgrad_gsums, ga, gb, dx, part, z, m, c, k, stats, bw, bb);
-            } else {
-                bwd = make<128>(kt.dgrad, ga, gb, dx, part, nullptr, m, c, k, nullptr, nullptr, nullptr);
-                bwd_s = make<128>(kt.dgrad_gsums, ga, gb, dx, part, z, m, c, k, stats, bw, bb);
-            }
+            Launch bwd = make_bn(kt.bn, kt.dgrad, ga, gb, dx, part, nullptr, m, c, k, nullptr, nullptr, nullptr);
+            Launch bwd_s = make_bn(kt.bn, kt.dgrad_gsums, ga, gb, dx, part, z, m, c, k, stats, bw, bb);
             for (Launch* l : {&bwd, &bwd_s}) {
                 ig::Shape& sh = l->sh;
                 sh.n = (int)batch;
@@ -452,13 +453,12 @@ int main(int argc, char** argv) {
                             ok ? "ok" : "FAIL");
                 fails += !ok;
             }
-            const int ti = kt.bn == 256 ? 0 : 1;
             cstep[ti][0] += t[0] * cv.launches;
             cstep[ti][1] += t[1] * cv.launches;
         }
     }
     std::printf("per ResNet-152 step (these 3x3 grad-inputs, launches weighted), ms: bgrad / +sums\n");
-    for (int ti = 0; ti < 2; ++ti)
+    for (int ti = 0; ti < NC; ++ti)
         std::printf("  x%-3d %8.3f %8.3f\n", ctiles[ti].bn, cstep[ti][0] / 1e3, cstep[ti][1] / 1e3);
     if (fails) std::printf("tmabench: %d host check(s) FAILED\n", fails);
     return fails ? 1 : 0;
