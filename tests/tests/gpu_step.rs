@@ -758,8 +758,9 @@ fn grad_input_epilogue_sums_match_the_pass() -> Result<()> {
 /// `kernels.bn_stats = "auto"`: a convolution shape's first launch times its BatchNorm reduction in the epilogue
 /// against the plain kernel and the pass and remembers one choice per (shape, direction), which that launch and
 /// every later one follow: epilogue partials exactly where the autotuner says `epilogue`. The epilogue exists on
-/// the TMA tiles only, so a shape whose pass the autotuner put on a cp.async tile must remember no epilogue choice
-/// and return no partials (the H100 picks one for a 1x1 at batch 8). Forward moments of a 1x1 and a 3x3,
+/// the TMA tiles only, so a pass asked for it is tuned over the TMA tiles under its own key; a shape whose pass
+/// still ran on a cp.async tile (forced, or no TMA path) must remember no epilogue choice and return no partials
+/// (before the separate key the H100 picked cp.async for a 1x1 at batch 8). Forward moments of a 1x1 and a 3x3,
 /// grad-input sums of the same two, bf16, at batch 8 and 32; at least one pass of each direction must have taken
 /// a TMA tile (and so been timed); the sums, whichever way they came, within 1e-4 of the pass.
 #[test]
@@ -779,9 +780,16 @@ fn auto_epilogue_choice_is_timed_once_and_followed() -> Result<()> {
     let chosen = |what: &str, geom: &str| -> Vec<&'static str> {
         tuner.choices().into_iter().filter(|(k, _)| k.contains(what) && k.contains(geom)).map(|(_, v)| v).collect()
     };
-    // Whether the pass `op` of `geom` runs on a TMA tile ("x256", "x128", "x64").
+    // Whether the pass `op` of `geom`, asked for its epilogue, runs on a TMA tile ("x256", "x128", "x64"): its
+    // tile under the epilogue's own key ("... +bn-epilogue"; the plain pass that the timing runs has another).
     let on_tma = |op: &str, geom: &str| -> Result<bool> {
-        match chosen(&format!("{op} "), geom)[..] {
+        let epi: Vec<&str> = tuner
+            .choices()
+            .into_iter()
+            .filter(|(k, _)| k.contains(&format!("{op} ")) && k.contains(geom) && k.ends_with(" +bn-epilogue"))
+            .map(|(_, v)| v)
+            .collect();
+        match epi[..] {
             [t] => Ok(t.starts_with('x')),
             ref v => anyhow::bail!("{op} {geom}: {} tile choices remembered, expected 1", v.len()),
         }

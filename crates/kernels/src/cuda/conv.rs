@@ -265,6 +265,12 @@ impl<T: CudaDType + DeviceRepr + WithDType + ValidAsZeroBits + 'static> Pass<'_,
     fn key(&self) -> String {
         format!("{} {:?} {}", self.op, self.cl.geom, self.sfx)
     }
+    /// The key of a forward or grad-input pick: with the BatchNorm reduction in the epilogue (`epi`), its own
+    /// key. Both carry the suffix, so that files written before the split (whose plain entries may have been timed
+    /// with the epilogue in the TMA candidates only) are not read back.
+    fn key_epi(&self, epi: bool) -> String {
+        format!("{} {}", self.key(), if epi { "+bn-epilogue" } else { "plain" })
+    }
     /// The autotuner's candidates: every tile of the device, the TMA ones only where they take the pass.
     fn candidates(&self) -> Vec<Tile> {
         tiles_for(self.dev).iter().copied().filter(|t| !t.is_tma() || self.tma_ok).collect()
@@ -274,6 +280,26 @@ impl<T: CudaDType + DeviceRepr + WithDType + ValidAsZeroBits + 'static> Pass<'_,
     }
     fn pick(&self, vec: bool, cands: &[Tile], heuristic: Tile, run: impl FnMut(Tile) -> Result<()>) -> Result<Tile> {
         pick(self.dev, self.cl.tuning, || self.key(), vec, cands, heuristic, run)
+    }
+    /// The tile of a forward or grad-input pass that may carry the BatchNorm reduction in its epilogue (`epi`: the
+    /// caller asked for it and the TMA tiles take the pass). With the epilogue only the TMA tiles are candidates,
+    /// under their own key: a cp.async tile leaves the reduction to a separate pass that the timing does not see,
+    /// so it used to win shapes unfairly (dropping the epilogue), and the shared key then carried that pick to
+    /// runs without epilogues (a ResNet-152 bf16 step on an H200 ran cp.async convolutions after a first run with
+    /// `bn_stats = "fused"` had filled the autotune file). Whether the epilogue pays is
+    /// [`super::autotune::epilogue_pays`]'s question, not the tile's.
+    fn pick_epi(&self, epi: bool, vec: bool, heuristic: Tile, run: impl FnMut(Tile) -> Result<()>) -> Result<Tile> {
+        if epi {
+            let heuristic = if heuristic.is_tma() {
+                heuristic
+            } else if heuristic.bn <= 64 {
+                X64
+            } else {
+                X128
+            };
+            return pick(self.dev, self.cl.tuning, || self.key_epi(true), vec, &self.tma_tiles(), heuristic, run);
+        }
+        pick(self.dev, self.cl.tuning, || self.key_epi(false), vec, &self.candidates(), heuristic, run)
     }
 
     /// Few input channels (the RGB stem): explicit im2col + the TMA GEMM, on the TMA tiles only.
@@ -377,7 +403,8 @@ impl<T: CudaDType + DeviceRepr + WithDType + ValidAsZeroBits + 'static> Pass<'_,
             unsafe { b.launch(blocks(tile, m, n, 1, op)?) }.w()?;
             Ok(())
         };
-        let tile = self.pick(vec, &self.candidates(), choose(m, n, self.sms, false), &mut run)?;
+        let epi = stats.is_some() && self.tma_ok;
+        let tile = self.pick_epi(epi, vec, choose(m, n, self.sms, false), &mut run)?;
         run(tile)?;
         Ok((CudaStorage::wrap_cuda_slice(y, dev.clone()), Shape::from((g.n, g.p(), g.q(), g.ko))))
     }
@@ -472,7 +499,8 @@ impl<T: CudaDType + DeviceRepr + WithDType + ValidAsZeroBits + 'static> Pass<'_,
             Ok(())
         };
         let m_class = classes.first().map_or(0, |c| c.0);
-        let tile = self.pick(true, &self.candidates(), choose(m_class, g.c, self.sms, false), &mut run)?;
+        let epi = gsums.is_some() && self.tma_ok;
+        let tile = self.pick_epi(epi, true, choose(m_class, g.c, self.sms, false), &mut run)?;
         run(tile)?;
         Ok((CudaStorage::wrap_cuda_slice(dx, dev.clone()), Shape::from((g.n, g.h, g.w, g.c))))
     }
