@@ -145,22 +145,23 @@ constexpr int EPI_PLAIN = 0, EPI_MOMENTS = 1, EPI_GRAD_SUMS = 2;
 
 // Per block-tile width BN (256: tile x256, 128: tile x128, 64: tile x64) and epilogue: stages and dynamic shared
 // memory (alignment slack, the stages, the epilogue staging, the z buffers, 2 x STAGES barriers and 2 x Z_BUFS).
-// The GRAD_SUMS kernels give up stages for a ring of Z_BUFS buffers of z, each one chunk of 128 rows x ZW columns
-// (ZW = min(BN, 128); a unit has ZCH = BN / ZW chunks), loaded through TMA by a thread of the producer
-// warpgroup, so that the epilogue reads z from shared memory instead of waiting on global loads: x64 six stages
-// and two buffers, x128 four stages and two (one buffer left the next unit's z latency exposed on the short-K
-// shapes, whose units are shorter than it), x256 three stages and one buffer (its two chunks take turns). Each
-// fits within the plain kernels' total (the size the launcher passes for every kernel of the tile:
-// crates/kernels/src/variants.rs repeats it).
+// The GRAD_SUMS kernels give up stages for a ring of two buffers of z, each one chunk of 128 rows x ZW columns
+// (a unit has ZCH = BN / ZW chunks), loaded through TMA by a thread of the producer warpgroup, so that the
+// epilogue reads z from shared memory instead of waiting on global loads, and the next chunk loads while the
+// epilogue reads one (one buffer left the next unit's z latency exposed on the short-K shapes, whose units are
+// shorter than a load): x64 six stages and chunks of 64 columns, x128 four stages and chunks of 128, x256 three
+// stages and chunks of 64 (four a unit; two of 128 would not fit beside three stages). Each fits within the plain
+// kernels' total (the size the launcher passes for every kernel of the tile: crates/kernels/src/variants.rs
+// repeats it).
 template <int BN, int EPI = EPI_PLAIN>
 struct TmaCfg {
     static constexpr bool Z_SMEM = EPI == EPI_GRAD_SUMS;
     static constexpr int STAGES = Z_SMEM ? (BN == 256 ? 3 : BN == 128 ? 4 : 6) : (BN == 256 ? 4 : BN == 128 ? 6 : 8);
     static constexpr int B_BYTES = BN * TMA_KD * 2;
     static constexpr int STAGE_BYTES = TMA_A_BYTES + B_BYTES;
-    static constexpr int ZW = BN < 128 ? BN : 128;
+    static constexpr int ZW = BN == 256 ? 64 : BN;
     static constexpr int ZCH = BN / ZW;
-    static constexpr int Z_BUFS = Z_SMEM ? (BN == 256 ? 1 : 2) : 0;
+    static constexpr int Z_BUFS = Z_SMEM ? 2 : 0;
     static constexpr int Z_CHUNK_BYTES = TMA_BM * ZW * 2;
     static constexpr int SMEM_BYTES =
         1024 + STAGES * STAGE_BYTES + TMA_EPI_BYTES + Z_BUFS * Z_CHUNK_BYTES + 2 * STAGES * 8 + 2 * Z_BUFS * 8;
@@ -502,7 +503,7 @@ __device__ __forceinline__ void load_pair(const T* p, float& a, float& b) {
 // layout of the sums pass, which bn_nhwc_bwd_final_v8 reduces. Reduction: the 8 lanes sharing a column set by
 // reduce-scatter (rs_sum8), then the 8 consumer warps in the staging buffers, in a fixed order.
 // ZS: z comes from a ring of ZBUFS shared-memory buffers of one chunk each (TmaCfg::Z_SMEM): chunk q of the
-// block (the unit's first is zq0, then one per ZW = min(BN, 128) columns) lies in buffer b = q % ZBUFS at
+// block (the unit's first is zq0, then one per ZW = TmaCfg::ZW columns) lies in buffer b = q % ZBUFS at
 // zs + b Z_CHUNK_BYTES, as 64 x 64 boxes, box (row half, column box) at 8192 (ZW / 64 rh + cb), 128-byte swizzle as
 // the C staging; it is ready once barrier zfull + 8 b has completed phase q / ZBUFS. Every consumer thread arrives
 // on zempty + 8 b (256 arrivals) once it has that chunk's values in registers, which frees the buffer for chunk
@@ -512,7 +513,7 @@ __device__ __forceinline__ void tma_epilogue_grad_sums(const float (&acc)[BN / 2
                                                        const T* __restrict__ z, const Shape& sh, int tm, int tn,
                                                        int cw, float* red, uint32_t zs = 0, uint32_t zfull = 0,
                                                        uint32_t zempty = 0, int zq0 = 0) {
-    constexpr int ZW = BN < 128 ? BN : 128, ZGROUPS = ZW / 32, ZBOXES = ZW / 64;  // per chunk: groups, column boxes
+    constexpr int ZW = TmaCfg<BN, EPI_GRAD_SUMS>::ZW, ZGROUPS = ZW / 32, ZBOXES = ZW / 64;  // per chunk: groups, boxes
     int zb = 0;  // ZS: the buffer of the chunk being read
     const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, w8 = cw * 4 + warp;
     const int ct = threadIdx.x - 128;
@@ -756,9 +757,9 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
             }
         } else if (z_tma && tid == 32) {
             // The z loader: each unit's chunks in turn, each into the next buffer of the ring as soon as the
-            // epilogue has read the chunk that held it (with two buffers the next unit's z loads during this
-            // unit). A chunk that the epilogue waits for right after the one before (x256's second, in the one
-            // buffer) is prefetched into L2 with the first.
+            // epilogue has read the chunk that held it (the next unit's first two chunks load during this unit's
+            // MMAs). The chunks that can only load while the epilogue runs (x256's third and fourth) are
+            // prefetched into L2 with the first.
             int q = 0;
             for (int u = blockIdx.x; u < units; u += gridDim.x) {
                 int tm, tn, ks;
@@ -770,7 +771,7 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
                     // Box b: rows r0 + 64 (b / CB), columns c0 + 64 (b % CB).
                     if (ch == 0 && Z_BUFS < ZCH) {
 #pragma unroll
-                        for (int c2 = 1; c2 < ZCH; ++c2)
+                        for (int c2 = Z_BUFS; c2 < ZCH; ++c2)
 #pragma unroll
                             for (int b = 0; b < 2 * CB; ++b)
                                 tma_prefetch_2d(tz, c0 + ZW * c2 + 64 * (b % CB), r0 + 64 * (b / CB));
