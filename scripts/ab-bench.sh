@@ -7,7 +7,9 @@
 # 256), WARMUP (3) + STEPS (10) steps. Prints one line per run (label, round, img/s, peak GiB, alloc GiB) and a
 # summary per label (mean img/s, against the first label); logs in $OUT (default .): ab-LABEL-ROUND.log.
 # AB_SET='key=value' adds one --set to every run (e.g. AB_SET='kernels.bn_stats="fused"': two builds on a
-# non-default path).
+# non-default path). AB_CACHE: "label" (default) gives each label its own autotune file, fresh at the start (its
+# first run tunes, later rounds read it), so that a build is timed on the tiles it picks itself and not on picks
+# another build's kernels (or another path's runs) made; "shared" leaves every run on the machine's file.
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${OUT:-$PWD}"
@@ -16,13 +18,23 @@ mkdir -p "$out"
 declare -A sum=() n=()
 specs=("$@") labels=() words=()
 for spec in "${specs[@]}"; do labels+=("${spec%%:*}"); done
+caches=""
+if [ "${AB_CACHE:-label}" = label ]; then
+    caches="$(mktemp -d /tmp/ab-bench-cache.XXXXXX)"
+    trap 'rm -rf "$caches"' EXIT
+elif [ "${AB_CACHE}" != shared ]; then
+    echo "ab-bench: AB_CACHE=$AB_CACHE is not one of label, shared" >&2
+    exit 2
+fi
 for round in $(seq 1 "${ROUNDS:-2}"); do
     for spec in "${specs[@]}"; do
         label="${spec%%:*}"
         # The variant's words: environment settings, then the binary.
         read -r -a words <<< "${spec#*:}"
         log="$out/ab-$label-$round.log"
-        timeout "${BENCH_TIMEOUT:-150}" env "${words[@]}" bench --config "$here/configs/resnet152.toml" \
+        cache=()
+        [ -z "$caches" ] || cache=("XDG_CACHE_HOME=$caches/$label")
+        timeout "${BENCH_TIMEOUT:-150}" env "${cache[@]}" "${words[@]}" bench --config "$here/configs/resnet152.toml" \
             ${AB_SET:+--set "$AB_SET"} --dtypes "${DTYPE:-bf16}" --batch-sizes "${BATCH:-256}" \
             --warmup "${WARMUP:-3}" --steps "${STEPS:-10}" \
             > "$log" 2>&1 || echo "ab-bench: $label round $round failed (see $log)"
