@@ -755,34 +755,37 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
                     tma_pos_next<CONV>(sh, pos);
                 }
             }
-        } else if (z_tma && tid == 32) {
-            // The z loader: each unit's chunks in turn, each into the next buffer of the ring as soon as the
-            // epilogue has read the chunk that held it (the next unit's first two chunks load during this unit's
-            // MMAs). The chunks that can only load while the epilogue runs (x256's third and fourth) are
-            // prefetched into L2 with the first.
-            int q = 0;
-            for (int u = blockIdx.x; u < units; u += gridDim.x) {
-                int tm, tn, ks;
-                tma_unit(u, mt, nt, splits, tm, tn, ks);
+        } else if constexpr (Z_SMEM) {
+            // (Only the GRAD_SUMS kernels have a z loader: the others have no z buffers, Z_BUFS = 0.)
+            if (z_tma && tid == 32) {
+                // The z loader: each unit's chunks in turn, each into the next buffer of the ring as soon as the
+                // epilogue has read the chunk that held it (the next unit's first two chunks load during this unit's
+                // MMAs). The chunks that can only load while the epilogue runs (x256's third and fourth) are
+                // prefetched into L2 with the first.
+                int q = 0;
+                for (int u = blockIdx.x; u < units; u += gridDim.x) {
+                    int tm, tn, ks;
+                    tma_unit(u, mt, nt, splits, tm, tn, ks);
 #pragma unroll
-                for (int ch = 0; ch < ZCH; ++ch, ++q) {
-                    const int c0 = tn * BN + ZW * ch, r0 = tm * TMA_BM;
-                    constexpr int CB = ZW / 64;  // column boxes per row half
-                    // Box b: rows r0 + 64 (b / CB), columns c0 + 64 (b % CB).
-                    if (ch == 0 && Z_BUFS < ZCH) {
+                    for (int ch = 0; ch < ZCH; ++ch, ++q) {
+                        const int c0 = tn * BN + ZW * ch, r0 = tm * TMA_BM;
+                        constexpr int CB = ZW / 64;  // column boxes per row half
+                        // Box b: rows r0 + 64 (b / CB), columns c0 + 64 (b % CB).
+                        if (ch == 0 && Z_BUFS < ZCH) {
 #pragma unroll
-                        for (int c2 = Z_BUFS; c2 < ZCH; ++c2)
+                            for (int c2 = Z_BUFS; c2 < ZCH; ++c2)
 #pragma unroll
-                            for (int b = 0; b < 2 * CB; ++b)
-                                tma_prefetch_2d(tz, c0 + ZW * c2 + 64 * (b % CB), r0 + 64 * (b / CB));
+                                for (int b = 0; b < 2 * CB; ++b)
+                                    tma_prefetch_2d(tz, c0 + ZW * c2 + 64 * (b % CB), r0 + 64 * (b / CB));
+                        }
+                        const int zb = q % Z_BUFS;
+                        mbar_wait(zempty + 8 * zb, ((q / Z_BUFS) & 1) ^ 1);
+                        mbar_expect_tx(zfull + 8 * zb, Z_CHUNK);
+#pragma unroll
+                        for (int b = 0; b < 2 * CB; ++b)
+                            tma_load_2d(zbuf + zb * Z_CHUNK + b * 8192, tz, c0 + 64 * (b % CB), r0 + 64 * (b / CB),
+                                        zfull + 8 * zb);
                     }
-                    const int zb = q % Z_BUFS;
-                    mbar_wait(zempty + 8 * zb, ((q / Z_BUFS) & 1) ^ 1);
-                    mbar_expect_tx(zfull + 8 * zb, Z_CHUNK);
-#pragma unroll
-                    for (int b = 0; b < 2 * CB; ++b)
-                        tma_load_2d(zbuf + zb * Z_CHUNK + b * 8192, tz, c0 + 64 * (b % CB), r0 + 64 * (b / CB),
-                                    zfull + 8 * zb);
                 }
             }
         }

@@ -40,6 +40,14 @@ static int g_sms = 0;
 static PFN_cuTensorMapEncodeTiled_v12000 g_encode = nullptr;
 static PFN_cuTensorMapEncodeIm2col_v12000 g_encode_im2col = nullptr;
 
+// A CUtensorMap as the kernels' parameter type.
+static ig::TmaDesc as_desc(const CUtensorMap& m) {
+    ig::TmaDesc d;
+    static_assert(sizeof(d) == sizeof(m), "TmaDesc is a CUtensorMap");
+    std::memcpy(&d, &m, sizeof(m));
+    return d;
+}
+
 // The trainer's tma_map: a row-major outer x inner matrix, boxes of 64 x box_outer, 128-byte swizzle, zero fill.
 static ig::TmaDesc tma_map(const void* p, int inner, int outer, int box_outer) {
     CUtensorMap m;
@@ -54,10 +62,7 @@ static ig::TmaDesc tma_map(const void* p, int inner, int outer, int box_outer) {
         std::fprintf(stderr, "tmabench: cuTensorMapEncodeTiled failed (%d) for %d x %d\n", (int)r, outer, inner);
         std::exit(1);
     }
-    ig::TmaDesc d;
-    static_assert(sizeof(d) == sizeof(m), "TmaDesc is a CUtensorMap");
-    std::memcpy(&d, &m, sizeof(m));
-    return d;
+    return as_desc(m);
 }
 
 // The trainer's tma_im2col_map for a stride-1 pass: the channels-last tensor (n, h, w, c), columns of `pixels`
@@ -77,9 +82,7 @@ static ig::TmaDesc im2col_map(const void* p, int n, int h, int w, int c, int lo,
         std::fprintf(stderr, "tmabench: cuTensorMapEncodeIm2col failed (%d) for %dx%dx%dx%d\n", (int)r, n, h, w, c);
         std::exit(1);
     }
-    ig::TmaDesc d;
-    std::memcpy(&d, &m, sizeof(m));
-    return d;
+    return as_desc(m);
 }
 
 // Deterministic pseudo-random values in [-2, 2) * scale + offset, a hash of the index and seed.
