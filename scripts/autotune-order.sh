@@ -19,16 +19,17 @@ gpu_libs
 work="$(mktemp -d /tmp/autotune-order.XXXXXX)"
 first_set="${FIRST_SET:-kernels.bn_stats=\"fused\"}"
 fails=0
+# bench ARGS...: the current label's trainer bench (label, work and XDG_CACHE_HOME set by the loop below).
+bench() {
+    timeout "${BENCH_TIMEOUT:-120}" "$work/$label/bin/trainer" bench --config "$here/configs/resnet152.toml" \
+        --batch-sizes "${BATCH:-256}" --warmup 3 --steps 10 "$@"
+}
 for spec in "$@"; do
     label="${spec%%:*}" dir="${spec#*:}"
     mkdir -p "$work/$label/bin"
     unpack_bin "$dir" "$work/$label/bin" trainer || { fails=$((fails + 1)); continue; }
     # A fresh autotune file (kernels.autotune_cache = "auto" puts it under XDG_CACHE_HOME).
     export XDG_CACHE_HOME="$work/$label/cache"
-    bench() {
-        timeout "${BENCH_TIMEOUT:-120}" "$work/$label/bin/trainer" bench --config "$here/configs/resnet152.toml" \
-            --batch-sizes "${BATCH:-256}" --warmup 3 --steps 10 "$@"
-    }
     bench --set "$first_set" --dtypes bf16 > "$out/$label-first.log" 2>&1 || echo "$label: the first run failed"
     bench --dtypes bf16,fp16 > "$out/$label-default.log" 2>&1 || echo "$label: the default run failed"
     echo "== $label: first (--set $first_set), then the default"
