@@ -18,9 +18,9 @@
 //                tile runs over R*S*C instead of a half-empty Ko = 64; the launcher transposes the result.
 // conv_fwd_stats_*: the forward with the per-channel BatchNorm moments of y written to the workspace argument
 // (ig::tma_epilogue_stats; no split-K). conv_dgrad_gsums_*: the stride-1 grad-input with the BatchNorm backward
-// sums of dx (ig::tma_epilogue_grad_sums; no split-K).
+// sums of dx (ig::tma_epilogue_grad_sums; no split-K; at x128 5 stages and the unit's z tile loaded through map Z).
 // Tiles x256 (128x256x64, 4 stages), x128 (128x128x64, 6 stages) and x64 (128x64x64, 8 stages). Kernel arguments
-// as the GEMM's (IG_TMA_KERNEL): (maps A, B and out, out, split-K workspace, bias (unused), shape).
+// as the GEMM's (IG_TMA_KERNEL): (maps A, B, out and Z, out, split-K workspace, bias (unused; GSUMS: z), shape).
 #include "gemm/tma.cuh"
 
 #define CONV_TMA_ALL(T, SUF, BN)                                                                \

@@ -7,11 +7,12 @@
 // that the loads of the next tile overlap the stores of the last. Tile x256: 128x256x64, 4 stages; tile x128:
 // 128x128x64, 6 stages (more tiles for the shapes where 128x256 leaves SMs idle in the last wave); tile x64:
 // 128x64x64, 8 stages (GEMMs 64 wide, e.g. ResNet's 64-channel layers, where wider tiles multiply zeros).
-// Kernel arguments (IG_TMA_KERNEL, gemm/tma.cuh): (tensor maps of A, B and C, C, split-K workspace, bias, shape);
+// Kernel arguments (IG_TMA_KERNEL, gemm/tma.cuh): (tensor maps of A, B, C and Z, C, split-K workspace, bias, shape);
 // the same names and layouts as 01-04 (nt: A[M][K] B[N][K]; nn: A[M][K] B[K][N]; tn: A[K][M] B[K][N]).
 // gemm_nt_stats_*: nt with the per-column BatchNorm moments of C written to the workspace argument (the 1x1
 // convolutions of the training step; ig::tma_epilogue_stats). gemm_nn_gsums_*: nn with the BatchNorm backward
-// sums of C (the 1x1 grad-input passes; ig::tma_epilogue_grad_sums). gemm_nt_bnin_* / gemm_tn_bnin_*: nt with A,
+// sums of C (the 1x1 grad-input passes; ig::tma_epilogue_grad_sums; at x128 5 stages and the unit's z tile loaded
+// through map Z). gemm_nt_bnin_* / gemm_tn_bnin_*: nt with A,
 // tn with B taken as relu(bn(z)) of what the map reads (the BatchNorm in the shape; ig::XF_A / XF_B): a 1x1
 // convolution's forward and grad-weight over the previous BatchNorm + ReLU's input, which is never materialised.
 #include "gemm/tma.cuh"

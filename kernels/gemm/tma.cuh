@@ -71,6 +71,13 @@ __device__ __forceinline__ void tma_store_2d(const TmaDesc* map, uint32_t src, i
                  "r"(c0), "r"(c1), "r"(src)
                  : "memory");
 }
+// Prefetches the box at (c0 inner, c1 outer) into L2.
+__device__ __forceinline__ void tma_prefetch_2d(const TmaDesc* map, int c0, int c1) {
+    asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];\n" ::"l"(
+                     reinterpret_cast<uint64_t>(map)),
+                 "r"(c0), "r"(c1)
+                 : "memory");
+}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Waits until this thread's bulk groups have finished reading shared memory (READ) or completely.
 template <bool READ>
@@ -126,18 +133,38 @@ __device__ __forceinline__ void tma_load_im2col(uint32_t dst, const TmaDesc* map
 constexpr int TMA_GEMM = 0, TMA_CONV_FWD = 1, TMA_CONV_DGRAD = 2, TMA_CONV_WGRAD = 3, TMA_CONV_DGRAD_S = 4,
               TMA_CONV_WGRAD_T = 5;
 
+// The TMA kernels take map Z (after map C): lets a harness built against an older tree pass their arguments.
+#define IG_TMA_HAS_MAP_Z 1
+
 constexpr int TMA_BM = 128, TMA_KD = 64, TMA_THREADS = 384, TMA_GROUP = 8;
 constexpr int TMA_A_BYTES = TMA_BM * TMA_KD * 2;
 // Epilogue staging: per consumer warpgroup 64 rows x 128 columns of C (two 64 x 64 boxes, 128-byte swizzle).
 constexpr int TMA_EPI_WG_BYTES = 64 * 128 * 2, TMA_EPI_BYTES = 2 * TMA_EPI_WG_BYTES;
-// Per block-tile width BN (256: tile x256, 128: tile x128, 64: tile x64): stages and dynamic shared memory (alignment slack,
-// the stages, 2 x STAGES barriers). The launcher's Tile constants (cuda_gemm.rs) repeat these sizes.
-template <int BN>
+// What a TMA kernel's epilogue adds (the EPI template argument).
+constexpr int EPI_PLAIN = 0, EPI_MOMENTS = 1, EPI_GRAD_SUMS = 2;
+
+// Per block-tile width BN (256: tile x256, 128: tile x128, 64: tile x64) and epilogue: stages and dynamic shared
+// memory (alignment slack, the stages, the epilogue staging, the z buffers, 2 x STAGES barriers and 2 x Z_BUFS).
+// The GRAD_SUMS kernels give up stages for a ring of two buffers of z, each one chunk of 128 rows x ZW columns
+// (a unit has ZCH = BN / ZW chunks), loaded through TMA by a thread of the producer warpgroup, so that the
+// epilogue reads z from shared memory instead of waiting on global loads, and the next chunk loads while the
+// epilogue reads one (one buffer left the next unit's z latency exposed on the short-K shapes, whose units are
+// shorter than a load): x64 six stages and chunks of 64 columns, x128 four stages and chunks of 128, x256 three
+// stages and chunks of 64 (four a unit; two of 128 would not fit beside three stages). Each fits within the plain
+// kernels' total (the size the launcher passes for every kernel of the tile: crates/kernels/src/variants.rs
+// repeats it).
+template <int BN, int EPI = EPI_PLAIN>
 struct TmaCfg {
-    static constexpr int STAGES = BN == 256 ? 4 : BN == 128 ? 6 : 8;
+    static constexpr bool Z_SMEM = EPI == EPI_GRAD_SUMS;
+    static constexpr int STAGES = Z_SMEM ? (BN == 256 ? 3 : BN == 128 ? 4 : 6) : (BN == 256 ? 4 : BN == 128 ? 6 : 8);
     static constexpr int B_BYTES = BN * TMA_KD * 2;
     static constexpr int STAGE_BYTES = TMA_A_BYTES + B_BYTES;
-    static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + TMA_EPI_BYTES + 2 * STAGES * 8;
+    static constexpr int ZW = BN == 256 ? 64 : BN;
+    static constexpr int ZCH = BN / ZW;
+    static constexpr int Z_BUFS = Z_SMEM ? 2 : 0;
+    static constexpr int Z_CHUNK_BYTES = TMA_BM * ZW * 2;
+    static constexpr int SMEM_BYTES =
+        1024 + STAGES * STAGE_BYTES + TMA_EPI_BYTES + Z_BUFS * Z_CHUNK_BYTES + 2 * STAGES * 8 + 2 * Z_BUFS * 8;
 };
 
 // Work unit u -> (row tile, column tile, k-split).
@@ -475,10 +502,19 @@ __device__ __forceinline__ void load_pair(const T* p, float& a, float& b) {
 // part[tm * N + col] = sum g and part[(chunks + tm) * N + col] = sum g xhat, chunks = ceil(M / 128): the partial
 // layout of the sums pass, which bn_nhwc_bwd_final_v8 reduces. Reduction: the 8 lanes sharing a column set by
 // reduce-scatter (rs_sum8), then the 8 consumer warps in the staging buffers, in a fixed order.
-template <typename T, int BN>
+// ZS: z comes from a ring of ZBUFS shared-memory buffers of one chunk each (TmaCfg::Z_SMEM): chunk q of the
+// block (the unit's first is zq0, then one per ZW = TmaCfg::ZW columns) lies in buffer b = q % ZBUFS at
+// zs + b Z_CHUNK_BYTES, as 64 x 64 boxes, box (row half, column box) at 8192 (ZW / 64 rh + cb), 128-byte swizzle as
+// the C staging; it is ready once barrier zfull + 8 b has completed phase q / ZBUFS. Every consumer thread arrives
+// on zempty + 8 b (256 arrivals) once it has that chunk's values in registers, which frees the buffer for chunk
+// q + ZBUFS. Same values, same arithmetic: bit for bit the global loads' sums.
+template <typename T, int BN, bool ZS = false, int ZBUFS = 1>
 __device__ __forceinline__ void tma_epilogue_grad_sums(const float (&acc)[BN / 2], float* __restrict__ part,
                                                        const T* __restrict__ z, const Shape& sh, int tm, int tn,
-                                                       int cw, float* red) {
+                                                       int cw, float* red, uint32_t zs = 0, uint32_t zfull = 0,
+                                                       uint32_t zempty = 0, int zq0 = 0) {
+    constexpr int ZW = TmaCfg<BN, EPI_GRAD_SUMS>::ZW, ZGROUPS = ZW / 32, ZBOXES = ZW / 64;  // per chunk: groups, boxes
+    int zb = 0;  // ZS: the buffer of the chunk being read
     const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, w8 = cw * 4 + warp;
     const int ct = threadIdx.x - 128;
     const int M = sh.M, N = sh.N;
@@ -489,6 +525,13 @@ __device__ __forceinline__ void tma_epilogue_grad_sums(const float (&acc)[BN / 2
 #pragma unroll
     for (int g = 0; g < G; ++g) {
         float sg[8], sgx[8];
+        if constexpr (ZS) {
+            if (g % ZGROUPS == 0) {
+                const int q = zq0 + g / ZGROUPS;
+                zb = q % ZBUFS;
+                mbar_wait(zfull + 8 * zb, (q / ZBUFS) & 1);
+            }
+        }
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) {
             const int j = 4 * g + jj;
@@ -504,7 +547,20 @@ __device__ __forceinline__ void tma_epilogue_grad_sums(const float (&acc)[BN / 2
                 for (int h = 0; h < 2; ++h) {
                     if (valid[h]) {
                         float z0, z1;
-                        load_pair(z + (size_t)(row + 8 * h) * N + col, z0, z1);
+                        if constexpr (ZS) {
+                            const int r = 16 * warp + (lane >> 2) + 8 * h;  // row within the warpgroup's 64
+                            const uint32_t addr = zs + zb * (TMA_BM * ZW * 2) +
+                                                  (ZBOXES * cw + ((j >> 3) & (ZBOXES - 1))) * 8192 + r * 128 +
+                                                  (((j & 7) ^ (r & 7)) << 4) + ((lane & 3) << 2);
+                            uint32_t v;
+                            asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+                            T pair[2];
+                            memcpy(pair, &v, 4);
+                            z0 = to_f(pair[0]);
+                            z1 = to_f(pair[1]);
+                        } else {
+                            load_pair(z + (size_t)(row + 8 * h) * N + col, z0, z1);
+                        }
                         const float g0 = !(fmaf(z0 - mean.x, sc0, b.x) >= 0.f) ? 0.f : stored<T>(acc[4 * j + 2 * h]);
                         const float g1 =
                             !(fmaf(z1 - mean.y, sc1, b.y) >= 0.f) ? 0.f : stored<T>(acc[4 * j + 2 * h + 1]);
@@ -524,6 +580,9 @@ __device__ __forceinline__ void tma_epilogue_grad_sums(const float (&acc)[BN / 2
         rs_sum8(sgx, lane);
         gs[g] = sg[0];
         gx[g] = sgx[0];
+        if constexpr (ZS) {
+            if (g % ZGROUPS == ZGROUPS - 1) mbar_arrive(zempty + 8 * zb);
+        }
     }
     stage_pairs<G, BN>(gs, gx, red, w8, lane);
     const int chunks = (M + TMA_BM - 1) / TMA_BM;
@@ -639,18 +698,25 @@ __device__ __forceinline__ void bnin_b(uint32_t sb, const BnIn8& k) {
     for (int i = 0; i < 64 / STEP; ++i) bnin_chunk<T>(base + (r0 + STEP * i) * 128, k);
 }
 
-// What a TMA kernel's epilogue adds (the EPI template argument).
-constexpr int EPI_PLAIN = 0, EPI_MOMENTS = 1, EPI_GRAD_SUMS = 2;
-
 template <typename T, int CONV, bool A_KMAJOR, bool B_KMAJOR, int BN, int EPI = EPI_PLAIN, int XF = XF_NONE>
-__device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* tb, const TmaDesc* tc, T* C,
-                                              float* ws, const T* bias, const Shape& sh, unsigned char* smem_raw) {
-    using Cfg = TmaCfg<BN>;
+__device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* tb, const TmaDesc* tc,
+                                              const TmaDesc* tz, T* C, float* ws, const T* bias, const Shape& sh,
+                                              unsigned char* smem_raw) {
+    using Cfg = TmaCfg<BN, EPI>;
     constexpr int STAGES = Cfg::STAGES, STAGE_BYTES = Cfg::STAGE_BYTES;
+    constexpr bool Z_SMEM = Cfg::Z_SMEM;
+    static_assert(Cfg::SMEM_BYTES <= TmaCfg<BN>::SMEM_BYTES, "the launcher passes the plain kernel's size");
     unsigned char* smem = align1k<unsigned char>(smem_raw);
     const uint32_t s0 = smem_u32(smem);
     const uint32_t epi = s0 + STAGES * STAGE_BYTES;  // epilogue staging, TMA_EPI_BYTES
-    const uint32_t bars = epi + TMA_EPI_BYTES;        // full[s] at bars + 8 s, empty[s] at + 8 (S + s)
+    constexpr int ZCH = Cfg::ZCH, ZW = Cfg::ZW, Z_BUFS = Cfg::Z_BUFS, Z_CHUNK = Cfg::Z_CHUNK_BYTES;
+    const uint32_t zbuf = epi + TMA_EPI_BYTES;        // the z buffers, Z_BUFS x Z_CHUNK
+    const uint32_t bars = zbuf + Z_BUFS * Z_CHUNK;    // full[s] at bars + 8 s, empty[s] at + 8 (S + s)
+    // Z_SMEM: zfull[b] at zfull + 8 b, zempty[b] at zempty + 8 b.
+    const uint32_t zfull = bars + 16 * STAGES, zempty = zfull + 8 * Z_BUFS;
+    // Z_SMEM with C stored through its map (the launcher's tma_c; its z map tz then covers z like C's): a producer
+    // thread loads z; otherwise the epilogue reads z from global memory.
+    const bool z_tma = Z_SMEM && sh.tma_c;
     const int tid = threadIdx.x, wg = tid >> 7;
     const int M = sh.M, N = sh.N, K = sh.K;
     const int mt = (M + TMA_BM - 1) / TMA_BM, nt = (N + BN - 1) / BN;
@@ -660,6 +726,10 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(bars + 8 * s, 1);
             mbar_init(bars + 8 * (STAGES + s), 2);
+        }
+        for (int b = 0; b < Z_BUFS; ++b) {
+            mbar_init(zfull + 8 * b, 1);
+            mbar_init(zempty + 8 * b, 256);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -683,6 +753,39 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
                     tma_produce<CONV, A_KMAJOR, B_KMAJOR, BN>(ta, tb, sh, tm, tn, k0 + kt * TMA_KD, pos, sa,
                                                               sa + TMA_A_BYTES, full);
                     tma_pos_next<CONV>(sh, pos);
+                }
+            }
+        } else if constexpr (Z_SMEM) {
+            // (Only the GRAD_SUMS kernels have a z loader: the others have no z buffers, Z_BUFS = 0.)
+            if (z_tma && tid == 32) {
+                // The z loader: each unit's chunks in turn, each into the next buffer of the ring as soon as the
+                // epilogue has read the chunk that held it (the next unit's first two chunks load during this unit's
+                // MMAs). The chunks that can only load while the epilogue runs (x256's third and fourth) are
+                // prefetched into L2 with the first.
+                int q = 0;
+                for (int u = blockIdx.x; u < units; u += gridDim.x) {
+                    int tm, tn, ks;
+                    tma_unit(u, mt, nt, splits, tm, tn, ks);
+#pragma unroll
+                    for (int ch = 0; ch < ZCH; ++ch, ++q) {
+                        const int c0 = tn * BN + ZW * ch, r0 = tm * TMA_BM;
+                        constexpr int CB = ZW / 64;  // column boxes per row half
+                        // Box b: rows r0 + 64 (b / CB), columns c0 + 64 (b % CB).
+                        if (ch == 0 && Z_BUFS < ZCH) {
+#pragma unroll
+                            for (int c2 = Z_BUFS; c2 < ZCH; ++c2)
+#pragma unroll
+                                for (int b = 0; b < 2 * CB; ++b)
+                                    tma_prefetch_2d(tz, c0 + ZW * c2 + 64 * (b % CB), r0 + 64 * (b / CB));
+                        }
+                        const int zb = q % Z_BUFS;
+                        mbar_wait(zempty + 8 * zb, ((q / Z_BUFS) & 1) ^ 1);
+                        mbar_expect_tx(zfull + 8 * zb, Z_CHUNK);
+#pragma unroll
+                        for (int b = 0; b < 2 * CB; ++b)
+                            tma_load_2d(zbuf + zb * Z_CHUNK + b * 8192, tz, c0 + 64 * (b % CB), r0 + 64 * (b / CB),
+                                        zfull + 8 * zb);
+                    }
                 }
             }
         }
@@ -724,8 +827,8 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
             consumers_bar();
         }
     };
-    int it = 0;
-    for (int u = blockIdx.x; u < units; u += gridDim.x) {
+    int it = 0, zu = 0;
+    for (int u = blockIdx.x; u < units; u += gridDim.x, ++zu) {
         int tm, tn, ks, k0;
         const int kts = tma_unit_ktiles(u, mt, nt, splits, sh, tm, tn, ks, k0);
 #pragma unroll
@@ -777,8 +880,13 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
             tma_epilogue_stats<T, BN>(acc, ws, sh, tm, tn, cw, reinterpret_cast<float*>(smem + STAGES * STAGE_BYTES));
         } else if constexpr (EPI == EPI_GRAD_SUMS) {
             // ws: the sums' partials; the bias argument: the BatchNorm's input z (no bias in these passes).
-            tma_epilogue_grad_sums<T, BN>(acc, ws, bias, sh, tm, tn, cw,
-                                          reinterpret_cast<float*>(smem + STAGES * STAGE_BYTES));
+            float* red = reinterpret_cast<float*>(smem + STAGES * STAGE_BYTES);
+            if (z_tma) {
+                tma_epilogue_grad_sums<T, BN, Z_SMEM, (Z_BUFS > 0 ? Z_BUFS : 1)>(acc, ws, bias, sh, tm, tn, cw, red,
+                                                                                 zbuf, zfull, zempty, zu * ZCH);
+            } else {
+                tma_epilogue_grad_sums<T, BN>(acc, ws, bias, sh, tm, tn, cw, red);
+            }
         }
         // Epilogue straight from the accumulators: fragment j (8 columns), element e: row + 8 (e >= 2),
         // column 2 (lane % 4) + (e & 1).
@@ -877,8 +985,10 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
 
 }  // namespace ig
 
-// One TMA kernel: (map A, map B, map C, C, split-K workspace, bias, shape), MODE one of ig::TMA_GEMM /
-// TMA_CONV_*, AK / BKM whether A / B are K-major, BN the tile width. Used by gemm/ and conv/05_tma_wgmma.cu.
+// One TMA kernel: (map A, map B, map C, map Z, C, split-K workspace, bias, shape), MODE one of ig::TMA_GEMM /
+// TMA_CONV_*, AK / BKM whether A / B are K-major, BN the tile width. Map Z is read only by the GSUMS kernels
+// with map C in use (TmaCfg::Z_SMEM): z (the bias argument) as map C covers C. Used by gemm/ and
+// conv/05_tma_wgmma.cu.
 #define IG_TMA_KERNEL(NAME, T, MODE, AK, BKM, BN) IG_TMA_KERNEL_S(NAME, T, MODE, AK, BKM, BN, ig::EPI_PLAIN)
 // The same with the BatchNorm statistics of the output in the epilogue (ig::tma_epilogue_stats): the workspace
 // argument is the partials buffer, and there is no split-K.
@@ -894,8 +1004,8 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
 #define IG_TMA_KERNEL_SX(NAME, T, MODE, AK, BKM, BN, EPI, XF)                                                    \
     extern "C" __global__ void __launch_bounds__(ig::TMA_THREADS, 1)                                            \
         NAME(const __grid_constant__ ig::TmaDesc ta, const __grid_constant__ ig::TmaDesc tb,                    \
-             const __grid_constant__ ig::TmaDesc tc, T* __restrict__ c, float* __restrict__ ws,                  \
-             const T* __restrict__ bias, ig::Shape sh) {                                                        \
+             const __grid_constant__ ig::TmaDesc tc, const __grid_constant__ ig::TmaDesc tz, T* __restrict__ c,  \
+             float* __restrict__ ws, const T* __restrict__ bias, ig::Shape sh) {                                 \
         extern __shared__ __align__(1024) unsigned char ig_smem[];                                               \
-        ig::tma_gemm_body<T, MODE, AK, BKM, BN, EPI, XF>(&ta, &tb, &tc, c, ws, bias, sh, ig_smem);               \
+        ig::tma_gemm_body<T, MODE, AK, BKM, BN, EPI, XF>(&ta, &tb, &tc, &tz, c, ws, bias, sh, ig_smem);          \
     }

@@ -216,9 +216,19 @@ pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
     }
     let stream = dev.cuda_stream();
     let (pc, gc) = c.device_ptr(&stream);
-    // Without split-K the kernel stores a plain C through a tensor map (16-byte rows needed: N % 8 == 0).
-    let tma_c = plain_c && !split && n % 8 == 0 && pc % 16 == 0;
+    // Without split-K the kernel stores a plain C through a tensor map (16-byte rows needed: N % 8 == 0). A GSUMS
+    // kernel then also reads z (C's shape) through map Z: x128 loads each unit's z tile into shared memory
+    // (TmaCfg::Z_SMEM), so z must be 16-byte aligned as well.
+    let z_addr = match epi {
+        Epi::GradSums { z, .. } => Some(z),
+        _ => None,
+    };
+    let tma_c = plain_c && !split && n % 8 == 0 && pc % 16 == 0 && z_addr.is_none_or(|z| z % 16 == 0);
     let mc = if tma_c { tma_map(pc, T::DTYPE, n, m, 64, op)? } else { TmaDesc([0; 16]) };
+    let mz = match z_addr {
+        Some(z) if tma_c => tma_map(z, T::DTYPE, n, m, 64, op)?,
+        _ => TmaDesc([0; 16]),
+    };
     drop(gc);
     let sh = GemmShape {
         m: i32_of(m, op, "M")?,
@@ -244,7 +254,7 @@ pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
     };
     let ws = splitk_workspace(dev, split.then_some(splits * m * n))?;
     let mut bld = stream.launch_builder(f);
-    bld.arg(ma).arg(mb).arg(&mc).arg(c);
+    bld.arg(ma).arg(mb).arg(&mc).arg(&mz).arg(c);
     match &epi {
         Epi::Moments { part } | Epi::GradSums { part, .. } => bld.arg(part),
         Epi::Plain | Epi::BnReluIn { .. } => bld.arg(&*ws),
@@ -255,10 +265,10 @@ pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
         (None, _) => bld.arg(c), // never read: has_bias = 0
     };
     bld.arg(&sh);
-    // SAFETY: (map A, map B, map C, c, ws, bias, shape) as the x256 / x128 / x64 kernels take them; the maps cover exactly
-    // the operands of the m x n x k problem and c (read by the kernel only when tma_c), c holds m*n elements, ws
-    // splits*m*n when split, or the caller's stats_partials_len(m, n) / grad_sums_partials_len(m, n) floats for a
-    // STATS / GSUMS kernel (GSUMS: z holds m*n elements, the BatchNorm's tensors 3n / n / n, checked by the caller;
+    // SAFETY: (map A, map B, map C, map Z, c, ws, bias, shape) as the x256 / x128 / x64 kernels take them; the maps
+    // cover exactly the operands of the m x n x k problem, c and z (read by the kernel only when tma_c; map Z only by
+    // a GSUMS kernel), c holds m*n elements, ws splits*m*n when split, or the caller's stats_partials_len(m, n) /
+    // grad_sums_partials_len(m, n) floats for a STATS / GSUMS kernel (GSUMS: z holds m*n elements, the BatchNorm's tensors 3n / n / n, checked by the caller;
     // BNIN: the BatchNorm's tensors 3c / c / c for the c channels of the normalised operand, K for NT, N for TN,
     // 16-byte aligned with c % 8 == 0, checked by the caller).
     unsafe { bld.launch(cfg) }.w()?;
