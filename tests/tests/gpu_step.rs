@@ -1116,7 +1116,9 @@ fn join_in_conv_step_matches_bit_for_bit() -> Result<()> {
     let x = Tensor::randn(0f32, 1.0, (16, 3, 224, 224), &Device::Cpu)?.to_device(&gpu)?;
     let labels = Tensor::new((0..16u32).map(|i| i % 10).collect::<Vec<_>>().as_slice(), &gpu)?;
     for precision in [Precision::Bf16, Precision::F16] {
-        let step = |join_in_conv: bool| -> Result<(f32, Vec<(String, Tensor)>, u64)> {
+        // (loss, gradients and running statistics, joins folded)
+        type Step = (f32, Vec<(String, Tensor)>, u64);
+        let step = |join_in_conv: bool| -> Result<Step> {
             let mut m = model(Arch::ResNet50, Stem::ImageNet, &gpu)?;
             let policy = m.config.kernels.clone().with_tuning(Tuning::Forced(X128));
             m.config.kernels = KernelPolicy { bn_cooperative: true, join_relu_mask: true, join_in_conv, ..policy };
