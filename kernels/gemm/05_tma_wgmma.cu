@@ -12,7 +12,9 @@
 // gemm_nt_stats_*: nt with the per-column BatchNorm moments of C written to the workspace argument (the 1x1
 // convolutions of the training step; ig::tma_epilogue_stats). gemm_nn_gsums_*: nn with the BatchNorm backward
 // sums of C (the 1x1 grad-input passes; ig::tma_epilogue_grad_sums; at x128 5 stages and the unit's z tile loaded
-// through map Z). gemm_nt_bnin_* / gemm_tn_bnin_*: nt with A,
+// through map Z). gemm_nn_join_*: nn with C joined with a residual gradient b under a ReLU mask, as the
+// block-output join would (the grad-input of a bottleneck's conv1 with an identity shortcut; ig::join_pair; b
+// through map Z into the same ring). gemm_nt_bnin_* / gemm_tn_bnin_*: nt with A,
 // tn with B taken as relu(bn(z)) of what the map reads (the BatchNorm in the shape; ig::XF_A / XF_B): a 1x1
 // convolution's forward and grad-weight over the previous BatchNorm + ReLU's input, which is never materialised.
 #include "gemm/tma.cuh"
@@ -22,6 +24,7 @@
     IG_TMA_KERNEL_STATS(gemm_nt_stats_x##BN##_vec_##SUF, T, ig::TMA_GEMM, true, true, BN)       \
     IG_TMA_KERNEL(gemm_nn_x##BN##_vec_##SUF, T, ig::TMA_GEMM, true, false, BN)                  \
     IG_TMA_KERNEL_GSUMS(gemm_nn_gsums_x##BN##_vec_##SUF, T, ig::TMA_GEMM, true, false, BN)      \
+    IG_TMA_KERNEL_JOIN(gemm_nn_join_x##BN##_vec_##SUF, T, ig::TMA_GEMM, true, false, BN)        \
     IG_TMA_KERNEL(gemm_tn_x##BN##_vec_##SUF, T, ig::TMA_GEMM, false, false, BN)                 \
     IG_TMA_KERNEL_XF(gemm_nt_bnin_x##BN##_vec_##SUF, T, ig::TMA_GEMM, true, true, BN, ig::XF_A)  \
     IG_TMA_KERNEL_XF(gemm_tn_bnin_x##BN##_vec_##SUF, T, ig::TMA_GEMM, false, false, BN, ig::XF_B)

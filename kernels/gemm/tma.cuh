@@ -141,7 +141,8 @@ constexpr int TMA_A_BYTES = TMA_BM * TMA_KD * 2;
 // Epilogue staging: per consumer warpgroup 64 rows x 128 columns of C (two 64 x 64 boxes, 128-byte swizzle).
 constexpr int TMA_EPI_WG_BYTES = 64 * 128 * 2, TMA_EPI_BYTES = 2 * TMA_EPI_WG_BYTES;
 // What a TMA kernel's epilogue adds (the EPI template argument).
-constexpr int EPI_PLAIN = 0, EPI_MOMENTS = 1, EPI_GRAD_SUMS = 2;
+// EPI_JOIN: the stored value joined with a residual gradient under a ReLU mask (ig::tma_gemm_body's store).
+constexpr int EPI_PLAIN = 0, EPI_MOMENTS = 1, EPI_GRAD_SUMS = 2, EPI_JOIN = 3;
 
 // Per block-tile width BN (256: tile x256, 128: tile x128, 64: tile x64) and epilogue: stages and dynamic shared
 // memory (alignment slack, the stages, the epilogue staging, the z buffers, 2 x STAGES barriers and 2 x Z_BUFS).
@@ -152,10 +153,10 @@ constexpr int EPI_PLAIN = 0, EPI_MOMENTS = 1, EPI_GRAD_SUMS = 2;
 // shorter than a load): x64 six stages and chunks of 64 columns, x128 four stages and chunks of 128, x256 three
 // stages and chunks of 64 (four a unit; two of 128 would not fit beside three stages). Each fits within the plain
 // kernels' total (the size the launcher passes for every kernel of the tile: crates/kernels/src/variants.rs
-// repeats it).
+// repeats it). The JOIN kernels take the same ring for the residual gradient b, which their store joins.
 template <int BN, int EPI = EPI_PLAIN>
 struct TmaCfg {
-    static constexpr bool Z_SMEM = EPI == EPI_GRAD_SUMS;
+    static constexpr bool Z_SMEM = EPI == EPI_GRAD_SUMS || EPI == EPI_JOIN;
     static constexpr int STAGES = Z_SMEM ? (BN == 256 ? 3 : BN == 128 ? 4 : 6) : (BN == 256 ? 4 : BN == 128 ? 6 : 8);
     static constexpr int B_BYTES = BN * TMA_KD * 2;
     static constexpr int STAGE_BYTES = TMA_A_BYTES + B_BYTES;
@@ -698,6 +699,38 @@ __device__ __forceinline__ void bnin_b(uint32_t sb, const BnIn8& k) {
     for (int i = 0; i < 64 / STEP; ++i) bnin_chunk<T>(base + (r0 + STEP * i) * 128, k);
 }
 
+// The JOIN kernels' mask word for output row `row` that covers column c (32 columns a word, c & ~31 its first;
+// N % 32 == 0, checked by the launcher, keeps the words aligned); rows past M and columns past N read as 0 (the TMA
+// store clips those elements). The unit's bytes were prefetched into L1 before its MMAs.
+__device__ __forceinline__ uint32_t join_mask_word(const float* ws, const Shape& sh, int row, int c) {
+    if (row >= sh.M || c >= sh.N) return 0u;
+    return reinterpret_cast<const uint32_t*>(ws)[((size_t)row * sh.N + c) / 32];
+}
+
+// The JOIN kernels' store (the grad-input of a bottleneck's first 1x1 convolution, joined as the block-output
+// join of kernels/batchnorm would join it): for the pair of columns (col, col + 1) of output row `row`, with a0, a1
+// the accumulators as the plain store takes them, g = mask ? a + b : 0 per element, a rounded to T first (the
+// value the plain kernel stores), the sum in FP32, rounded once to T (bnv_join_partial's arithmetic: the same bits).
+// b is the residual gradient (C-shaped, row-major) from the z ring: chunk buffer zs, laid out as
+// tma_epilogue_grad_sums reads z (r: the row within the warpgroup's 64, j: the fragment within the tile); the mask
+// (ws) has bit k of byte (row * N + c) / 8 set where element c % 8 == k of that row's 8-channel group is on (the
+// forward's relu_bits8); m is the byte of (row, col), read by the store (join_mask_words).
+template <typename T, int BN>
+__device__ __forceinline__ uint32_t join_pair(float a0, float a1, uint32_t m, int col, uint32_t zs, int cw, int r,
+                                              int j, int lane) {
+    constexpr int ZW = TmaCfg<BN, EPI_JOIN>::ZW, ZBOXES = ZW / 64;
+    const uint32_t zaddr =
+        zs + (ZBOXES * cw + ((j >> 3) & (ZBOXES - 1))) * 8192 + r * 128 + (((j & 7) ^ (r & 7)) << 4) + ((lane & 3) << 2);
+    uint32_t bv;
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(bv) : "r"(zaddr) : "memory");
+    T b[2];
+    memcpy(b, &bv, 4);
+    const int bit = col & 7;
+    const float g0 = ((m >> bit) & 1u) ? stored<T>(a0) + to_f(b[0]) : 0.f;
+    const float g1 = ((m >> (bit + 1)) & 1u) ? stored<T>(a1) + to_f(b[1]) : 0.f;
+    return pack2(from_f<T>(g0), from_f<T>(g1));
+}
+
 template <typename T, int CONV, bool A_KMAJOR, bool B_KMAJOR, int BN, int EPI = EPI_PLAIN, int XF = XF_NONE>
 __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* tb, const TmaDesc* tc,
                                               const TmaDesc* tz, T* C, float* ws, const T* bias, const Shape& sh,
@@ -756,7 +789,8 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
                 }
             }
         } else if constexpr (Z_SMEM) {
-            // (Only the GRAD_SUMS kernels have a z loader: the others have no z buffers, Z_BUFS = 0.)
+            // (Only the GRAD_SUMS and JOIN kernels have a z loader: the others have no z buffers, Z_BUFS = 0. The
+            // JOIN kernels' "z" is the residual gradient b.)
             if (z_tma && tid == 32) {
                 // The z loader: each unit's chunks in turn, each into the next buffer of the ring as soon as the
                 // epilogue has read the chunk that held it (the next unit's first two chunks load during this unit's
@@ -833,6 +867,19 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
         const int kts = tma_unit_ktiles(u, mt, nt, splits, sh, tm, tn, ks, k0);
 #pragma unroll
         for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
+        if constexpr (EPI == EPI_JOIN) {
+            // The ReLU mask bytes this thread's two rows need in the store (BN / 8 bytes a row, at most 32: one
+            // sector), into L1 while the MMAs run. ws is the mask here.
+            const int r0 = tm * TMA_BM + cw * 64 + warp * 16 + (lane >> 2);
+            const unsigned char* mk = reinterpret_cast<const unsigned char*>(ws);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                if (r0 + 8 * h < M) {
+                    const unsigned char* pm = mk + ((size_t)(r0 + 8 * h) * N + (size_t)tn * BN) / 8;
+                    asm volatile("prefetch.global.L1 [%0];\n" ::"l"(pm));
+                }
+            }
+        }
         // XF_B: this thread's 8 channels of B are the same in every stage of the unit.
         BnIn8 kb;
         if constexpr (XF == XF_B) bnin_b_consts<BN>(tn * BN, sh, kb);
@@ -927,13 +974,32 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
                     const int col = col0 + 8 * j;
                     float b0, b1;
                     tma_bias2(sh, bias, col, b0, b1);
+                    int zb = 0;  // JOIN: the ring buffer of this fragment's chunk
+                    uint32_t mw[2];  // JOIN: the mask words of the thread's two rows that cover column col
+                    if constexpr (EPI == EPI_JOIN) {
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) mw[h] = join_mask_word(ws, sh, row0 + 8 * h, tn * BN + 8 * j);
+                        const int q = zu * ZCH + (8 * j) / ZW;
+                        zb = q % Z_BUFS;
+                        if ((8 * j) % ZW == 0) mbar_wait(zfull + 8 * zb, (q / Z_BUFS) & 1);
+                    }
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
                         const int r = rloc + 8 * h;
                         const uint32_t addr =
                             buf + (jj >> 3) * 8192 + r * 128 + ((((jj & 7) ^ (r & 7))) << 4) + ((lane & 3) << 2);
-                        const uint32_t v = pack2(from_f<T>(acc[4 * j + 2 * h] + b0), from_f<T>(acc[4 * j + 2 * h + 1] + b1));
+                        uint32_t v;
+                        if constexpr (EPI == EPI_JOIN) {
+                            const uint32_t m = (mw[h] >> (8 * (j & 3))) & 0xffu;
+                            v = join_pair<T, BN>(acc[4 * j + 2 * h] + b0, acc[4 * j + 2 * h + 1] + b1, m, col,
+                                                 zbuf + zb * Z_CHUNK, cw, r, j, lane);
+                        } else {
+                            v = pack2(from_f<T>(acc[4 * j + 2 * h] + b0), from_f<T>(acc[4 * j + 2 * h + 1] + b1));
+                        }
                         asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+                    }
+                    if constexpr (EPI == EPI_JOIN) {
+                        if ((8 * j + 8) % ZW == 0) mbar_arrive(zempty + 8 * zb);
                     }
                 }
                 fence_async_smem();
@@ -946,6 +1012,8 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
                 }
             }
         } else {
+            // (A JOIN kernel needs map C: its launcher never runs it without.)
+            if constexpr (EPI == EPI_JOIN) __trap();
             // Element offset of output row row0 + 8 h (strided grad-input: its dx pixel).
             size_t obase[2];
 #pragma unroll
@@ -997,6 +1065,10 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
 // workspace argument is the partials buffer, the bias argument the BatchNorm's input, Shape::bn_* its
 // per-channel tensors; no split-K.
 #define IG_TMA_KERNEL_GSUMS(NAME, T, MODE, AK, BKM, BN) IG_TMA_KERNEL_S(NAME, T, MODE, AK, BKM, BN, ig::EPI_GRAD_SUMS)
+// The same with C joined with a residual gradient under a ReLU mask (ig::join_pair): the workspace argument is
+// the mask, map Z covers the residual gradient as map C covers C (C must go through map C: the launcher's tma_c);
+// no split-K.
+#define IG_TMA_KERNEL_JOIN(NAME, T, MODE, AK, BKM, BN) IG_TMA_KERNEL_S(NAME, T, MODE, AK, BKM, BN, ig::EPI_JOIN)
 // The same with operand A (NT) or B (TN) normalised on its way to the tensor cores (ig::XF_A / XF_B, relu(bn(z))
 // with the BatchNorm in Shape::bn_*; split-K allowed).
 #define IG_TMA_KERNEL_XF(NAME, T, MODE, AK, BKM, BN, XF) IG_TMA_KERNEL_SX(NAME, T, MODE, AK, BKM, BN, ig::EPI_PLAIN, XF)

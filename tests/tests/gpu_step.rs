@@ -1055,3 +1055,96 @@ fn bn_apply_in_conv_step_matches_bit_for_bit() -> Result<()> {
     }
     Ok(())
 }
+
+/// The block-output join in a 1x1 grad-input's store (`gemm_nn_join_*`, ig::join_pair; `KernelPolicy::join_in_conv`)
+/// against the plain grad-input on the same tile followed by the join as its own pass (the residual kernel gating
+/// by a tensor made from the same mask): bit for bit in bf16 and fp16, every TMA tile forced, bottleneck conv1
+/// shapes with row counts that are not a multiple of 128, one (K = 128) with two k-tiles, and a channel count that
+/// is not a multiple of the tile (96), a shortcut gradient of either sign and about half of the mask off. The
+/// epilogue must have run (true); channels that are not a multiple of 32, and a problem so small that the plain
+/// pass could split K, must fall back (false) to the plain grad-input.
+#[test]
+fn joined_grad_input_matches_the_join() -> Result<()> {
+    use kernels::variants::{X128, X256, X64};
+    use kernels::Tuning;
+    let gpu = cuda()?;
+    for dt in [DType::BF16, DType::F16] {
+        for (n, h, w, c, ko) in [
+            (32usize, 28usize, 28usize, 256usize, 64usize),
+            (16, 14, 14, 1024, 256),
+            (16, 14, 14, 512, 128),
+            (12, 28, 28, 96, 64),
+            (32, 28, 28, 40, 16),
+            (2, 5, 5, 256, 64),
+        ] {
+            let dy = Tensor::randn(0f32, 1.0, (n, h, w, ko), &Device::Cpu)?.to_dtype(dt)?.to_device(&gpu)?;
+            let wt = (Tensor::randn(0f32, 1.0, (ko, 1, 1, c), &Device::Cpu)? * 0.2)?.to_dtype(dt)?.to_device(&gpu)?;
+            let b = Tensor::randn(0f32, 1.0, (n, h, w, c), &Device::Cpu)?.to_dtype(dt)?.to_device(&gpu)?;
+            let y = Tensor::randn(0f32, 1.0, (n, h, w, c), &Device::Cpu)?.relu()?.to_dtype(dt)?.to_device(&gpu)?;
+            let mask = kernels::ops::batchnorm::relu_mask(&y)?;
+            // The fold's conditions: c % 32 == 0 and at least 66 tiles of 128 x 256 (half the H100's / H200's 132 SMs).
+            let fits = c % 32 == 0 && 2 * (n * h * w).div_ceil(128) * c.div_ceil(256) >= 132;
+            for tile in [X256, X128, X64] {
+                let policy = KernelPolicy::custom().with_tuning(Tuning::Forced(tile));
+                let what = format!("{dt:?} ({n}, {h}, {w}, {ko}) -> {c}, tile {}", tile.name);
+                let (g, joined) = kernels::conv2d_nhwc_grad_input_join(&dy, &wt, (h, w), &policy, &b, &mask)?;
+                let dx = kernels::conv2d_nhwc_grad_input(&dy, &wt, 1, 0, (h, w), &policy)?;
+                ensure!(joined == fits, "{what}: joined {joined}, expected {fits}");
+                let want = if fits { kernels::ops::batchnorm::join_masked(&dx, &b, &mask)? } else { dx };
+                let differ = bits_differ(&g, &want)?;
+                ensure!(differ == 0, "{what}: differs in {differ} of {} values", want.elem_count());
+            }
+            println!(
+                "joined grad-input, {dt:?} ({n}, {h}, {w}, {ko}) -> {c}: {} on x256, x128, x64",
+                if fits { "bit for bit the grad-input + join" } else { "fell back to the plain grad-input" }
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The explicit step with the block-output joins folded into the conv1 grad-inputs (`join_in_conv`) against the
+/// step with the joins as their own launches: a ResNet-50 step (224 px, batch 16, bf16 and fp16, cooperative
+/// BatchNorm with the ReLU masks, TMA tile x128 forced) must give the loss, every gradient and every running
+/// statistic bit for bit, with the folds counted: ResNet-50 has 12 identity bottlenecks; at this size layer4's
+/// two have too few tiles (the plain pass could split K), so 10 fold.
+#[test]
+fn join_in_conv_step_matches_bit_for_bit() -> Result<()> {
+    use kernels::variants::X128;
+    use kernels::Tuning;
+    let gpu = cuda()?;
+    let x = Tensor::randn(0f32, 1.0, (16, 3, 224, 224), &Device::Cpu)?.to_device(&gpu)?;
+    let labels = Tensor::new((0..16u32).map(|i| i % 10).collect::<Vec<_>>().as_slice(), &gpu)?;
+    for precision in [Precision::Bf16, Precision::F16] {
+        // (loss, gradients and running statistics, joins folded)
+        type Step = (f32, Vec<(String, Tensor)>, u64);
+        let step = |join_in_conv: bool| -> Result<Step> {
+            let mut m = model(Arch::ResNet50, Stem::ImageNet, &gpu)?;
+            let policy = m.config.kernels.clone().with_tuning(Tuning::Forced(X128));
+            m.config.kernels = KernelPolicy { bn_cooperative: true, join_relu_mask: true, join_in_conv, ..policy };
+            let before = kernels::ops::conv_nhwc::joined_grad_inputs();
+            let args = resnet::step::StepArgs::new(0.1, 1.0, precision);
+            let o = m.train_step_explicit_with(&x, &labels, args)?;
+            let folds = kernels::ops::conv_nhwc::joined_grad_inputs() - before;
+            let mut out = named_grads(&m, &o)?;
+            out.extend(m.store().snapshot()?.into_iter().filter(|(k, _)| k.contains("running_")));
+            Ok((o.loss.to_scalar::<f32>()?, out, folds))
+        };
+        let (lb, base, none) = step(false)?;
+        let (lf, folded, folds) = step(true)?;
+        let what = format!("{precision:?} join_in_conv");
+        ensure!(none == 0 && folds == 10, "{what}: {folds} of 10 joins folded ({none} with the switch off)");
+        ensure!(lb.to_bits() == lf.to_bits(), "{what}: loss {lf} folded, {lb} as a pass");
+        ensure!(base.len() == folded.len(), "{} tensors against {}", folded.len(), base.len());
+        for ((name, e), (_, g)) in base.iter().zip(&folded) {
+            let differ = bits_differ(g, e)?;
+            ensure!(differ == 0, "{what}: {name} differs in {differ} of {} values", e.elem_count());
+        }
+        println!(
+            "join_in_conv, ResNet-50 {precision:?} step: loss and {} tensors bit for bit with the joins as a pass; \
+             {folds} joins folded into conv1 grad-inputs",
+            base.len()
+        );
+    }
+    Ok(())
+}

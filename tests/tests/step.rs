@@ -427,6 +427,49 @@ fn join_relu_mask_and_compact_shortcut_give_the_same_step() {
     }
 }
 
+/// The block-output joins folded into the next bottleneck's conv1 grad-input (`KernelPolicy::join_in_conv`: the
+/// grad-input's store adds the shortcut gradient under the block output's ReLU mask, on the CPU a pass right after
+/// the grad-input): with the cooperative BatchNorm and the ReLU masks, the step must equal the one with the joins as
+/// their own pass, bit for bit (loss, every gradient, the running statistics), on ResNet-50 (12 identity
+/// bottlenecks of 16: 12 folds) and with a frozen layer; `recompute = "relu+conv"` (no cooperative join, so no
+/// masks), ResNet-18 (basic blocks, 3x3 conv1) and the separate BatchNorm launches (no mask) fold nothing. The CUDA kernel is compared on the GPU:
+/// `joined_grad_input_matches_the_join` and `join_in_conv_step_matches_bit_for_bit`.
+#[test]
+fn join_in_conv_gives_the_same_step() {
+    use resnet::step::Recompute;
+    let dev = Device::Cpu;
+    let x = Tensor::randn(0f32, 1., (2, 3, 32, 32), &dev).unwrap();
+    let labels = Tensor::new(&[3u32, 8], &dev).unwrap();
+    for (arch, freeze, recompute, coop, folds) in [
+        (Arch::ResNet50, None, Recompute::None, true, 12),
+        (Arch::ResNet50, Some("layer2"), Recompute::None, true, 12),
+        (Arch::ResNet50, None, Recompute::ReluConv, true, 0),
+        (Arch::ResNet50, None, Recompute::None, false, 0),
+        (Arch::ResNet18, None, Recompute::None, true, 0),
+    ] {
+        let run = |join: bool| {
+            let mut m = model(arch, Stem::ImageNet);
+            m.config.kernels.bn_cooperative = coop;
+            m.config.kernels.join_relu_mask = true;
+            m.config.kernels.join_in_conv = join;
+            let m = ResNet::new(m.config.clone(), &dev).unwrap();
+            if let Some(p) = freeze {
+                assert!(m.store().freeze_prefixes(&[p.to_string()]) > 0);
+            }
+            let before = kernels::ops::conv_nhwc::joined_grad_inputs();
+            let args = resnet::step::StepArgs { recompute, ..resnet::step::StepArgs::new(0.1, 8.0, Precision::F32) };
+            let v = step_values_with(&m, &x, &labels, args, |n| n.contains("running"));
+            (v, kernels::ops::conv_nhwc::joined_grad_inputs() - before)
+        };
+        let what = format!("{arch} freeze={freeze:?} recompute={recompute:?} cooperative={coop}");
+        let (base, none) = run(false);
+        assert_eq!(none, 0, "{what}: joined with the switch off");
+        let (folded, n) = run(true);
+        assert_eq!(n, folds, "{what}: joins folded into conv1 grad-inputs");
+        assert_same_step(&what, &folded, &base);
+    }
+}
+
 /// A bottleneck's conv3 input normalised inside the conv (`KernelPolicy::bn_apply_in_conv`): "backward": conv3's
 /// grad-weight takes relu(bn2(z2)) through `conv2d_nhwc_grad_weight_bn_relu` and the forward keeps no
 /// activation; "both": also bn2's forward keeps its statistics only and conv3's forward goes through

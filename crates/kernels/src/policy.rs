@@ -195,6 +195,13 @@ pub struct KernelPolicy {
     /// written), as the TMA GEMM's operand ([`crate::conv2d_nhwc_forward_bn_relu`]). The same values bit for
     /// bit. Default: off, unless `KERNELS_BN_APPLY_IN_CONV=backward` or `both` (or 1) in the environment.
     pub bn_apply_in_conv: BnApplyInConv,
+    /// The explicit training step folds the block-output join into the grad-input of the next bottleneck's conv1
+    /// (1x1, stride 1, identity shortcut): that grad-input's store adds the shortcut gradient and applies the
+    /// block output's ReLU mask ([`crate::conv2d_nhwc_grad_input_join`]), so the block's last BatchNorm backward
+    /// reads the joined gradient instead of the two gradients and the mask. Needs `join_relu_mask` and the
+    /// cooperative BatchNorm backward. The same values bit for bit. Default: off, unless `KERNELS_JOIN_IN_CONV=1`
+    /// in the environment.
+    pub join_in_conv: bool,
 }
 
 impl Default for KernelPolicy {
@@ -215,6 +222,7 @@ impl Default for KernelPolicy {
             join_relu_mask: crate::ops::batchnorm::join_relu_mask(),
             compact_shortcut_grad: crate::ops::batchnorm::compact_shortcut_grad(),
             bn_apply_in_conv: crate::ops::batchnorm::bn_apply_in_conv(),
+            join_in_conv: crate::ops::batchnorm::join_in_conv(),
         }
     }
 }
@@ -256,7 +264,12 @@ impl KernelPolicy {
             BnApplyInConv::Backward => ", bottleneck conv3 inputs normalised in the grad-weight",
             BnApplyInConv::Both => ", bottleneck conv3 inputs normalised in the conv and its grad-weight",
         };
-        format!("conv {}, matmul {}, {tiles}{stats}{sums}{timed}{coop}{bnin}", self.conv.name(), self.matmul.name())
+        let join = if self.join_in_conv { ", block-output joins in the conv1 grad-inputs" } else { "" };
+        format!(
+            "conv {}, matmul {}, {tiles}{stats}{sums}{timed}{coop}{bnin}{join}",
+            self.conv.name(),
+            self.matmul.name()
+        )
     }
 }
 

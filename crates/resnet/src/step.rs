@@ -204,6 +204,14 @@ struct BlockSaved {
     down_weight: Option<Tensor>,
 }
 
+/// What a block's backward gives at its input ([`Engine::block_backward`]).
+enum BlockGrad {
+    /// The main path's gradient and the shortcut's, for the caller to join.
+    Split(Tensor, Shortcut),
+    /// Already joined by the conv1 grad-input's store: the gradient at the previous block's pre-ReLU output.
+    Joined(Tensor),
+}
+
 /// A block's shortcut gradient at its input: full size, or a 1x1 stride-2 downsample's grad-input on its own grid
 /// ([`kernels::ops::batchnorm::ShortcutGrad::Stride2`]: zero off the even cells, never made at full size where the
 /// cooperative join takes it).
@@ -796,8 +804,23 @@ impl<'a> Engine<'a> {
         Ok(BlockSaved { x, bns, acts, down, out, mask, weights, down_weight })
     }
 
-    /// Backward of a block from the gradient `gp` at its output's pre-ReLU sum: returns the two gradient
-    /// contributions at its input (main path, shortcut), which the caller joins.
+    /// The ReLU mask of the block before `b` (saved state `prev`) when its join folds into `b`'s conv1
+    /// grad-input (`policy.join_in_conv`, [`kernels::conv2d_nhwc_grad_input_join`]): the cooperative join with the
+    /// block outputs' masks, `b` a bottleneck (conv1 1x1, stride 1, no padding) with an identity shortcut.
+    fn join_fold<'s>(&self, b: &Block, prev: &'s BlockSaved) -> Option<&'s Tensor> {
+        let conv1 = b.convs.first()?;
+        let k = conv1.weight.var().as_tensor().dims().last().copied();
+        let applies = self.policy.join_in_conv
+            && self.join_mask()
+            && b.downsample.is_none()
+            && b.convs.len() == 3
+            && (k, conv1.stride, conv1.padding) == (Some(1), 1, 0);
+        prev.mask.as_ref().filter(|_| applies)
+    }
+
+    /// Backward of a block from the gradient `gp` at its output's pre-ReLU sum: the two gradient contributions at
+    /// its input (main path, shortcut), which the caller joins, or with `fold` (the block before's ReLU mask,
+    /// [`Self::join_fold`]) where the conv1 grad-input's epilogue joined them, that block's output gradient.
     /// `pre`: the backward sums of the block's last BatchNorm, made with `gp` ([`Self::block_output_grad`]).
     fn block_backward(
         &mut self,
@@ -805,7 +828,8 @@ impl<'a> Engine<'a> {
         s: BlockSaved,
         gp: &Tensor,
         mut pre: Option<Pre>,
-    ) -> Result<(Tensor, Shortcut)> {
+        fold: Option<&Tensor>,
+    ) -> Result<BlockGrad> {
         let BlockSaved { x, mut bns, mut acts, down, out, mask, mut weights, down_weight } = s;
         drop((out, mask));
         let last = b.convs.len() - 1;
@@ -836,6 +860,17 @@ impl<'a> Engine<'a> {
             let dz = self.bn_backward(&saved, &g, &b.bns[i], i != last, pre.take())?;
             drop(saved);
             let dx = match bns.last() {
+                // The block input's join in the grad-input's store (identity shortcut: its gradient is gp).
+                None if i == 0 && fold.is_some() => {
+                    self.record_grad_weight(&cw, &input, &dz)?;
+                    let mask = fold.expect("checked by the guard");
+                    let (_, h, w, _) = input.dims4()?;
+                    let (g, joined) = kernels::conv2d_nhwc_grad_input_join(&dz, &cw.w, (h, w), self.policy, gp, mask)?;
+                    if joined {
+                        return Ok(BlockGrad::Joined(g));
+                    }
+                    g
+                }
                 // The conv's input is relu(bn(z)) of the conv before: its sums come with the grad-input.
                 Some(prev) if self.policy.bn_sums_in_backward => {
                     let (dx, sums) = self.conv_backward_sums(&cw, &input, &dz, prev, &b.bns[i - 1])?;
@@ -870,7 +905,7 @@ impl<'a> Engine<'a> {
             }
             _ => Shortcut::Full(gp.clone()),
         };
-        Ok((gx.expect("a block has convs"), gs))
+        Ok(BlockGrad::Split(gx.expect("a block has convs"), gs))
     }
 
     /// Whether a downsample conv's grad-input stays on its own grid ([`Shortcut::Stride2`]):
@@ -1141,12 +1176,15 @@ impl ResNet {
         let mut g_stem = None;
         for (i, b) in blocks.iter().enumerate().rev() {
             let s = saved.pop().expect("one saved state per block");
-            let (gm, gs) = e.block_backward(b, s, &gp, pre.take())?;
-            if i > 0 {
+            let fold = if i > 0 { e.join_fold(b, &saved[i - 1]) } else { None };
+            match e.block_backward(b, s, &gp, pre.take(), fold)? {
+                // The join ran in the conv1 grad-input's store: the block before starts from its output gradient.
+                BlockGrad::Joined(g) => gp = g,
                 // The block input is the previous block's ReLU output: join and mask in one pass.
-                (gp, pre) = e.block_output_grad(blocks[i - 1], &saved[i - 1], &gm, Some(gs))?;
-            } else {
-                g_stem = Some((gm, gs));
+                BlockGrad::Split(gm, gs) if i > 0 => {
+                    (gp, pre) = e.block_output_grad(blocks[i - 1], &saved[i - 1], &gm, Some(gs))?;
+                }
+                BlockGrad::Split(gm, gs) => g_stem = Some((gm, gs)),
             }
         }
         let (gm, gs) = g_stem.expect("a ResNet has blocks");

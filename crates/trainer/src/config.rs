@@ -467,6 +467,14 @@ pub struct KernelsSection {
     /// H100 (2026-12-06: the normalisation costs the GEMMs more than the pass it saves; docs/BENCHMARKS.md).
     /// `KERNELS_BN_APPLY_IN_CONV=backward` or `both` in the environment sets it where this is "off"
     pub bn_apply_in_conv: BnApplyInConvChoice,
+    /// The fused step on CUDA folds each block-output join (the ReLU gradient at a block's output, the sum of the
+    /// next block's main-path and shortcut gradients) into the grad-input of the next bottleneck's conv1 (1x1,
+    /// identity shortcut): its TMA GEMM's store adds the shortcut gradient and applies the block output's ReLU
+    /// mask, so the block's last BatchNorm backward reads one joined gradient instead of two gradients and the
+    /// mask. The same values bit for bit. Needs the cooperative BatchNorm (`kernels.bn_cooperative`); elsewhere,
+    /// and where the epilogue cannot run, the join stays its own pass. Off by default until timed on the H200;
+    /// `KERNELS_JOIN_IN_CONV=1` in the environment sets it where this is false
+    pub join_in_conv: bool,
 }
 
 impl Default for KernelsSection {
@@ -482,6 +490,7 @@ impl Default for KernelsSection {
             bn_stats: BnStatsChoice::Pass,
             bn_cooperative: true,
             bn_apply_in_conv: BnApplyInConvChoice::Off,
+            join_in_conv: false,
         }
     }
 }
@@ -678,6 +687,7 @@ impl KernelsSection {
                 BnApplyInConvChoice::Backward => kernels::BnApplyInConv::Backward,
                 BnApplyInConvChoice::Both => kernels::BnApplyInConv::Both,
             },
+            join_in_conv: self.join_in_conv || kernels::ops::batchnorm::join_in_conv(),
             ..Default::default()
         })
     }
@@ -1216,6 +1226,19 @@ mod tests {
             assert_eq!(p.bn_apply_in_conv, want);
             assert!(p.describe().contains(text), "{}", p.describe());
         }
+    }
+
+    /// `kernels.join_in_conv` reaches the policy and its description; a value that is not a boolean is named.
+    #[test]
+    fn join_in_conv_sets_the_policy() {
+        let env = kernels::ops::batchnorm::join_in_conv();
+        let d = super::Config::from_str_with("", "x.toml", &[]).unwrap().kernels.policy(true, super::Precision::Bf16);
+        assert_eq!(d.unwrap().join_in_conv, env);
+        let c = super::Config::from_str_with("", "x.toml", &["kernels.join_in_conv=true".into()]).unwrap();
+        let p = c.kernels.policy(true, super::Precision::Bf16).unwrap();
+        assert!(p.join_in_conv && p.describe().contains("block-output joins in the conv1 grad-inputs"));
+        let e = super::Config::from_str_with("", "x.toml", &["kernels.join_in_conv=\"yes\"".into()]).unwrap_err();
+        assert!(format!("{e:#}").contains("join_in_conv"), "{e:#}");
     }
 
     #[test]

@@ -268,8 +268,9 @@ impl<T: CudaDType + DeviceRepr + WithDType + ValidAsZeroBits + 'static> Pass<'_,
     /// The key of a forward or grad-input pick: with the BatchNorm reduction in the epilogue (`epi`), its own
     /// key. Both carry the suffix, so that files written before the split (whose plain entries may have been timed
     /// with the epilogue in the TMA candidates only) are not read back.
-    fn key_epi(&self, epi: bool) -> String {
-        format!("{} {}", self.key(), if epi { "+bn-epilogue" } else { "plain" })
+    /// The autotune key of a pass with the epilogue `tag` (`+bn-epilogue`, `+join`) or without (`plain`).
+    fn key_epi(&self, tag: Option<&str>) -> String {
+        format!("{} {}", self.key(), tag.unwrap_or("plain"))
     }
     /// The autotuner's candidates: every tile of the device, the TMA ones only where they take the pass.
     fn candidates(&self) -> Vec<Tile> {
@@ -288,8 +289,16 @@ impl<T: CudaDType + DeviceRepr + WithDType + ValidAsZeroBits + 'static> Pass<'_,
     /// runs without epilogues (a ResNet-152 bf16 step on an H200 ran cp.async convolutions after a first run with
     /// `bn_stats = "fused"` had filled the autotune file). Whether the epilogue pays is
     /// [`super::autotune::epilogue_pays`]'s question, not the tile's.
-    fn pick_epi(&self, epi: bool, vec: bool, heuristic: Tile, run: impl FnMut(Tile) -> Result<()>) -> Result<Tile> {
-        if epi {
+    /// `tag`: the epilogue asked for (its autotune key's tail; None: the plain pass); the joined store
+    /// ([`Epi::Join`]) likewise runs on the TMA tiles only, under `+join`.
+    fn pick_epi(
+        &self,
+        tag: Option<&str>,
+        vec: bool,
+        heuristic: Tile,
+        run: impl FnMut(Tile) -> Result<()>,
+    ) -> Result<Tile> {
+        if tag.is_some() {
             let heuristic = if heuristic.is_tma() {
                 heuristic
             } else if heuristic.bn <= 64 {
@@ -297,9 +306,9 @@ impl<T: CudaDType + DeviceRepr + WithDType + ValidAsZeroBits + 'static> Pass<'_,
             } else {
                 X128
             };
-            return pick(self.dev, self.cl.tuning, || self.key_epi(true), vec, &self.tma_tiles(), heuristic, run);
+            return pick(self.dev, self.cl.tuning, || self.key_epi(tag), vec, &self.tma_tiles(), heuristic, run);
         }
-        pick(self.dev, self.cl.tuning, || self.key_epi(false), vec, &self.candidates(), heuristic, run)
+        pick(self.dev, self.cl.tuning, || self.key_epi(None), vec, &self.candidates(), heuristic, run)
     }
 
     /// Few input channels (the RGB stem): explicit im2col + the TMA GEMM, on the TMA tiles only.
@@ -403,8 +412,8 @@ impl<T: CudaDType + DeviceRepr + WithDType + ValidAsZeroBits + 'static> Pass<'_,
             unsafe { b.launch(blocks(tile, m, n, 1, op)?) }.w()?;
             Ok(())
         };
-        let epi = stats.is_some() && self.tma_ok;
-        let tile = self.pick_epi(epi, vec, choose(m, n, self.sms, false), &mut run)?;
+        let tag = (stats.is_some() && self.tma_ok).then_some("+bn-epilogue");
+        let tile = self.pick_epi(tag, vec, choose(m, n, self.sms, false), &mut run)?;
         run(tile)?;
         Ok((CudaStorage::wrap_cuda_slice(y, dev.clone()), Shape::from((g.n, g.p(), g.q(), g.ko))))
     }
@@ -461,7 +470,12 @@ impl<T: CudaDType + DeviceRepr + WithDType + ValidAsZeroBits + 'static> Pass<'_,
         };
         let stream = dev.cuda_stream();
         // The backward sums in the epilogue: the plain and stride-1 passes (the strided one scatters its rows).
-        let gsums = self.cl.stats.filter(|s| matches!(s.epi, Epi::GradSums { .. }) && (g.is_plain() || g.stride == 1));
+        // The joined store: the plain pass (a 1x1 stride-1 GEMM).
+        let gsums = self.cl.stats.filter(|s| match s.epi {
+            Epi::GradSums { .. } => g.is_plain() || g.stride == 1,
+            Epi::Join { .. } => g.is_plain(),
+            _ => false,
+        });
         let epi = gsums.map_or(Epi::Plain, |s| s.epi);
         let mut run = |tile: Tile| -> Result<()> {
             if let Some(s) = self.cl.stats {
@@ -499,8 +513,12 @@ impl<T: CudaDType + DeviceRepr + WithDType + ValidAsZeroBits + 'static> Pass<'_,
             Ok(())
         };
         let m_class = classes.first().map_or(0, |c| c.0);
-        let epi = gsums.is_some() && self.tma_ok;
-        let tile = self.pick_epi(epi, true, choose(m_class, g.c, self.sms, false), &mut run)?;
+        let tag = match (gsums.is_some() && self.tma_ok, epi) {
+            (false, _) => None,
+            (true, Epi::Join { .. }) => Some("+join"),
+            (true, _) => Some("+bn-epilogue"),
+        };
+        let tile = self.pick_epi(tag, true, choose(m_class, g.c, self.sms, false), &mut run)?;
         run(tile)?;
         Ok((CudaStorage::wrap_cuda_slice(dx, dev.clone()), Shape::from((g.n, g.h, g.w, g.c))))
     }

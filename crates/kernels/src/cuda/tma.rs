@@ -177,6 +177,12 @@ pub enum Epi {
     /// memory on its way to the tensor cores (the BNIN kernels, `ig::bnin_a` / `ig::bnin_b`): the products of the
     /// materialised activation, bit for bit, without writing or reading it. Split-K allowed.
     BnReluIn { bn: BnAddrs },
+    /// C joined with the residual gradient at `b` (C-shaped, row-major, read through map Z into the z ring) under
+    /// the ReLU mask at `mask` (rows x n / 8 bytes, bit k of byte (row, c / 8) for column c = 8 (c / 8) + k): each
+    /// element mask ? round(round(c) + b) : 0, the block-output join's value bit for bit (the JOIN kernels,
+    /// `ig::join_pair`; NN only). Needs C through map C (n % 32 == 0, C, b 16-byte and the mask 4-byte aligned:
+    /// the launcher refuses otherwise); no split-K.
+    Join { mask: u64, b: u64 },
 }
 
 /// One launch of a TMA kernel `f` (tile x256, x128 or x64) over the m x n x k problem described by the tensor maps:
@@ -221,9 +227,15 @@ pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
     // (TmaCfg::Z_SMEM), so z must be 16-byte aligned as well.
     let z_addr = match epi {
         Epi::GradSums { z, .. } => Some(z),
+        Epi::Join { b, .. } => Some(b),
         _ => None,
     };
     let tma_c = plain_c && !split && n % 8 == 0 && pc % 16 == 0 && z_addr.is_none_or(|z| z % 16 == 0);
+    if let Epi::Join { mask, .. } = epi {
+        if !tma_c || n % 32 != 0 || mask % 4 != 0 {
+            candle_core::bail!("{op} (cuda): the joined store needs C through its tensor map and n % 32 == 0");
+        }
+    }
     let mc = if tma_c { tma_map(pc, T::DTYPE, n, m, 64, op)? } else { TmaDesc([0; 16]) };
     let mz = match z_addr {
         Some(z) if tma_c => tma_map(z, T::DTYPE, n, m, 64, op)?,
@@ -256,7 +268,7 @@ pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
     let mut bld = stream.launch_builder(f);
     bld.arg(ma).arg(mb).arg(&mc).arg(&mz).arg(c);
     match &epi {
-        Epi::Moments { part } | Epi::GradSums { part, .. } => bld.arg(part),
+        Epi::Moments { part } | Epi::GradSums { part, .. } | Epi::Join { mask: part, .. } => bld.arg(part),
         Epi::Plain | Epi::BnReluIn { .. } => bld.arg(&*ws),
     };
     match (bias, &epi) {
@@ -269,6 +281,7 @@ pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
     // cover exactly the operands of the m x n x k problem, c and z (read by the kernel only when tma_c; map Z only by
     // a GSUMS kernel), c holds m*n elements, ws splits*m*n when split, or the caller's stats_partials_len(m, n) /
     // grad_sums_partials_len(m, n) floats for a STATS / GSUMS kernel (GSUMS: z holds m*n elements, the BatchNorm's tensors 3n / n / n, checked by the caller;
+    // JOIN: b holds m*n elements and the mask m*n/8 bytes, checked by the caller, map Z covers b;
     // BNIN: the BatchNorm's tensors 3c / c / c for the c channels of the normalised operand, K for NT, N for TN,
     // 16-byte aligned with c % 8 == 0, checked by the caller).
     unsafe { bld.launch(cfg) }.w()?;
@@ -309,6 +322,7 @@ pub(crate) fn tma_gemm<T: CudaDType + DeviceRepr + WithDType>(
         (Epi::Plain, _) => tag,
         (Epi::Moments { .. }, GemmLayout::Nt) => "nt_stats",
         (Epi::GradSums { .. }, GemmLayout::Nn) => "nn_gsums",
+        (Epi::Join { .. }, GemmLayout::Nn) => "nn_join",
         (Epi::BnReluIn { .. }, GemmLayout::Nt) => "nt_bnin",
         (Epi::BnReluIn { .. }, GemmLayout::Tn) => "tn_bnin",
         _ => candle_core::bail!("{op} (cuda): no {epi:?} epilogue for the {layout:?} GEMM"),

@@ -372,6 +372,14 @@ fn gate_from_mask(mask: &Tensor, like: &Tensor) -> Result<Tensor> {
     Tensor::from_vec(v, like.shape(), like.device())?.to_dtype(like.dtype())
 }
 
+/// The block-output join of a main-path gradient `a` and a shortcut gradient `b` (same shape) under a ReLU
+/// `mask` ([`relu_mask`]'s layout): mask ? a + b : 0 per element, in FP32 rounded once, as [`crate::add_relu_grad`]
+/// gates by the output the mask was made from (and the cooperative join kernels compute it). The gate is made on
+/// the host: the CPU path of [`crate::ops::conv_nhwc::conv2d_nhwc_grad_input_join`].
+pub fn join_masked(a: &Tensor, b: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    crate::add_relu_grad(a, b, &gate_from_mask(mask, a)?)
+}
+
 /// [`batch_norm_train_with`], with y's ReLU mask when `mask` (a block output: `res` given).
 fn train_with(
     x: &Tensor,
@@ -458,6 +466,13 @@ pub fn join_relu_mask() -> bool {
 pub fn compact_shortcut_grad() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var_os("KERNELS_COMPACT_SHORTCUT").is_none_or(|v| v != "0"))
+}
+
+/// Whether the explicit step folds the block-output joins into the conv1 grad-inputs
+/// ([`crate::KernelPolicy::join_in_conv`]'s default): on only with `KERNELS_JOIN_IN_CONV=1` in the environment.
+pub fn join_in_conv() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("KERNELS_JOIN_IN_CONV").is_some_and(|v| v == "1"))
 }
 
 /// Where the explicit step normalises a bottleneck's conv3 input ([`crate::KernelPolicy::bn_apply_in_conv`]'s

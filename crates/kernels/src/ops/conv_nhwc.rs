@@ -139,6 +139,38 @@ pub fn conv2d_nhwc_grad_input_sums(
     Ok((dx, sums))
 }
 
+/// [`conv2d_nhwc_grad_input`] of a 1x1 stride-1 convolution whose input is a residual block's output y = relu(s),
+/// joined with that block's shortcut gradient `b` (dx's shape) under y's ReLU `mask` (u8 (rows, c / 8),
+/// [`crate::ops::batchnorm::relu_mask`]'s layout): g = the gradient at s, mask ? dx + b : 0 per element (dx rounded
+/// to its dtype first, the sum in FP32 rounded once: the block-output join's values bit for bit). Returns (g, true)
+/// when it joined: on CUDA in the grad-input's epilogue on a TMA tile (`gemm_nn_join_*`), on the CPU as a pass
+/// after the grad-input; (dx, false) on CUDA where that epilogue does not run (no TMA tile, channels not a
+/// multiple of 32, a misaligned operand, or so few tiles that the plain pass could split K and sum in another
+/// order), so that the caller joins as before, without a host synchronisation.
+pub fn conv2d_nhwc_grad_input_join(
+    dy: &Tensor,
+    w: &Tensor,
+    in_hw: (usize, usize),
+    policy: &KernelPolicy,
+    b: &Tensor,
+    mask: &Tensor,
+) -> Result<(Tensor, bool)> {
+    #[cfg(feature = "cuda")]
+    let out =
+        if kernels_apply(dy) { Some(cuda_ops::conv_nhwc_dgrad_join(dy, w, in_hw, policy, b, mask)?) } else { None };
+    #[cfg(not(feature = "cuda"))]
+    let out = None;
+    let out = match out {
+        Some(o) => o,
+        None => {
+            let dx = conv2d_nhwc_grad_input(dy, w, 1, 0, in_hw, policy)?;
+            (crate::ops::batchnorm::join_masked(&dx, b, mask)?, true)
+        }
+    };
+    JOINED_GRAD_INPUTS.with(|k| k.set(k.get() + u64::from(out.1)));
+    Ok(out)
+}
+
 /// The BatchNorm + ReLU backward sums over (z, g) as their own pass.
 fn sums_pass(z: &Tensor, g: &Tensor, p: &crate::BnParams) -> Result<Tensor> {
     let op = crate::ops::batchnorm::BnGrad {
@@ -151,7 +183,14 @@ fn sums_pass(z: &Tensor, g: &Tensor, p: &crate::BnParams) -> Result<Tensor> {
     z.apply_op2_no_bwd(g, &op)
 }
 
+/// Grad-inputs of this thread that joined ([`conv2d_nhwc_grad_input_join`] returning true: on CUDA the epilogue
+/// ran): tests check that the fold happened.
+pub fn joined_grad_inputs() -> u64 {
+    JOINED_GRAD_INPUTS.with(|k| k.get())
+}
+
 thread_local! {
+    static JOINED_GRAD_INPUTS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
     /// Launches of this thread whose activation operand was normalised inside the convolution
     /// ([`conv2d_nhwc_forward_bn_relu`], [`conv2d_nhwc_grad_weight_bn_relu`] on a TMA tile): tests check that the
     /// fused path ran.
@@ -247,7 +286,9 @@ fn dgrad_reference(dy: &Tensor, w: &Tensor, g: ConvGeom) -> Result<Tensor> {
 }
 
 #[cfg(feature = "cuda")]
-pub use cuda_ops::{conv_nhwc_dgrad, conv_nhwc_dgrad_sums, conv_nhwc_fwd, conv_nhwc_fwd_stats, conv_nhwc_wgrad};
+pub use cuda_ops::{
+    conv_nhwc_dgrad, conv_nhwc_dgrad_join, conv_nhwc_dgrad_sums, conv_nhwc_fwd, conv_nhwc_fwd_stats, conv_nhwc_wgrad,
+};
 
 /// The candle ops over the CUDA launchers.
 #[cfg(feature = "cuda")]
@@ -636,6 +677,56 @@ mod cuda_ops {
         }
         let sums = crate::ops::batchnorm::grad_sums_from_partials(&part, rows, c)?;
         Ok((dx, Some(sums)))
+    }
+
+    /// [`super::conv2d_nhwc_grad_input_join`] on CUDA: a 1x1 stride-1 grad-input with the joined store
+    /// ([`Epi::Join`]) where it runs (TMA tiles, c % 32 == 0, contiguous aligned operands, enough tiles that the
+    /// plain pass would not split K); else the plain grad-input and false.
+    pub fn conv_nhwc_dgrad_join(
+        dy: &Tensor,
+        w: &Tensor,
+        in_hw: (usize, usize),
+        policy: &KernelPolicy,
+        b: &Tensor,
+        mask: &Tensor,
+    ) -> Result<(Tensor, bool)> {
+        let (n, _, _, ko) = dy.dims4()?;
+        let (_, r, _, c) = w.dims4()?;
+        let geom = ConvGeom { n, h: in_hw.0, w: in_hw.1, c, ko, r, stride: 1, pad: 0 };
+        let rows = n * in_hw.0 * in_hw.1;
+        let plain = || Ok((dgrad_geom(&aligned(dy)?, w, geom, policy)?, false));
+        let fits = r == 1
+            && c.is_multiple_of(32)
+            && ko.is_multiple_of(8)
+            && b.dims() == [n, in_hw.0, in_hw.1, c]
+            && b.dtype() == dy.dtype()
+            && b.is_contiguous()
+            && mask.dims() == [rows, c / 8]
+            && mask.dtype() == DType::U8
+            && mask.is_contiguous();
+        // Where the plain grad-input could take split-K (fewer than sms / 2 tiles even of 128 x 256: tma_split),
+        // its FP32 sums would be added in another order: the join stays a pass there, so that the fold gives the
+        // plain TMA pass's values bit for bit (ResNet-152 at batch 256: every conv1 has hundreds of tiles).
+        let x256_tiles = rows.div_ceil(128) * c.div_ceil(256);
+        if !fits || 2 * x256_tiles < crate::cuda::loader::sm_count(cuda_device(dy)?)? {
+            return plain();
+        }
+        let ba = match b.dtype() {
+            DType::BF16 => crate::cuda::addr_of::<half::bf16>(b, rows * c, "shortcut gradient")?,
+            DType::F16 => crate::cuda::addr_of::<half::f16>(b, rows * c, "shortcut gradient")?,
+            _ => return plain(),
+        };
+        let ma = crate::cuda::addr_of::<u8>(mask, rows * c / 8, "ReLU mask")?;
+        // Map Z reads b as map C writes dx (16-byte rows and base); the store reads the mask 4 bytes at a time.
+        if ba % 16 != 0 || ma % 4 != 0 {
+            return plain();
+        }
+        let wrote = Arc::new(AtomicBool::new(false));
+        let epi = Epi::Join { mask: ma, b: ba };
+        let op = ConvOp { stats: Some((epi, wrote.clone())), ..ConvOp::new(geom, ConvPass::Dgrad, policy) };
+        let (dy, w) = (aligned(dy)?, aligned(w)?);
+        let dx = dy.apply_op2_no_bwd(&w, &op)?;
+        Ok((dx, wrote.load(Ordering::Relaxed)))
     }
 
     /// Grad-weight: dy (n, p, q, ko), x (n, h, w, c) -> dw (ko, r, r, c); small channel counts take the im2col
