@@ -714,7 +714,7 @@ __device__ __forceinline__ uint32_t join_mask_word(const float* ws, const Shape&
 // b is the residual gradient (C-shaped, row-major) from the z ring: chunk buffer zs, laid out as
 // tma_epilogue_grad_sums reads z (r: the row within the warpgroup's 64, j: the fragment within the tile); the mask
 // (ws) has bit k of byte (row * N + c) / 8 set where element c % 8 == k of that row's 8-channel group is on (the
-// forward's relu_bits8); m is the byte of (row, col), read by the store (join_mask_words).
+// forward's relu_bits8); m is the byte of (row, col), read by the store (join_mask_word).
 template <typename T, int BN>
 __device__ __forceinline__ uint32_t join_pair(float a0, float a1, uint32_t m, int col, uint32_t zs, int cw, int r,
                                               int j, int lane) {

@@ -859,11 +859,10 @@ impl<'a> Engine<'a> {
             // the next conv's grad-input epilogue), or None.
             let dz = self.bn_backward(&saved, &g, &b.bns[i], i != last, pre.take())?;
             drop(saved);
-            let dx = match bns.last() {
+            let dx = match (bns.last(), fold.filter(|_| i == 0)) {
                 // The block input's join in the grad-input's store (identity shortcut: its gradient is gp).
-                None if i == 0 && fold.is_some() => {
+                (None, Some(mask)) => {
                     self.record_grad_weight(&cw, &input, &dz)?;
-                    let mask = fold.expect("checked by the guard");
                     let (_, h, w, _) = input.dims4()?;
                     let (g, joined) = kernels::conv2d_nhwc_grad_input_join(&dz, &cw.w, (h, w), self.policy, gp, mask)?;
                     if joined {
@@ -872,7 +871,7 @@ impl<'a> Engine<'a> {
                     g
                 }
                 // The conv's input is relu(bn(z)) of the conv before: its sums come with the grad-input.
-                Some(prev) if self.policy.bn_sums_in_backward => {
+                (Some(prev), _) if self.policy.bn_sums_in_backward => {
                     let (dx, sums) = self.conv_backward_sums(&cw, &input, &dz, prev, &b.bns[i - 1])?;
                     pre = Some(Pre::Sums(sums));
                     dx
