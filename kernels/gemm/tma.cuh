@@ -699,14 +699,6 @@ __device__ __forceinline__ void bnin_b(uint32_t sb, const BnIn8& k) {
     for (int i = 0; i < 64 / STEP; ++i) bnin_chunk<T>(base + (r0 + STEP * i) * 128, k);
 }
 
-// The JOIN kernels' mask word for output row `row` that covers column c (32 columns a word, c & ~31 its first;
-// N % 32 == 0, checked by the launcher, keeps the words aligned); rows past M and columns past N read as 0 (the TMA
-// store clips those elements). The unit's bytes were prefetched into L1 before its MMAs.
-__device__ __forceinline__ uint32_t join_mask_word(const float* ws, const Shape& sh, int row, int c) {
-    if (row >= sh.M || c >= sh.N) return 0u;
-    return reinterpret_cast<const uint32_t*>(ws)[((size_t)row * sh.N + c) / 32];
-}
-
 // The JOIN kernels' store (the grad-input of a bottleneck's first 1x1 convolution, joined as the block-output
 // join of kernels/batchnorm would join it): for the pair of columns (col, col + 1) of output row `row`, with a0, a1
 // the accumulators as the plain store takes them, g = mask ? a + b : 0 per element, a rounded to T first (the
@@ -714,7 +706,8 @@ __device__ __forceinline__ uint32_t join_mask_word(const float* ws, const Shape&
 // b is the residual gradient (C-shaped, row-major) from the z ring: chunk buffer zs, laid out as
 // tma_epilogue_grad_sums reads z (r: the row within the warpgroup's 64, j: the fragment within the tile); the mask
 // (ws) has bit k of byte (row * N + c) / 8 set where element c % 8 == k of that row's 8-channel group is on (the
-// forward's relu_bits8); m is the byte of (row, col), read by the store (join_mask_word).
+// forward's relu_bits8); m is the byte of (row, col), read by the store a 32-column word at a time (N % 32 == 0,
+// checked by the launcher; row * N / 32 < 2^32, as M * N < 2^31 is).
 template <typename T, int BN>
 __device__ __forceinline__ uint32_t join_pair(float a0, float a1, uint32_t m, int col, uint32_t zs, int cw, int r,
                                               int j, int lane) {
@@ -968,6 +961,7 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
             for (int half = 0; half < BN / EW; ++half) {
                 if ((tid & 127) == 0) bulk_wait_all<true>();
                 wg_bar(1 + cw);
+                uint32_t mw[2] = {0u, 0u};  // JOIN: the mask words of the thread's two rows that cover column col
 #pragma unroll
                 for (int jj = 0; jj < EW / 8; ++jj) {
                     const int j = half * (EW / 8) + jj;
@@ -975,10 +969,19 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
                     float b0, b1;
                     tma_bias2(sh, bias, col, b0, b1);
                     int zb = 0;  // JOIN: the ring buffer of this fragment's chunk
-                    uint32_t mw[2];  // JOIN: the mask words of the thread's two rows that cover column col
                     if constexpr (EPI == EPI_JOIN) {
+                        // A mask word covers 4 fragments (32 columns): read once for them (the volatile shared
+                        // loads and stores between fragments keep the compiler from merging the reads itself).
+                        if ((j & 3) == 0) {
+                            const uint32_t* words = reinterpret_cast<const uint32_t*>(ws);
+                            const int c = tn * BN + 8 * j, wc = c >> 5;  // the word's column group
 #pragma unroll
-                        for (int h = 0; h < 2; ++h) mw[h] = join_mask_word(ws, sh, row0 + 8 * h, tn * BN + 8 * j);
+                            for (int h = 0; h < 2; ++h) {
+                                const int row = row0 + 8 * h;
+                                // Rows past M and columns past N: 0 (the TMA store clips those elements).
+                                mw[h] = (row < M && c < N) ? words[(uint32_t)row * (uint32_t)(N >> 5) + wc] : 0u;
+                            }
+                        }
                         const int q = zu * ZCH + (8 * j) / ZW;
                         zb = q % Z_BUFS;
                         if ((8 * j) % ZW == 0) mbar_wait(zfull + 8 * zb, (q / Z_BUFS) & 1);
