@@ -1057,8 +1057,9 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
 }  // namespace ig
 
 // One TMA kernel: (map A, map B, map C, map Z, C, split-K workspace, bias, shape), MODE one of ig::TMA_GEMM /
-// TMA_CONV_*, AK / BKM whether A / B are K-major, BN the tile width. Map Z is read only by the GSUMS kernels
-// with map C in use (TmaCfg::Z_SMEM): z (the bias argument) as map C covers C. Used by gemm/ and
+// TMA_CONV_*, AK / BKM whether A / B are K-major, BN the tile width. Map Z is read only by the GSUMS and JOIN
+// kernels with map C in use (TmaCfg::Z_SMEM): z (GSUMS: the bias argument; JOIN: the residual gradient) as map C
+// covers C. Used by gemm/ and
 // conv/05_tma_wgmma.cu.
 #define IG_TMA_KERNEL(NAME, T, MODE, AK, BKM, BN) IG_TMA_KERNEL_S(NAME, T, MODE, AK, BKM, BN, ig::EPI_PLAIN)
 // The same with the BatchNorm statistics of the output in the epilogue (ig::tma_epilogue_stats): the workspace

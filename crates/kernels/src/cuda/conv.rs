@@ -265,10 +265,9 @@ impl<T: CudaDType + DeviceRepr + WithDType + ValidAsZeroBits + 'static> Pass<'_,
     fn key(&self) -> String {
         format!("{} {:?} {}", self.op, self.cl.geom, self.sfx)
     }
-    /// The key of a forward or grad-input pick: with the BatchNorm reduction in the epilogue (`epi`), its own
-    /// key. Both carry the suffix, so that files written before the split (whose plain entries may have been timed
-    /// with the epilogue in the TMA candidates only) are not read back.
-    /// The autotune key of a pass with the epilogue `tag` (`+bn-epilogue`, `+join`) or without (`plain`).
+    /// The key of a forward or grad-input pick: with an epilogue, `tag` (`+bn-epilogue`, `+join`), its own key;
+    /// without, `plain`. Both carry the suffix, so that files written before the split (whose plain entries may
+    /// have been timed with the epilogue in the TMA candidates only) are not read back.
     fn key_epi(&self, tag: Option<&str>) -> String {
         format!("{} {}", self.key(), tag.unwrap_or("plain"))
     }
@@ -282,15 +281,14 @@ impl<T: CudaDType + DeviceRepr + WithDType + ValidAsZeroBits + 'static> Pass<'_,
     fn pick(&self, vec: bool, cands: &[Tile], heuristic: Tile, run: impl FnMut(Tile) -> Result<()>) -> Result<Tile> {
         pick(self.dev, self.cl.tuning, || self.key(), vec, cands, heuristic, run)
     }
-    /// The tile of a forward or grad-input pass that may carry the BatchNorm reduction in its epilogue (`epi`: the
-    /// caller asked for it and the TMA tiles take the pass). With the epilogue only the TMA tiles are candidates,
+    /// The tile of a forward or grad-input pass that may carry an epilogue (`tag`: the one the caller asked for,
+    /// where the TMA tiles take the pass; None: the plain pass). With the epilogue only the TMA tiles are candidates,
     /// under their own key: a cp.async tile leaves the reduction to a separate pass that the timing does not see,
     /// so it used to win shapes unfairly (dropping the epilogue), and the shared key then carried that pick to
     /// runs without epilogues (a ResNet-152 bf16 step on an H200 ran cp.async convolutions after a first run with
     /// `bn_stats = "fused"` had filled the autotune file). Whether the epilogue pays is
-    /// [`super::autotune::epilogue_pays`]'s question, not the tile's.
-    /// `tag`: the epilogue asked for (its autotune key's tail; None: the plain pass); the joined store
-    /// ([`Epi::Join`]) likewise runs on the TMA tiles only, under `+join`.
+    /// [`super::autotune::epilogue_pays`]'s question, not the tile's. The joined store ([`Epi::Join`]) likewise
+    /// runs on the TMA tiles only, under `+join`.
     fn pick_epi(
         &self,
         tag: Option<&str>,

@@ -233,7 +233,9 @@ pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
     let tma_c = plain_c && !split && n % 8 == 0 && pc % 16 == 0 && z_addr.is_none_or(|z| z % 16 == 0);
     if let Epi::Join { mask, .. } = epi {
         if !tma_c || n % 32 != 0 || mask % 4 != 0 {
-            candle_core::bail!("{op} (cuda): the joined store needs C through its tensor map and n % 32 == 0");
+            candle_core::bail!(
+                "{op} (cuda): the joined store needs C through its tensor map, n % 32 == 0 and a 4-byte aligned mask"
+            );
         }
     }
     let mc = if tma_c { tma_map(pc, T::DTYPE, n, m, 64, op)? } else { TmaDesc([0; 16]) };

@@ -144,7 +144,7 @@ pub fn conv2d_nhwc_grad_input_sums(
 /// [`crate::ops::batchnorm::relu_mask`]'s layout): g = the gradient at s, mask ? dx + b : 0 per element (dx rounded
 /// to its dtype first, the sum in FP32 rounded once: the block-output join's values bit for bit). Returns (g, true)
 /// when it joined: on CUDA in the grad-input's epilogue on a TMA tile (`gemm_nn_join_*`), on the CPU as a pass
-/// after the grad-input; (dx, false) on CUDA where that epilogue does not run (no TMA tile, channels not a
+/// after the grad-input; (dx, false) on CUDA where that epilogue does not run (FP32, no TMA tile, channels not a
 /// multiple of 32, a misaligned operand, or so few tiles that the plain pass could split K and sum in another
 /// order), so that the caller joins as before, without a host synchronisation.
 pub fn conv2d_nhwc_grad_input_join(
@@ -164,7 +164,13 @@ pub fn conv2d_nhwc_grad_input_join(
         Some(o) => o,
         None => {
             let dx = conv2d_nhwc_grad_input(dy, w, 1, 0, in_hw, policy)?;
-            (crate::ops::batchnorm::join_masked(&dx, b, mask)?, true)
+            // The pass's gate is made on the host: on the CPU only (a GPU would synchronise, and a captured graph
+            // break); elsewhere the caller's join runs.
+            if dy.device().is_cpu() {
+                (crate::ops::batchnorm::join_masked(&dx, b, mask)?, true)
+            } else {
+                (dx, false)
+            }
         }
     };
     JOINED_GRAD_INPUTS.with(|k| k.set(k.get() + u64::from(out.1)));
@@ -604,6 +610,15 @@ mod cuda_ops {
         dgrad_geom(&aligned(dy)?, w, geom, policy)
     }
 
+    /// The device address of a contiguous BF16 / FP16 tensor of `len` elements; None for another dtype.
+    fn half_addr(t: &Tensor, len: usize, what: &str) -> Result<Option<u64>> {
+        Ok(match t.dtype() {
+            DType::BF16 => Some(crate::cuda::addr_of::<half::bf16>(t, len, what)?),
+            DType::F16 => Some(crate::cuda::addr_of::<half::f16>(t, len, what)?),
+            _ => None,
+        })
+    }
+
     /// [`conv_nhwc_dgrad`] whose dx is the gradient at the output of BatchNorm `p` + ReLU over `z`, with that
     /// BatchNorm's backward sums computed in the epilogue when the pass runs on a TMA tile (plain or stride 1):
     /// (dx, Some(sums (2, c))); (dx, None) on the other paths.
@@ -643,10 +658,8 @@ mod cuda_ops {
         let len = crate::cuda::tma::grad_sums_partials_len(rows, c);
         let part = crate::cuda::empty_f32(dy, len)?;
         let f32_addr = |t: &Tensor, n: usize, what: &str| crate::cuda::addr_of::<f32>(t, n, what);
-        let za = match z.dtype() {
-            DType::BF16 => crate::cuda::addr_of::<half::bf16>(z, rows * c, "BatchNorm input")?,
-            DType::F16 => crate::cuda::addr_of::<half::f16>(z, rows * c, "BatchNorm input")?,
-            _ => return Ok((dgrad_geom(&aligned(dy)?, w, geom, policy)?, None)),
+        let Some(za) = half_addr(z, rows * c, "BatchNorm input")? else {
+            return Ok((dgrad_geom(&aligned(dy)?, w, geom, policy)?, None));
         };
         let bn = crate::cuda::tma::BnAddrs {
             stats: f32_addr(&p.stats, 3 * c, "BatchNorm statistics")?,
@@ -711,10 +724,8 @@ mod cuda_ops {
         if !fits || 2 * x256_tiles < crate::cuda::loader::sm_count(cuda_device(dy)?)? {
             return plain();
         }
-        let ba = match b.dtype() {
-            DType::BF16 => crate::cuda::addr_of::<half::bf16>(b, rows * c, "shortcut gradient")?,
-            DType::F16 => crate::cuda::addr_of::<half::f16>(b, rows * c, "shortcut gradient")?,
-            _ => return plain(),
+        let Some(ba) = half_addr(b, rows * c, "shortcut gradient")? else {
+            return plain();
         };
         let ma = crate::cuda::addr_of::<u8>(mask, rows * c / 8, "ReLU mask")?;
         // Map Z reads b as map C writes dx (16-byte rows and base); the store reads the mask 4 bytes at a time.
