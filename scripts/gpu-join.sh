@@ -3,9 +3,10 @@
 # call, correctness first:
 #   1. the new build's gpu-step tests `joined_grad_input_matches_the_join` and `join_in_conv_step_matches_bit_for_bit`;
 #   2. `trainer bench` A/B (scripts/ab-bench.sh, ResNet-152 bf16 batch 256, ROUNDS rounds, default 2): MAIN's
-#      trainer, the new build as is (the switch off) and with KERNELS_JOIN_IN_CONV=1;
+#      trainer (with MAIN_ON=1 also MAIN's with KERNELS_JOIN_IN_CONV=1), the new build as is (the switch off) and
+#      with KERNELS_JOIN_IN_CONV=1;
 #   3. a kernel timeline of the new build with the switch on (KTRACE=DIR holding ktrace.c and ktrace_report.py);
-#   4. the new build's other gpu-step tests and its gpu-kernel tests.
+#   4. the new build's other gpu-step tests and its gpu-kernel tests (ALL_TESTS=0 leaves them out).
 #   usage: bash scripts/gpu-join.sh MAIN_DIR NEW_DIR     (each DIR holds trainer[.xz|.gz]; NEW_DIR also the tests)
 # Writes $OUT/join.txt (the summary), the test logs and ab.tgz (the bench logs).
 set -uo pipefail
@@ -31,8 +32,10 @@ tests() {  # tests BINARY LOG ARGS...
 echo "== 1. the join tests" | tee -a "$sum"
 tests gpu-step-tests step-join.log join
 echo "== 2. A/B (bf16, batch 256)" | tee -a "$sum"
-OUT="$bin/ab" ROUNDS="${ROUNDS:-2}" bash "$here/scripts/ab-bench.sh" "main:$bin/main/trainer" "off:$bin/new/trainer" \
-    "on:KERNELS_JOIN_IN_CONV=1 $bin/new/trainer" 2>&1 | tee -a "$sum"
+variants=("main:$bin/main/trainer")
+[ "${MAIN_ON:-0}" != 1 ] || variants+=("main-on:KERNELS_JOIN_IN_CONV=1 $bin/main/trainer")
+variants+=("off:$bin/new/trainer" "on:KERNELS_JOIN_IN_CONV=1 $bin/new/trainer")
+OUT="$bin/ab" ROUNDS="${ROUNDS:-2}" bash "$here/scripts/ab-bench.sh" "${variants[@]}" 2>&1 | tee -a "$sum"
 if [ -n "${KTRACE:-}" ]; then
     echo "== 3. ktrace, the switch on (bf16)" | tee -a "$sum"
     inc="$(dirname "$(dirname "$(find /usr/local -name host_defines.h -path '*crt*' 2>/dev/null | head -1)")")"
@@ -47,9 +50,11 @@ if [ -n "${KTRACE:-}" ]; then
         echo "ktrace: build failed" | tee -a "$sum"
     fi
 fi
-echo "== 4. the other gpu-step tests and the gpu-kernel tests" | tee -a "$sum"
-tests gpu-step-tests step-all.log --skip join
-tests gpu-kernel-tests kernel-tests.log
+if [ "${ALL_TESTS:-1}" = 1 ]; then
+    echo "== 4. the other gpu-step tests and the gpu-kernel tests" | tee -a "$sum"
+    tests gpu-step-tests step-all.log --skip join
+    tests gpu-kernel-tests kernel-tests.log
+fi
 (cd "$bin" && tar czf "$out/ab.tgz" ab)
 rm -rf "$bin"
 echo "== gpu-join: $fails failure(s)" | tee -a "$sum"

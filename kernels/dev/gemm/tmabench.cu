@@ -20,6 +20,10 @@
 // Then the same for the stride-1 3x3 grad-input convolutions (conv2 of the bottlenecks that do not downsample), plain
 // (conv_dgrad_x*_tma) and with the backward sums (conv_dgrad_gsums_x*_tma), through the trainer's im2col map of dy
 // (kernels/conv/05_tma_wgmma.cu; crates/kernels/src/cuda/conv.rs's Dgrad pass).
+// Then the conv1 grad-inputs joined with a residual gradient b under a ReLU mask (gemm_nn_join_x*, the
+// kernels.join_in_conv store: g = mask ? round(round(acc) + b) : 0, b through map Z), against the plain NN GEMM; on
+// the l3 and l4 shapes the joined output is checked bit for bit against that formula applied on the host to the
+// plain kernel's output.
 // The last lines weight each shape by its launches in one ResNet-152 step: milliseconds a step.
 #include "conv/05_tma_wgmma.cu"
 #include "gemm/05_tma_wgmma.cu"
@@ -226,7 +230,9 @@ static Launch make(const void* f, const ig::TmaDesc& ma, const ig::TmaDesc& mb, 
     l.sh.bn_bias = b;
     const long long units = (long long)((m + ig::TMA_BM - 1) / ig::TMA_BM) * ((n + BN - 1) / BN);
     l.grid = (int)std::min<long long>(units, g_sms);
-    l.smem = ig::TmaCfg<BN>::SMEM_BYTES;
+    // What the trainer passes for every kernel of the tile (crates/kernels/src/variants.rs): the largest need of
+    // its kernels, the plain ones' or the z-ring (GSUMS, JOIN) ones'.
+    l.smem = std::max(ig::TmaCfg<BN>::SMEM_BYTES, ig::TmaCfg<BN, ig::EPI_GRAD_SUMS>::SMEM_BYTES);
     CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, l.smem));
     return l;
 }
@@ -389,6 +395,66 @@ int main(int argc, char** argv) {
     for (int ti = 0; ti < NT; ++ti)
         std::printf("  x%-3d %8.3f %8.3f %8.3f %8.3f\n", tiles[ti].bn, step[ti][0] / 1e3, step[ti][1] / 1e3,
                     step[ti][2] / 1e3, step[ti][3] / 1e3);
+
+#ifdef IG_TMA_KERNEL_JOIN
+    {
+        // b (the shortcut gradient, dx-shaped) in z's buffer; the mask (1 bit an element, rows of cin / 32 words)
+        // pseudo-random bits in a buffer of its own.
+        uint32_t* mask;
+        CK(cudaMalloc(&mask, max_mk / 8 + 16));
+        fill_rand<<<1024, 256, 0, g_stream>>>(reinterpret_cast<T*>(mask), (long long)(max_mk / 16), 6u, 1.0f, 0.0f);
+        T* dxj;
+        CK(cudaMalloc(&dxj, max_mk * sizeof(T)));
+        const void* joins[NT] = {(const void*)gemm_nn_join_x256_vec_bf16, (const void*)gemm_nn_join_x128_vec_bf16,
+                                 (const void*)gemm_nn_join_x64_vec_bf16};
+        double jstep[NT][2] = {{0}};
+        std::printf("%-20s %4s | %9s %9s %7s | hash: joined C\n", "conv1 grad-input", "tile", "bgrad", "+join", "+%");
+        for (const Shape1x1& s : shapes) {
+            if (s.cin < s.cout) continue;  // conv1 (4c -> c): its grad-input is the joined one
+            const int m = (int)s.m, n = s.cin;
+            for (int ti = 0; ti < NT; ++ti) {
+                const int bn = tiles[ti].bn;
+                const ig::TmaDesc ga = tma_map(dy, s.cout, m, 128), gb = tma_map(wt, s.cin, s.cout, 64);
+                Launch bwd = make_bn(bn, tiles[ti].nn, ga, gb, dx, part, nullptr, m, n, s.cout, nullptr, nullptr,
+                                     nullptr);
+                Launch bwd_j = make_bn(bn, joins[ti], ga, gb, dxj, reinterpret_cast<float*>(mask), nullptr, m, n,
+                                       s.cout, nullptr, nullptr, nullptr);
+                bwd_j.mz = tma_map(z, n, m, 64);  // b through map Z
+                bwd();
+                bwd_j();
+                CK(cudaStreamSynchronize(g_stream));
+                const unsigned long long h_j = fnv(dxj, (size_t)m * n * sizeof(T));
+                const bool check = (size_t)m * n <= ((size_t)64 << 20);
+                size_t bad = 0;
+                if (check) {
+                    const std::vector<T> a = host(dx, (size_t)m * n), b = host(z, (size_t)m * n),
+                                         g = host(dxj, (size_t)m * n);
+                    const std::vector<uint32_t> mk = host(mask, (size_t)m * n / 32);
+                    for (size_t i = 0; i < (size_t)m * n; ++i) {
+                        const bool on = (mk[i / 32] >> (i % 32)) & 1u;
+                        const T want = __float2bfloat16_rn(on ? bf(a[i]) + bf(b[i]) : 0.f);
+                        bad += std::memcmp(&want, &g[i], sizeof(T)) != 0;
+                    }
+                }
+                const double t[2] = {time_us(bwd), time_us(bwd_j)};
+                std::printf("%-20s x%-3d | %9.1f %9.1f %+6.1f%% | %016llx\n", s.name, bn, t[0], t[1],
+                            100.0 * (t[1] / t[0] - 1.0), h_j);
+                if (check) {
+                    std::printf("  check against the join of the plain output on the host: %zu of %zu differ: %s\n",
+                                bad, (size_t)m * n, bad ? "FAIL" : "ok");
+                    fails += bad != 0;
+                }
+                jstep[ti][0] += t[0] * s.launches;
+                jstep[ti][1] += t[1] * s.launches;
+            }
+        }
+        std::printf("per ResNet-152 step (the conv1 grad-inputs, launches weighted), ms: bgrad / +join\n");
+        for (int ti = 0; ti < NT; ++ti)
+            std::printf("  x%-3d %8.3f %8.3f\n", tiles[ti].bn, jstep[ti][0] / 1e3, jstep[ti][1] / 1e3);
+        CK(cudaFree(mask));
+        CK(cudaFree(dxj));
+    }
+#endif
 
     // The stride-1 3x3 grad-input (pad 1, c -> c): dx (n h w x c) = im2col(dy, corners of padding r - 1 - pad = 1)
     // . w read as K x N = (tap, ko) x c; z (the BatchNorm + ReLU's input before this conv) is dx-shaped.
