@@ -398,8 +398,9 @@ int main(int argc, char** argv) {
 
 #ifdef IG_TMA_KERNEL_JOIN
     {
-        // b (the shortcut gradient, dx-shaped) in z's buffer; the mask (1 bit an element, rows of cin / 32 words)
-        // pseudo-random bits in a buffer of its own.
+        // b (the shortcut gradient, dx-shaped) in z's buffer; the mask (1 bit an element, element i at bit i % 32
+        // of word i / 32) in a buffer of its own, filled with the bits of pseudo-random bf16 values (both 0s and 1s
+        // in every word, not uniformly: enough for the check and the timing).
         uint32_t* mask;
         CK(cudaMalloc(&mask, max_mk / 8 + 16));
         fill_rand<<<1024, 256, 0, g_stream>>>(reinterpret_cast<T*>(mask), (long long)(max_mk / 16), 6u, 1.0f, 0.0f);
