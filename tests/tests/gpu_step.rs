@@ -23,6 +23,25 @@ fn named_grads(m: &ResNet, o: &resnet::step::StepOutput) -> Result<Vec<(String, 
         .collect()
 }
 
+/// The step's parameter gradients (torchvision names) and the model's running statistics after it: what the
+/// bit-for-bit step tests compare.
+fn grads_and_running_stats(m: &ResNet, o: &resnet::step::StepOutput) -> Result<Vec<(String, Tensor)>> {
+    let mut out = named_grads(m, o)?;
+    out.extend(m.store().snapshot()?.into_iter().filter(|(k, _)| k.contains("running_")));
+    Ok(out)
+}
+
+/// Two lists of named tensors, the same names in the same order, equal bit for bit; the first tensor that differs
+/// is named with `what`.
+fn ensure_same_bits(what: &str, got: &[(String, Tensor)], want: &[(String, Tensor)]) -> Result<()> {
+    ensure!(want.len() == got.len(), "{what}: {} tensors against {}", got.len(), want.len());
+    for ((name, e), (_, g)) in want.iter().zip(got) {
+        let differ = bits_differ(g, e)?;
+        ensure!(differ == 0, "{what}: {name} differs in {differ} of {} values", e.elem_count());
+    }
+    Ok(())
+}
+
 fn model(arch: Arch, stem: Stem, dev: &Device) -> Result<ResNet> {
     let c = ResNetConfig {
         arch,
@@ -925,8 +944,7 @@ fn cooperative_batchnorm_takes_the_epilogue_moments() -> Result<()> {
         // The compact shortcut gradient (cooperative only) is summed by another kernel: equal only to rounding.
         m.config.kernels = KernelPolicy { bn_cooperative: coop, compact_shortcut_grad: false, ..policy };
         let o = m.train_step_explicit_with(&x, &labels, resnet::step::StepArgs::new(0.1, 1.0, Precision::Bf16))?;
-        let mut out = named_grads(&m, &o)?;
-        out.extend(m.store().snapshot()?.into_iter().filter(|(k, _)| k.contains("running_")));
+        let out = grads_and_running_stats(&m, &o)?;
         Ok((o.loss.to_scalar::<f32>()?, out))
     };
     let (lb, base) = step(false)?;
@@ -935,11 +953,7 @@ fn cooperative_batchnorm_takes_the_epilogue_moments() -> Result<()> {
     let from_moments = kernels::cuda::bn::cooperative_launches_from_moments() - before;
     ensure!(from_moments > 0, "no cooperative forward took epilogue moments");
     ensure!(lb.to_bits() == lc.to_bits(), "loss {lc} cooperative, {lb} with the separate launches");
-    ensure!(base.len() == coop.len(), "{} tensors against {}", coop.len(), base.len());
-    for ((name, e), (_, g)) in base.iter().zip(&coop) {
-        let differ = bits_differ(g, e)?;
-        ensure!(differ == 0, "{name} differs in {differ} of {} values", e.elem_count());
-    }
+    ensure_same_bits("cooperative against the separate launches", &coop, &base)?;
     println!(
         "cooperative BatchNorm with epilogue moments, ResNet-50 step: loss and {} tensors (gradients, running \
          statistics) bit for bit with the separate launches; {from_moments} cooperative forwards took epilogue moments",
@@ -1023,8 +1037,7 @@ fn bn_apply_in_conv_step_matches_bit_for_bit() -> Result<()> {
             m.config.kernels = KernelPolicy { bn_cooperative: true, bn_apply_in_conv, ..policy };
             let args = resnet::step::StepArgs { recompute, ..resnet::step::StepArgs::new(0.1, 1.0, precision) };
             let o = m.train_step_explicit_with(&x, &labels, args)?;
-            let mut out = named_grads(&m, &o)?;
-            out.extend(m.store().snapshot()?.into_iter().filter(|(k, _)| k.contains("running_")));
+            let out = grads_and_running_stats(&m, &o)?;
             Ok((o.loss.to_scalar::<f32>()?, out))
         };
         let (lb, base) = step(BnApplyInConv::Off, Recompute::None)?;
@@ -1040,11 +1053,7 @@ fn bn_apply_in_conv_step_matches_bit_for_bit() -> Result<()> {
             // ResNet-50: 16 bottlenecks, a grad-weight each, and with "both" a forward each.
             ensure!(ran == want, "{what}: {ran} of {want} conv3 passes normalised their operand in the kernel");
             ensure!(lb.to_bits() == lf.to_bits(), "{what}: loss {lf} fused, {lb} materialised");
-            ensure!(base.len() == fused.len(), "{} tensors against {}", fused.len(), base.len());
-            for ((name, e), (_, g)) in base.iter().zip(&fused) {
-                let differ = bits_differ(g, e)?;
-                ensure!(differ == 0, "{what}: {name} differs in {differ} of {} values", e.elem_count());
-            }
+            ensure_same_bits(&what, &fused, &base)?;
             println!(
                 "bn_apply_in_conv = {}, recompute {recompute:?}, ResNet-50 {precision:?} step: loss and {} tensors \
                  bit for bit with the kept activation; {ran} conv3 passes normalised their operand in the kernel",
@@ -1126,8 +1135,7 @@ fn join_in_conv_step_matches_bit_for_bit() -> Result<()> {
             let args = resnet::step::StepArgs::new(0.1, 1.0, precision);
             let o = m.train_step_explicit_with(&x, &labels, args)?;
             let folds = kernels::ops::conv_nhwc::joined_grad_inputs() - before;
-            let mut out = named_grads(&m, &o)?;
-            out.extend(m.store().snapshot()?.into_iter().filter(|(k, _)| k.contains("running_")));
+            let out = grads_and_running_stats(&m, &o)?;
             Ok((o.loss.to_scalar::<f32>()?, out, folds))
         };
         let (lb, base, none) = step(false)?;
@@ -1135,11 +1143,7 @@ fn join_in_conv_step_matches_bit_for_bit() -> Result<()> {
         let what = format!("{precision:?} join_in_conv");
         ensure!(none == 0 && folds == 10, "{what}: {folds} of 10 joins folded ({none} with the switch off)");
         ensure!(lb.to_bits() == lf.to_bits(), "{what}: loss {lf} folded, {lb} as a pass");
-        ensure!(base.len() == folded.len(), "{} tensors against {}", folded.len(), base.len());
-        for ((name, e), (_, g)) in base.iter().zip(&folded) {
-            let differ = bits_differ(g, e)?;
-            ensure!(differ == 0, "{what}: {name} differs in {differ} of {} values", e.elem_count());
-        }
+        ensure_same_bits(&what, &folded, &base)?;
         println!(
             "join_in_conv, ResNet-50 {precision:?} step: loss and {} tensors bit for bit with the joins as a pass; \
              {folds} joins folded into conv1 grad-inputs",
