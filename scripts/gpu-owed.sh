@@ -4,7 +4,7 @@
 #   1. gpu-step-tests `join` (the joined conv1 grad-inputs and the join_in_conv step, bit for bit);
 #   2. an ab-bench.sh A/B of ResNet-152 bf16 batch 256 (ROUNDS rounds while time is left, default 2): the
 #      defaults, KERNELS_JOIN_IN_CONV=1, kernels.bn_stats = "fused", and both (VARIANTS picks among
-#      main join fused fusedjoin);
+#      main join fused fusedjoin); a round starts only if AB_RESERVE seconds (default 0) are left after it;
 #   3. with KTRACE=DIR (ktrace.c, ktrace_report.py): kernel timelines of the bf16 step, default and with each
 #      KTRACE_VARIANTS (default "join fusedjoin");
 #   4. with SWEEP=B: `trainer sweep --max` of ResNet-152 bf16 from batch B (granularity 128, heuristic tiles);
@@ -57,7 +57,7 @@ for v in ${VARIANTS:-main join fused fusedjoin}; do variants+=("$v:${spec[$v]}")
 for round in $(seq 1 "${ROUNDS:-2}"); do
     # A round takes about 50 s a variant once tuned (the first, tuning each label's fresh file, about 80).
     need=$(( ${#variants[@]} * (round == 1 ? 80 : 50) ))
-    [ "$(left)" -gt "$need" ] || { echo "== A/B round $round skipped ($(left) s left)" | tee -a "$sum"; break; }
+    [ "$(left)" -gt $((need + ${AB_RESERVE:-0})) ] || { echo "== A/B round $round skipped ($(left) s left)" | tee -a "$sum"; break; }
     echo "== 2. A/B round $round ($(left) s left)" | tee -a "$sum"
     # One round per ab-bench.sh call; its per-label autotune files live under a fixed folder so later rounds reuse
     # them (the first round tunes).
