@@ -160,22 +160,24 @@ constexpr int EPI_PLAIN = 0, EPI_MOMENTS = 1, EPI_GRAD_SUMS = 2, EPI_JOIN = 3;
 // The JOIN kernels take the ring for the residual gradient b and store in place (Z_IN_PLACE): each thread writes
 // its joined value over the b it read, and the chunk is TMA-stored from the ring, so they need no staging buffer;
 // a buffer is free again once both consumer warpgroups' stores have read it (Z_ARRIVALS = 2: the storing thread
-// of each). The staging's 32 KiB go to the ring and the stages: x256 three stages and five chunks of 64 (a unit's
-// four and the next unit's first), x128 five stages and two chunks of 128, x64 eight stages and two chunks of 64.
+// of each). As the storing thread frees a buffer a chunk late, the ring holds a chunk more than the loads ahead:
+// x256 three stages and five chunks of 64 (a unit's four and the next unit's first), x128 four stages and three
+// chunks of 128, x64 seven stages and three chunks of 64 (with two, the x128 and x64 units, one chunk each, could
+// load their b only once the unit before was stored: 11-19% slower than the staging build on an H100).
 // Every kernel of a tile is launched with the largest of these sizes (TmaLaunch; crates/kernels/src/variants.rs
 // repeats it), within the 227 KiB of a block.
 template <int BN, int EPI = EPI_PLAIN>
 struct TmaCfg {
     static constexpr bool Z_SMEM = EPI == EPI_GRAD_SUMS || EPI == EPI_JOIN;
     static constexpr bool Z_IN_PLACE = EPI == EPI_JOIN;
-    static constexpr int STAGES = EPI == EPI_JOIN    ? (BN == 256 ? 3 : BN == 128 ? 5 : 8)
+    static constexpr int STAGES = EPI == EPI_JOIN    ? (BN == 256 ? 3 : BN == 128 ? 4 : 7)
                                   : Z_SMEM           ? (BN == 256 ? 3 : BN == 128 ? 4 : 6)
                                                      : (BN == 256 ? 4 : BN == 128 ? 6 : 8);
     static constexpr int B_BYTES = BN * TMA_KD * 2;
     static constexpr int STAGE_BYTES = TMA_A_BYTES + B_BYTES;
     static constexpr int ZW = BN == 256 ? 64 : BN;
     static constexpr int ZCH = BN / ZW;
-    static constexpr int Z_BUFS = EPI == EPI_JOIN ? (BN == 256 ? 5 : 2) : EPI == EPI_GRAD_SUMS ? (BN == 256 ? 3 : 2) : 0;
+    static constexpr int Z_BUFS = EPI == EPI_JOIN ? (BN == 256 ? 5 : 3) : EPI == EPI_GRAD_SUMS ? (BN == 256 ? 3 : 2) : 0;
     static constexpr int Z_CHUNK_BYTES = TMA_BM * ZW * 2;
     // Arrivals that free a z buffer: every consumer thread once it holds its values (GRAD_SUMS), or the storing
     // thread of each consumer warpgroup once its TMA store has read the chunk (JOIN).
@@ -194,7 +196,7 @@ struct TmaLaunch {
     static_assert(SMEM_BYTES <= 227 * 1024, "a block has at most 227 KiB of dynamic shared memory");
 };
 static_assert(TmaLaunch<256>::SMEM_BYTES == 230528 && TmaLaunch<128>::SMEM_BYTES == 230512 &&
-                  TmaLaunch<64>::SMEM_BYTES == 230560,
+                  TmaLaunch<64>::SMEM_BYTES == 230528,
               "crates/kernels/src/variants.rs repeats these sizes");
 
 // Work unit u -> (row tile, column tile, k-split).
