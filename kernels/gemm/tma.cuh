@@ -88,6 +88,10 @@ __device__ __forceinline__ void bulk_wait_all() {
         asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
     }
 }
+// Waits until every bulk group of this thread but the newest has finished reading shared memory.
+__device__ __forceinline__ void bulk_wait_read_but_newest() {
+    asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory");
+}
 // Barrier of the 128 threads of one warpgroup (named barrier id, 1 + the consumer index).
 __device__ __forceinline__ void wg_bar(int id) { asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory"); }
 
@@ -146,27 +150,54 @@ constexpr int EPI_PLAIN = 0, EPI_MOMENTS = 1, EPI_GRAD_SUMS = 2, EPI_JOIN = 3;
 
 // Per block-tile width BN (256: tile x256, 128: tile x128, 64: tile x64) and epilogue: stages and dynamic shared
 // memory (alignment slack, the stages, the epilogue staging, the z buffers, 2 x STAGES barriers and 2 x Z_BUFS).
-// The GRAD_SUMS kernels give up stages for a ring of two buffers of z, each one chunk of 128 rows x ZW columns
+// The GRAD_SUMS kernels give up stages for a ring of Z_BUFS buffers of z, each one chunk of 128 rows x ZW columns
 // (a unit has ZCH = BN / ZW chunks), loaded through TMA by a thread of the producer warpgroup, so that the
 // epilogue reads z from shared memory instead of waiting on global loads, and the next chunk loads while the
 // epilogue reads one (one buffer left the next unit's z latency exposed on the short-K shapes, whose units are
-// shorter than a load): x64 six stages and chunks of 64 columns, x128 four stages and chunks of 128, x256 three
-// stages and chunks of 64 (four a unit; two of 128 would not fit beside three stages). Each fits within the plain
-// kernels' total (the size the launcher passes for every kernel of the tile: crates/kernels/src/variants.rs
-// repeats it). The JOIN kernels take the same ring for the residual gradient b, which their store joins.
+// shorter than a load): x64 six stages and two chunks of 64 columns, x128 four stages and two chunks of 128, x256
+// three stages and three chunks of 64 (four a unit: three are in shared memory when the epilogue starts; with two,
+// the third and fourth loaded while the epilogue waited).
+// The JOIN kernels take the ring for the residual gradient b and store in place (Z_IN_PLACE): each thread writes
+// its joined value over the b it read, and the chunk is TMA-stored from the ring, so they need no staging buffer;
+// a buffer is free again once both consumer warpgroups' stores have read it (Z_ARRIVALS = 2: the storing thread
+// of each). As the storing thread frees a buffer a chunk late, the ring holds a chunk more than the loads ahead:
+// x256 three stages and five chunks of 64 (a unit's four and the next unit's first), x128 four stages and three
+// chunks of 128, x64 seven stages and three chunks of 64 (with two, the x128 and x64 units, one chunk each, could
+// load their b only once the unit before was stored: 11-19% slower than the staging build on an H100).
+// Every kernel of a tile is launched with the largest of these sizes (TmaLaunch; crates/kernels/src/variants.rs
+// repeats it), within the 227 KiB of a block.
 template <int BN, int EPI = EPI_PLAIN>
 struct TmaCfg {
     static constexpr bool Z_SMEM = EPI == EPI_GRAD_SUMS || EPI == EPI_JOIN;
-    static constexpr int STAGES = Z_SMEM ? (BN == 256 ? 3 : BN == 128 ? 4 : 6) : (BN == 256 ? 4 : BN == 128 ? 6 : 8);
+    static constexpr bool Z_IN_PLACE = EPI == EPI_JOIN;
+    static constexpr int STAGES = EPI == EPI_JOIN    ? (BN == 256 ? 3 : BN == 128 ? 4 : 7)
+                                  : Z_SMEM           ? (BN == 256 ? 3 : BN == 128 ? 4 : 6)
+                                                     : (BN == 256 ? 4 : BN == 128 ? 6 : 8);
     static constexpr int B_BYTES = BN * TMA_KD * 2;
     static constexpr int STAGE_BYTES = TMA_A_BYTES + B_BYTES;
     static constexpr int ZW = BN == 256 ? 64 : BN;
     static constexpr int ZCH = BN / ZW;
-    static constexpr int Z_BUFS = Z_SMEM ? 2 : 0;
+    static constexpr int Z_BUFS = EPI == EPI_JOIN ? (BN == 256 ? 5 : 3) : EPI == EPI_GRAD_SUMS ? (BN == 256 ? 3 : 2) : 0;
     static constexpr int Z_CHUNK_BYTES = TMA_BM * ZW * 2;
+    // Arrivals that free a z buffer: every consumer thread once it holds its values (GRAD_SUMS), or the storing
+    // thread of each consumer warpgroup once its TMA store has read the chunk (JOIN).
+    static constexpr int Z_ARRIVALS = Z_IN_PLACE ? 2 : 256;
+    static constexpr int EPI_BYTES = Z_IN_PLACE ? 0 : TMA_EPI_BYTES;
     static constexpr int SMEM_BYTES =
-        1024 + STAGES * STAGE_BYTES + TMA_EPI_BYTES + Z_BUFS * Z_CHUNK_BYTES + 2 * STAGES * 8 + 2 * Z_BUFS * 8;
+        1024 + STAGES * STAGE_BYTES + EPI_BYTES + Z_BUFS * Z_CHUNK_BYTES + 2 * STAGES * 8 + 2 * Z_BUFS * 8;
 };
+
+// The dynamic shared memory every TMA kernel of tile width BN is launched with: the largest layout of its kernels.
+template <int BN>
+struct TmaLaunch {
+    static constexpr int cmax(int a, int b) { return a > b ? a : b; }
+    static constexpr int SMEM_BYTES = cmax(TmaCfg<BN>::SMEM_BYTES,
+                                           cmax(TmaCfg<BN, EPI_GRAD_SUMS>::SMEM_BYTES, TmaCfg<BN, EPI_JOIN>::SMEM_BYTES));
+    static_assert(SMEM_BYTES <= 227 * 1024, "a block has at most 227 KiB of dynamic shared memory");
+};
+static_assert(TmaLaunch<256>::SMEM_BYTES == 230528 && TmaLaunch<128>::SMEM_BYTES == 230512 &&
+                  TmaLaunch<64>::SMEM_BYTES == 230528,
+              "crates/kernels/src/variants.rs repeats these sizes");
 
 // Work unit u -> (row tile, column tile, k-split).
 __device__ __forceinline__ void tma_unit(int u, int mt, int nt, int splits, int& tm, int& tn, int& ks) {
@@ -700,22 +731,16 @@ __device__ __forceinline__ void bnin_b(uint32_t sb, const BnIn8& k) {
 }
 
 // The JOIN kernels' store (the grad-input of a bottleneck's first 1x1 convolution, joined as the block-output
-// join of kernels/batchnorm would join it): for the pair of columns (col, col + 1) of output row `row`, with a0, a1
+// join of kernels/batchnorm would join it): for the pair of columns (col, col + 1) of an output row, with a0, a1
 // the accumulators as the plain store takes them, g = mask ? a + b : 0 per element, a rounded to T first (the
 // value the plain kernel stores), the sum in FP32, rounded once to T (bnv_join_partial's arithmetic: the same bits).
-// b is the residual gradient (C-shaped, row-major) from the z ring: chunk buffer zs, laid out as
-// tma_epilogue_grad_sums reads z (r: the row within the warpgroup's 64, j: the fragment within the tile); the mask
-// (ws) has bit k of byte (row * N + c) / 8 set where element c % 8 == k of that row's 8-channel group is on (the
-// forward's relu_bits8); m is the byte of (row, col), read by the store a 32-column word at a time (N % 32 == 0,
-// checked by the launcher; row * N / 32 < 2^32, as M * N < 2^31 is).
-template <typename T, int BN>
-__device__ __forceinline__ uint32_t join_pair(float a0, float a1, uint32_t m, int col, uint32_t zs, int cw, int r,
-                                              int j, int lane) {
-    constexpr int ZW = TmaCfg<BN, EPI_JOIN>::ZW, ZBOXES = ZW / 64;
-    const uint32_t zaddr =
-        zs + (ZBOXES * cw + ((j >> 3) & (ZBOXES - 1))) * 8192 + r * 128 + (((j & 7) ^ (r & 7)) << 4) + ((lane & 3) << 2);
-    uint32_t bv;
-    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(bv) : "r"(zaddr) : "memory");
+// bv holds the pair of the residual gradient b (C-shaped, row-major), read from the z ring where the joined pair
+// then goes (tma_gemm_body's in-place store); the mask (ws) has bit k of byte (row * N + c) / 8 set where element
+// c % 8 == k of that row's 8-channel group is on (the forward's relu_bits8); m is the byte of (row, col), read by
+// the store a 32-column word at a time (N % 32 == 0, checked by the launcher; row * N / 32 < 2^32, as M * N < 2^31
+// is).
+template <typename T>
+__device__ __forceinline__ uint32_t join_pair(float a0, float a1, uint32_t m, int col, uint32_t bv) {
     T b[2];
     memcpy(b, &bv, 4);
     const int bit = col & 7;
@@ -731,12 +756,12 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
     using Cfg = TmaCfg<BN, EPI>;
     constexpr int STAGES = Cfg::STAGES, STAGE_BYTES = Cfg::STAGE_BYTES;
     constexpr bool Z_SMEM = Cfg::Z_SMEM;
-    static_assert(Cfg::SMEM_BYTES <= TmaCfg<BN>::SMEM_BYTES, "the launcher passes the plain kernel's size");
+    static_assert(Cfg::SMEM_BYTES <= TmaLaunch<BN>::SMEM_BYTES, "the launcher passes TmaLaunch's size");
     unsigned char* smem = align1k<unsigned char>(smem_raw);
     const uint32_t s0 = smem_u32(smem);
-    const uint32_t epi = s0 + STAGES * STAGE_BYTES;  // epilogue staging, TMA_EPI_BYTES
+    const uint32_t epi = s0 + STAGES * STAGE_BYTES;  // epilogue staging, Cfg::EPI_BYTES (none in place)
     constexpr int ZCH = Cfg::ZCH, ZW = Cfg::ZW, Z_BUFS = Cfg::Z_BUFS, Z_CHUNK = Cfg::Z_CHUNK_BYTES;
-    const uint32_t zbuf = epi + TMA_EPI_BYTES;        // the z buffers, Z_BUFS x Z_CHUNK
+    const uint32_t zbuf = epi + Cfg::EPI_BYTES;       // the z buffers, Z_BUFS x Z_CHUNK
     const uint32_t bars = zbuf + Z_BUFS * Z_CHUNK;    // full[s] at bars + 8 s, empty[s] at + 8 (S + s)
     // Z_SMEM: zfull[b] at zfull + 8 b, zempty[b] at zempty + 8 b.
     const uint32_t zfull = bars + 16 * STAGES, zempty = zfull + 8 * Z_BUFS;
@@ -755,7 +780,7 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
         }
         for (int b = 0; b < Z_BUFS; ++b) {
             mbar_init(zfull + 8 * b, 1);
-            mbar_init(zempty + 8 * b, 256);
+            mbar_init(zempty + 8 * b, Cfg::Z_ARRIVALS);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -786,9 +811,9 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
             // JOIN kernels' "z" is the residual gradient b.)
             if (z_tma && tid == 32) {
                 // The z loader: each unit's chunks in turn, each into the next buffer of the ring as soon as the
-                // epilogue has read the chunk that held it (the next unit's first two chunks load during this unit's
-                // MMAs). The chunks that can only load while the epilogue runs (x256's third and fourth) are
-                // prefetched into L2 with the first.
+                // epilogue has done with the chunk that held it (read it; JOIN: stored it), so the next unit's first
+                // Z_BUFS chunks load during this unit's MMAs. The chunks beyond the ring, which can only load while
+                // the epilogue runs (the x256 sums kernels' fourth), are prefetched into L2 with the first.
                 int q = 0;
                 for (int u = blockIdx.x; u < units; u += gridDim.x) {
                     int tm, tn, ks;
@@ -855,6 +880,7 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
         }
     };
     int it = 0, zu = 0;
+    int zpend = -1;  // JOIN, a warpgroup's storing thread: the buffer of its newest store, not yet released
     for (int u = blockIdx.x; u < units; u += gridDim.x, ++zu) {
         int tm, tn, ks, k0;
         const int kts = tma_unit_ktiles(u, mt, nt, splits, sh, tm, tn, ks, k0);
@@ -932,7 +958,65 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
         // column 2 (lane % 4) + (e & 1).
         const int row0 = tm * TMA_BM + cw * 64 + warp * 16 + (lane >> 2);
         const int col0 = tn * BN + 2 * (lane & 3);
-        if (EPI == EPI_PLAIN && splits > 1) {
+        if constexpr (EPI == EPI_JOIN) {
+            // In place, a z chunk at a time (the launcher runs these kernels with map C only, without split-K):
+            // each thread reads its pairs of b from the ring, writes the joined pairs over them (the ring's boxes
+            // have the C staging's 128-byte swizzle), and the warpgroup TMA-stores its row half of the chunk
+            // straight from the ring. The storing thread frees a buffer once its store has read it, a chunk later
+            // (wait_group.read 1: every store but the newest), so it never waits on the store it has just issued.
+            if (!sh.tma_c) __trap();
+            const int rloc = warp * 16 + (lane >> 2);  // row within this warpgroup's 64, + 8 h
+            constexpr int ZBOXES = ZW / 64;
+            uint32_t mw[2] = {0u, 0u};  // the mask words of the thread's two rows that cover column col
+#pragma unroll
+            for (int ch = 0; ch < ZCH; ++ch) {
+                const int q = zu * ZCH + ch, zb = q % Z_BUFS;
+                const uint32_t zc = zbuf + zb * Z_CHUNK;
+                mbar_wait(zfull + 8 * zb, (q / Z_BUFS) & 1);
+#pragma unroll
+                for (int jj = 0; jj < ZW / 8; ++jj) {
+                    const int j = ch * (ZW / 8) + jj;
+                    const int col = col0 + 8 * j;
+                    float b0, b1;
+                    tma_bias2(sh, bias, col, b0, b1);
+                    // A mask word covers 4 fragments (32 columns): read once for them.
+                    if ((j & 3) == 0) {
+                        const uint32_t* words = reinterpret_cast<const uint32_t*>(ws);
+                        const int c = tn * BN + 8 * j, wc = c >> 5;  // the word's column group
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const int row = row0 + 8 * h;
+                            // Rows past M and columns past N: 0 (the TMA store clips those elements).
+                            mw[h] = (row < M && c < N) ? words[(uint32_t)row * (uint32_t)(N >> 5) + wc] : 0u;
+                        }
+                    }
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int r = rloc + 8 * h;
+                        const uint32_t addr = zc + (ZBOXES * cw + (jj >> 3)) * 8192 + r * 128 +
+                                              (((jj & 7) ^ (r & 7)) << 4) + ((lane & 3) << 2);
+                        uint32_t bv;
+                        asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(bv) : "r"(addr) : "memory");
+                        const uint32_t m = (mw[h] >> (8 * (j & 3))) & 0xffu;
+                        const uint32_t v =
+                            join_pair<T>(acc[4 * j + 2 * h] + b0, acc[4 * j + 2 * h + 1] + b1, m, col, bv);
+                        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+                    }
+                }
+                fence_async_smem();
+                wg_bar(1 + cw);
+                if ((tid & 127) == 0) {
+                    const int row = tm * TMA_BM + cw * 64, c0 = tn * BN + ZW * ch;
+#pragma unroll
+                    for (int bx = 0; bx < ZBOXES; ++bx)
+                        tma_store_2d(tc, zc + (ZBOXES * cw + bx) * 8192, c0 + 64 * bx, row);
+                    bulk_commit();
+                    bulk_wait_read_but_newest();
+                    if (zpend >= 0) mbar_arrive(zempty + 8 * zpend);
+                    zpend = zb;
+                }
+            }
+        } else if (EPI == EPI_PLAIN && splits > 1) {
             float* out = ws + (size_t)ks * M * N;
 #pragma unroll
             for (int j = 0; j < BN / 8; ++j) {
@@ -961,48 +1045,20 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
             for (int half = 0; half < BN / EW; ++half) {
                 if ((tid & 127) == 0) bulk_wait_all<true>();
                 wg_bar(1 + cw);
-                uint32_t mw[2] = {0u, 0u};  // JOIN: the mask words of the thread's two rows that cover column col
 #pragma unroll
                 for (int jj = 0; jj < EW / 8; ++jj) {
                     const int j = half * (EW / 8) + jj;
                     const int col = col0 + 8 * j;
                     float b0, b1;
                     tma_bias2(sh, bias, col, b0, b1);
-                    int zb = 0;  // JOIN: the ring buffer of this fragment's chunk
-                    if constexpr (EPI == EPI_JOIN) {
-                        // A mask word covers 4 fragments (32 columns): read once for them (the volatile shared
-                        // loads and stores between fragments keep the compiler from merging the reads itself).
-                        if ((j & 3) == 0) {
-                            const uint32_t* words = reinterpret_cast<const uint32_t*>(ws);
-                            const int c = tn * BN + 8 * j, wc = c >> 5;  // the word's column group
-#pragma unroll
-                            for (int h = 0; h < 2; ++h) {
-                                const int row = row0 + 8 * h;
-                                // Rows past M and columns past N: 0 (the TMA store clips those elements).
-                                mw[h] = (row < M && c < N) ? words[(uint32_t)row * (uint32_t)(N >> 5) + wc] : 0u;
-                            }
-                        }
-                        const int q = zu * ZCH + (8 * j) / ZW;
-                        zb = q % Z_BUFS;
-                        if ((8 * j) % ZW == 0) mbar_wait(zfull + 8 * zb, (q / Z_BUFS) & 1);
-                    }
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
                         const int r = rloc + 8 * h;
                         const uint32_t addr =
                             buf + (jj >> 3) * 8192 + r * 128 + ((((jj & 7) ^ (r & 7))) << 4) + ((lane & 3) << 2);
-                        uint32_t v;
-                        if constexpr (EPI == EPI_JOIN) {
-                            const uint32_t m = (mw[h] >> (8 * (j & 3))) & 0xffu;
-                            v = join_pair<T, BN>(acc[4 * j + 2 * h] + b0, acc[4 * j + 2 * h + 1] + b1, m, col,
-                                                 zbuf + zb * Z_CHUNK, cw, r, j, lane);
-                        } else {
-                            v = pack2(from_f<T>(acc[4 * j + 2 * h] + b0), from_f<T>(acc[4 * j + 2 * h + 1] + b1));
-                        }
+                        const uint32_t v =
+                            pack2(from_f<T>(acc[4 * j + 2 * h] + b0), from_f<T>(acc[4 * j + 2 * h + 1] + b1));
                         asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
-                    }
-                    if constexpr (EPI == EPI_JOIN) {
-                        if ((8 * j + 8) % ZW == 0) mbar_arrive(zempty + 8 * zb);
                     }
                 }
                 fence_async_smem();
@@ -1015,8 +1071,6 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
                 }
             }
         } else {
-            // (A JOIN kernel needs map C: its launcher never runs it without.)
-            if constexpr (EPI == EPI_JOIN) __trap();
             // Element offset of output row row0 + 8 h (strided grad-input: its dx pixel).
             size_t obase[2];
 #pragma unroll

@@ -103,18 +103,43 @@ const fn wgmma(name: &'static str, bn: usize, stages: u32) -> Tile {
     }
 }
 
+/// Dynamic shared memory of one TMA kernel layout (`ig::TmaCfg`): alignment slack, `stages` stages of A (128 x 64)
+/// and B (`bn` x 64), `epi` bytes of epilogue staging, `zbufs` z chunks of 128 rows x `zw` columns, and two
+/// barriers per stage and per z buffer.
+const fn tma_layout(bn: usize, stages: usize, epi: usize, zbufs: usize, zw: usize) -> usize {
+    1024 + stages * (128 + bn) * 64 * 2 + epi + zbufs * 128 * zw * 2 + 2 * stages * 8 + 2 * zbufs * 8
+}
+
+const fn max3(a: usize, b: usize, c: usize) -> usize {
+    let m = if a > b { a } else { b };
+    if m > c {
+        m
+    } else {
+        c
+    }
+}
+
 /// A tile of the TMA kernel: 128 x `bn` x 64, 384 threads (a producer and two consumer warpgroups), `stages`
-/// stages; shared memory as `ig::TmaCfg` lays it out (alignment slack, the stages, the epilogue staging buffer
-/// `ig::TMA_EPI_BYTES`: 64 x 128 outputs per consumer warpgroup, two barriers per stage).
-const fn tma(name: &'static str, bn: usize, stages: u32) -> Tile {
-    let stage_bytes = ((128 + bn) * 64 * 2) as u32;
+/// stages. Every kernel of the tile is launched with the largest of its layouts (`ig::TmaLaunch`): the plain one
+/// (the stages and the epilogue staging buffer `ig::TMA_EPI_BYTES`, 64 x 128 outputs per consumer warpgroup), the
+/// backward-sums one (fewer stages, a ring of z chunks beside the staging) and the join's (its store in place in
+/// its ring of residual-gradient chunks: no staging).
+const fn tma(name: &'static str, bn: usize, stages: usize) -> Tile {
+    const EPI: usize = 2 * 64 * 128 * 2;
+    let zw = if bn == 256 { 64 } else { bn };
+    let plain = tma_layout(bn, stages, EPI, 0, zw);
+    let (sums, join) = match bn {
+        256 => (tma_layout(bn, 3, EPI, 3, zw), tma_layout(bn, 3, 0, 5, zw)),
+        128 => (tma_layout(bn, 4, EPI, 2, zw), tma_layout(bn, 4, 0, 3, zw)),
+        _ => (tma_layout(bn, 6, EPI, 2, zw), tma_layout(bn, 7, 0, 3, zw)),
+    };
     Tile {
         name,
         bm: 128,
         bn,
         bk: 64,
         threads: 384,
-        smem: 1024 + stages * stage_bytes + 2 * 64 * 128 * 2 + 2 * stages * 8,
+        smem: max3(plain, sums, join) as u32,
         family: Family::Tma,
         conv_module: TMA_CONV,
         gemm_module: TMA_GEMM,
@@ -248,6 +273,13 @@ mod tests {
         assert_eq!(T64.smem, 4 * (64 + 64) * 32 * 2);
         assert_eq!(W128.smem, 5 * (128 + 128) * 64 * 2 + 1024);
         assert_eq!(W256.smem, 4 * (128 + 256) * 64 * 2 + 1024);
-        assert_eq!(X256.smem, 1024 + 4 * (128 + 256) * 64 * 2 + 2 * 64 * 128 * 2 + 2 * 4 * 8);
+        // ig::TmaLaunch (static_asserted there too): the join layouts are the largest of x256 and x128, the plain
+        // one of x64.
+        assert_eq!(X256.smem, 1024 + 3 * (128 + 256) * 64 * 2 + 5 * 128 * 64 * 2 + 2 * 3 * 8 + 2 * 5 * 8);
+        assert_eq!(X256.smem, 230_528);
+        assert_eq!(X128.smem, 230_512);
+        assert_eq!(X64.smem, 230_528);
+        // The plain layouts fit in them.
+        assert!(tma_layout(256, 4, 2 * 64 * 128 * 2, 0, 64) <= 230_528);
     }
 }

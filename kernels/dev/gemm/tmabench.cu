@@ -232,7 +232,7 @@ static Launch make(const void* f, const ig::TmaDesc& ma, const ig::TmaDesc& mb, 
     l.grid = (int)std::min<long long>(units, g_sms);
     // What the trainer passes for every kernel of the tile (crates/kernels/src/variants.rs): the largest need of
     // its kernels, the plain ones' or the z-ring (GSUMS, JOIN) ones'.
-    l.smem = std::max(ig::TmaCfg<BN>::SMEM_BYTES, ig::TmaCfg<BN, ig::EPI_GRAD_SUMS>::SMEM_BYTES);
+    l.smem = ig::TmaLaunch<BN>::SMEM_BYTES;
     CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, l.smem));
     return l;
 }
