@@ -199,7 +199,7 @@ pub struct KernelPolicy {
     /// (1x1, stride 1, identity shortcut): that grad-input's store adds the shortcut gradient and applies the
     /// block output's ReLU mask ([`crate::conv2d_nhwc_grad_input_join`]), so the block's last BatchNorm backward
     /// reads the joined gradient instead of the two gradients and the mask. Needs `join_relu_mask` and the
-    /// cooperative BatchNorm backward. The same values bit for bit. Default: off, unless `KERNELS_JOIN_IN_CONV=1`
+    /// cooperative BatchNorm backward. The same values bit for bit. Default: on, unless `KERNELS_JOIN_IN_CONV=0`
     /// in the environment.
     pub join_in_conv: bool,
 }
@@ -264,7 +264,12 @@ impl KernelPolicy {
             BnApplyInConv::Backward => ", bottleneck conv3 inputs normalised in the grad-weight",
             BnApplyInConv::Both => ", bottleneck conv3 inputs normalised in the conv and its grad-weight",
         };
-        let join = if self.join_in_conv { ", block-output joins in the conv1 grad-inputs" } else { "" };
+        // Named only where it can apply: the join folds into the cooperative BatchNorm's backward.
+        let join = if self.join_in_conv && self.bn_cooperative && self.join_relu_mask {
+            ", block-output joins in the conv1 grad-inputs"
+        } else {
+            ""
+        };
         format!(
             "conv {}, matmul {}, {tiles}{stats}{sums}{timed}{coop}{bnin}{join}",
             self.conv.name(),

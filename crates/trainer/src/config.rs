@@ -472,8 +472,8 @@ pub struct KernelsSection {
     /// identity shortcut): its TMA GEMM's store adds the shortcut gradient and applies the block output's ReLU
     /// mask, so the block's last BatchNorm backward reads one joined gradient instead of two gradients and the
     /// mask. The same values bit for bit. Needs the cooperative BatchNorm (`kernels.bn_cooperative`); elsewhere,
-    /// and where the epilogue cannot run, the join stays its own pass. Off by default until timed on the H200;
-    /// `KERNELS_JOIN_IN_CONV=1` in the environment sets it where this is false
+    /// and where the epilogue cannot run, the join stays its own pass. On by default; `KERNELS_JOIN_IN_CONV=0`
+    /// (or 1) in the environment overrides this value
     pub join_in_conv: bool,
 }
 
@@ -490,7 +490,7 @@ impl Default for KernelsSection {
             bn_stats: BnStatsChoice::Pass,
             bn_cooperative: true,
             bn_apply_in_conv: BnApplyInConvChoice::Off,
-            join_in_conv: false,
+            join_in_conv: true,
         }
     }
 }
@@ -687,7 +687,7 @@ impl KernelsSection {
                 BnApplyInConvChoice::Backward => kernels::BnApplyInConv::Backward,
                 BnApplyInConvChoice::Both => kernels::BnApplyInConv::Both,
             },
-            join_in_conv: self.join_in_conv || kernels::ops::batchnorm::join_in_conv(),
+            join_in_conv: kernels::ops::batchnorm::join_in_conv_env().unwrap_or(self.join_in_conv),
             ..Default::default()
         })
     }
@@ -1231,12 +1231,20 @@ mod tests {
     /// `kernels.join_in_conv` reaches the policy and its description; a value that is not a boolean is named.
     #[test]
     fn join_in_conv_sets_the_policy() {
-        let env = kernels::ops::batchnorm::join_in_conv();
-        let d = super::Config::from_str_with("", "x.toml", &[]).unwrap().kernels.policy(true, super::Precision::Bf16);
-        assert_eq!(d.unwrap().join_in_conv, env);
-        let c = super::Config::from_str_with("", "x.toml", &["kernels.join_in_conv=true".into()]).unwrap();
-        let p = c.kernels.policy(true, super::Precision::Bf16).unwrap();
-        assert!(p.join_in_conv && p.describe().contains("block-output joins in the conv1 grad-inputs"));
+        let env = kernels::ops::batchnorm::join_in_conv_env();
+        let policy = |sets: &[&str]| {
+            let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+            let c = super::Config::from_str_with("", "x.toml", &sets).unwrap();
+            c.kernels.policy(true, super::Precision::Bf16).unwrap()
+        };
+        // On by default; KERNELS_JOIN_IN_CONV (0 or 1), where set, decides over the config.
+        assert_eq!(policy(&[]).join_in_conv, env.unwrap_or(true));
+        assert_eq!(policy(&["kernels.join_in_conv=false"]).join_in_conv, env.unwrap_or(false));
+        let p = policy(&["kernels.join_in_conv=true"]);
+        assert_eq!(p.join_in_conv, env.unwrap_or(true));
+        if p.join_in_conv {
+            assert!(p.describe().contains("block-output joins in the conv1 grad-inputs"));
+        }
         let e = super::Config::from_str_with("", "x.toml", &["kernels.join_in_conv=\"yes\"".into()]).unwrap_err();
         assert!(format!("{e:#}").contains("join_in_conv"), "{e:#}");
     }

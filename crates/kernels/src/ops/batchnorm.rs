@@ -468,11 +468,22 @@ pub fn compact_shortcut_grad() -> bool {
     *ON.get_or_init(|| std::env::var_os("KERNELS_COMPACT_SHORTCUT").is_none_or(|v| v != "0"))
 }
 
+/// `KERNELS_JOIN_IN_CONV` in the environment: `Some(false)` for 0, `Some(true)` for 1, `None` when unset or
+/// anything else (the config decides).
+pub fn join_in_conv_env() -> Option<bool> {
+    static ON: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| match std::env::var("KERNELS_JOIN_IN_CONV").as_deref() {
+        Ok("0") => Some(false),
+        Ok("1") => Some(true),
+        _ => None,
+    })
+}
+
 /// Whether the explicit step folds the block-output joins into the conv1 grad-inputs
-/// ([`crate::KernelPolicy::join_in_conv`]'s default): on only with `KERNELS_JOIN_IN_CONV=1` in the environment.
+/// ([`crate::KernelPolicy::join_in_conv`]'s default): on unless `KERNELS_JOIN_IN_CONV=0` is in the environment
+/// (the default since 2026-12-07: ResNet-152 1.8% faster in bf16 and 2.2% in fp16 on an H100).
 pub fn join_in_conv() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var_os("KERNELS_JOIN_IN_CONV").is_some_and(|v| v == "1"))
+    join_in_conv_env().unwrap_or(true)
 }
 
 /// Where the explicit step normalises a bottleneck's conv3 input ([`crate::KernelPolicy::bn_apply_in_conv`]'s
