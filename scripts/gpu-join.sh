@@ -3,8 +3,8 @@
 # call, correctness first:
 #   1. the new build's gpu-step tests `joined_grad_input_matches_the_join` and `join_in_conv_step_matches_bit_for_bit`;
 #   2. `trainer bench` A/B (scripts/ab-bench.sh, ResNet-152 bf16 batch 256, ROUNDS rounds, default 2): MAIN's
-#      trainer (with MAIN_ON=1 also MAIN's with KERNELS_JOIN_IN_CONV=1), the new build as is (the switch off) and
-#      with KERNELS_JOIN_IN_CONV=1;
+#      trainer (with MAIN_ON=1 also MAIN's with KERNELS_JOIN_IN_CONV=1), the new build with KERNELS_JOIN_IN_CONV=0
+#      (the switch off; on by default since 7a6e428) and =1;
 #   3. a kernel timeline of the new build with the switch on (KTRACE=DIR holding ktrace.c and ktrace_report.py);
 #   4. the new build's other gpu-step tests and its gpu-kernel tests (ALL_TESTS=0 leaves them out).
 #   usage: bash scripts/gpu-join.sh MAIN_DIR NEW_DIR     (each DIR holds trainer[.xz|.gz]; NEW_DIR also the tests)
@@ -34,7 +34,7 @@ tests gpu-step-tests step-join.log join
 echo "== 2. A/B (bf16, batch 256)" | tee -a "$sum"
 variants=("main:$bin/main/trainer")
 [ "${MAIN_ON:-0}" != 1 ] || variants+=("main-on:KERNELS_JOIN_IN_CONV=1 $bin/main/trainer")
-variants+=("off:$bin/new/trainer" "on:KERNELS_JOIN_IN_CONV=1 $bin/new/trainer")
+variants+=("off:KERNELS_JOIN_IN_CONV=0 $bin/new/trainer" "on:KERNELS_JOIN_IN_CONV=1 $bin/new/trainer")
 OUT="$bin/ab" ROUNDS="${ROUNDS:-2}" bash "$here/scripts/ab-bench.sh" "${variants[@]}" 2>&1 | tee -a "$sum"
 if [ -n "${KTRACE:-}" ]; then
     echo "== 3. ktrace, the switch on (bf16)" | tee -a "$sum"

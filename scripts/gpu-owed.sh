@@ -4,7 +4,8 @@
 #   1. gpu-step-tests `join` (the joined conv1 grad-inputs and the join_in_conv step, bit for bit);
 #   2. an ab-bench.sh A/B of ResNet-152 bf16 batch 256 (ROUNDS rounds while time is left, default 2): the
 #      defaults, KERNELS_JOIN_IN_CONV=1, kernels.bn_stats = "fused", and both (VARIANTS picks among
-#      main join fused fusedjoin); a round starts only if AB_RESERVE seconds (default 0) are left after it;
+#      main join fused fusedjoin, and nojoin fusednojoin: KERNELS_JOIN_IN_CONV=0, the join being on by default
+#      since 7a6e428); a round starts only if AB_RESERVE seconds (default 0) are left after it;
 #   3. with KTRACE=DIR (ktrace.c, ktrace_report.py): kernel timelines of the bf16 step, default and with each
 #      KTRACE_VARIANTS (default "join fusedjoin");
 #   4. with SWEEP=B: `trainer sweep --max` of ResNet-152 bf16 from batch B (granularity 128, heuristic tiles);
@@ -47,6 +48,8 @@ declare -A spec=(
     [join]="KERNELS_JOIN_IN_CONV=1 $bin/trainer"
     [fused]="$bin/trainer-fused"
     [fusedjoin]="KERNELS_JOIN_IN_CONV=1 $bin/trainer-fused"
+    [nojoin]="KERNELS_JOIN_IN_CONV=0 $bin/trainer"
+    [fusednojoin]="KERNELS_JOIN_IN_CONV=0 $bin/trainer-fused"
 )
 
 echo "== 1. the join tests ($(left) s left)" | tee -a "$sum"
