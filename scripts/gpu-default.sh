@@ -31,9 +31,7 @@ OUT="$out" timeout 240 bash "$here/scripts/bench-vs-torch.sh" "$b/new/trainer" r
 tail -4 "$out/bench-table.md"
 if [ -n "${KTRACE:-}" ]; then
     echo "== 3. ktrace, the default bf16 step ($SECONDS s)"
-    inc="$(dirname "$(dirname "$(find /usr/local -name host_defines.h -path '*crt*' 2>/dev/null | head -1)")")"
-    if gcc -O2 -shared -fPIC "$KTRACE/ktrace.c" -o "$b/libktrace.so" -I"$GPU_SITE/cu13/include" -I"$inc" \
-        -L"$GPU_SITE/cu13/lib" -l:libcupti.so.13 -lpthread; then
+    if ktrace_lib "$KTRACE" "$b/libktrace.so"; then
         CUDA_INJECTION64_PATH="$b/libktrace.so" KTRACE_OUT="$b/trace.csv" timeout 150 "$b/new/trainer" bench \
             --config "$here/configs/resnet152.toml" --dtypes bf16 --batch-sizes 256 --warmup 3 --steps 5 \
             > "$b/ab/ktrace-bench.log" 2>&1

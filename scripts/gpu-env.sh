@@ -27,3 +27,12 @@ unpack_bin() {
         fi && chmod +x "$bin/$f" || return 2
     done
 }
+
+# ktrace_lib KTRACE_DIR SO: builds the kernel-timeline injection library (KTRACE_DIR/ktrace.c, against the wheels'
+# CUPTI and the CUDA headers under /usr/local) into SO; fails (gcc's status) where it cannot.
+ktrace_lib() {
+    local inc
+    inc="$(dirname "$(dirname "$(find /usr/local -name host_defines.h -path '*crt*' 2>/dev/null | head -1)")")"
+    gcc -O2 -shared -fPIC "$1/ktrace.c" -o "$2" -I"$GPU_SITE/cu13/include" -I"$inc" -L"$GPU_SITE/cu13/lib" \
+        -l:libcupti.so.13 -lpthread
+}

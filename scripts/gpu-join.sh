@@ -38,9 +38,7 @@ variants+=("off:KERNELS_JOIN_IN_CONV=0 $bin/new/trainer" "on:KERNELS_JOIN_IN_CON
 OUT="$bin/ab" ROUNDS="${ROUNDS:-2}" bash "$here/scripts/ab-bench.sh" "${variants[@]}" 2>&1 | tee -a "$sum"
 if [ -n "${KTRACE:-}" ]; then
     echo "== 3. ktrace, the switch on (bf16)" | tee -a "$sum"
-    inc="$(dirname "$(dirname "$(find /usr/local -name host_defines.h -path '*crt*' 2>/dev/null | head -1)")")"
-    if gcc -O2 -shared -fPIC "$KTRACE/ktrace.c" -o "$bin/libktrace.so" -I"$GPU_SITE/cu13/include" -I"$inc" \
-        -L"$GPU_SITE/cu13/lib" -l:libcupti.so.13 -lpthread; then
+    if ktrace_lib "$KTRACE" "$bin/libktrace.so"; then
         KERNELS_JOIN_IN_CONV=1 CUDA_INJECTION64_PATH="$bin/libktrace.so" KTRACE_OUT="$bin/trace.csv" timeout 150 \
             "$bin/new/trainer" bench --config "$here/configs/resnet152.toml" --dtypes bf16 --batch-sizes 256 \
             --warmup 3 --steps 5 > "$bin/ab/ktrace-bench.log" 2>&1

@@ -91,9 +91,7 @@ for l in labels:
 EOF
 
 if [ -n "${KTRACE:-}" ]; then
-    inc="$(dirname "$(dirname "$(find /usr/local -name host_defines.h -path '*crt*' 2>/dev/null | head -1)")")"
-    if gcc -O2 -shared -fPIC "$KTRACE/ktrace.c" -o "$bin/libktrace.so" -I"$GPU_SITE/cu13/include" -I"$inc" \
-        -L"$GPU_SITE/cu13/lib" -l:libcupti.so.13 -lpthread; then
+    if ktrace_lib "$KTRACE" "$bin/libktrace.so"; then
         for v in main ${KTRACE_VARIANTS-join fusedjoin}; do
             [ "$(left)" -gt 150 ] || { echo "== ktrace $v skipped ($(left) s left)" | tee -a "$sum"; continue; }
             echo "== 3. ktrace $v, bf16 b256 ($(left) s left)" | tee -a "$sum"
