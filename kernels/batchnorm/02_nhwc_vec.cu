@@ -114,6 +114,34 @@ __device__ __forceinline__ void for_chunk_rows(int64_t rows, int c, int chunk, i
     }
 }
 
+// for_chunk_rows with the loads batched: ld(r) makes row r's loads (a value of V), use(r, v) the rest, in the same
+// row order, so the same sums bit for bit. U rows' loads are issued before the first use. for_chunk_rows' unrolled
+// loop tests its bound after each row, and ptxas keeps a row's loads behind the previous row's exit test: in the
+// moments loop one 16-byte load a thread was in flight (SASS, 2026-12-07), 12 KB a SM at 3 blocks of 256 threads,
+// too few bytes to cover DRAM latency. On an H100 (kernels/dev/batchnorm/bnbench.cu, 2026-12-07) 4 rows in flight
+// took ResNet-152's forward BatchNorm launches from 14.50 to 13.60 ms a step (8 rows: 13.73); the backward sums
+// and the joins (two and three loads a row already) gained nothing: 22.30 with one row, 25.3 with two (spills at
+// 80 registers), 22.7 with four at 2 blocks a SM. The tensor's last (possibly short) group is peeled as there; every
+// other row is in range.
+template <int U, typename V, typename L, typename F>
+__device__ __forceinline__ void for_chunk_rows_ld(int64_t rows, int c, int chunk, int chunks, L&& ld, F&& use) {
+    const int rstep = VB / (c >> 3), lane = threadIdx.x / (c >> 3), ng = row_groups(rows, c);
+    int gi = ng - 1 - (ng - 1 - chunk) % chunks;
+    if (gi == ng - 1) {
+        const int64_t r = (int64_t)gi * rstep + lane;
+        if (r < rows) use(ld(r));
+        gi -= chunks;
+    }
+    for (; gi >= (U - 1) * chunks; gi -= U * chunks) {
+        V v[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) v[u] = ld((int64_t)(gi - u * chunks) * rstep + lane);
+#pragma unroll
+        for (int u = 0; u < U; ++u) use(v[u]);
+    }
+    for (; gi >= 0; gi -= chunks) use(ld((int64_t)gi * rstep + lane));
+}
+
 // Rows of each chunk: with rpc > 0 chunks of rpc consecutive rows (the convolution epilogue's moments), else the
 // row groups of for_chunk_rows (the moments pass's): with ng - 1 = q chunks + m, chunk k has q + 1 groups for
 // k <= m, q after, and chunk m the last group, short by ng rstep - rows rows. No division a chunk.
@@ -151,15 +179,16 @@ __device__ void bnv_moments(const T* __restrict__ x, float* __restrict__ part, i
         for (int j = 0; j < 8; ++j) k[j] = to_f32(v.v[j]);
     }
     float s1[8] = {0, 0, 0, 0, 0, 0, 0, 0}, s2[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for_chunk_rows<4>(rows, c, chunk, chunks, [&](int64_t r) {
-        const Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(x + r * c + ch0);
+    for_chunk_rows_ld<4, Vec8<T>>(
+        rows, c, chunk, chunks, [&](int64_t r) { return *reinterpret_cast<const Vec8<T>*>(x + r * c + ch0); },
+        [&](const Vec8<T>& v) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const float d = to_f32(v.v[j]) - k[j];
-            s1[j] += d;
-            s2[j] = fmaf(d, d, s2[j]);
-        }
-    });
+            for (int j = 0; j < 8; ++j) {
+                const float d = to_f32(v.v[j]) - k[j];
+                s1[j] += d;
+                s2[j] = fmaf(d, d, s2[j]);
+            }
+        });
     const float n = ChunkRows(rows, 0, c, chunks)(chunk);
     chunk_sums(s1, s2, sh, G, c, [&](int ch, float S, float Q) {
         part[(int64_t)chunk * c + ch] = S;
