@@ -556,6 +556,27 @@ __device__ __forceinline__ float lane_sum(float acc, float (&sh)[FY][NX], int tx
     return r;
 }
 
+// lane_sum of two values at once (a through sh, b through shb): each reduced by the same tree as lane_sum alone,
+// so the same sums bit for bit, with one set of barriers for both.
+template <int NX>
+__device__ __forceinline__ void lane_sum2(float& a, float& b, float (&sh)[FY][NX], float (&shb)[FY][NX], int tx,
+                                          int ty) {
+    sh[ty][tx] = a;
+    shb[ty][tx] = b;
+    __syncthreads();
+#pragma unroll
+    for (int s = FY / 2; s > 0; s >>= 1) {
+        if (ty < s) {
+            sh[ty][tx] += sh[ty + s][tx];
+            shb[ty][tx] += shb[ty + s][tx];
+        }
+        __syncthreads();
+    }
+    a = sh[0][tx];
+    b = shb[0][tx];
+    __syncthreads();
+}
+
 // A chunk's term of the second (M2) sum: its own M2 plus n (mean_k - dmean)^2, with n its rows and mean_k = S / n
 // (Chan's merge about the first sum's mean).
 __device__ __forceinline__ float m2_term(float s, float m2, float n, float dmean) {
@@ -571,6 +592,16 @@ __device__ __forceinline__ void moments_final_cols(const float* part, float* __r
                                                    int tx, int ty, float (&sh)[FY][NX]) {
     const float count = (float)rows;
     const ChunkRows nrows(rows, rpc, c, chunks);
+    // The values the lane-0 thread needs after the sums (the shift K, the running statistics), loaded now, so
+    // that their latency runs under the reductions instead of after them.
+    float kshift = 0.0f, rmean = 0.0f, rvar = 0.0f;
+    if (ty == 0 && ch < c) {
+        kshift = part[2 * (int64_t)chunks * c + ch];
+        if (running_mean != nullptr) {
+            rmean = running_mean[ch];
+            rvar = running_var[ch];
+        }
+    }
     // Up to FK partials a lane (chunks <= FK * FY: the launchers' default split, 132 x 3 chunks) are loaded
     // once, S and M2 together, so that the second sum waits for no load; the epilogue's 128-row chunks (thousands)
     // read them in the loops. The same additions in the same order either way.
@@ -607,35 +638,55 @@ __device__ __forceinline__ void moments_final_cols(const float* part, float* __r
     }
     const float m2 = lane_sum<NX>(acc, sh, tx, ty);
     if (ty == 0 && ch < c) {
-        const float mean = part[2 * (int64_t)chunks * c + ch] + dmean;
+        const float mean = kshift + dmean;
         const float var = m2 / count;
         stats[ch] = mean;
         stats[c + ch] = var;
         stats[2 * c + ch] = 1.0f / sqrtf(var + eps);
         if (running_mean != nullptr) {
             const float unbiased = var * (count / (count - 1.0f));
-            running_mean[ch] = (1.0f - momentum) * running_mean[ch] + momentum * mean;
-            running_var[ch] = (1.0f - momentum) * running_var[ch] + momentum * unbiased;
+            running_mean[ch] = (1.0f - momentum) * rmean + momentum * mean;
+            running_var[ch] = (1.0f - momentum) * rvar + momentum * unbiased;
         }
     }
 }
 
 // Channel ch (column tx, lane ty) of bn_nhwc_bwd_final_v8; every thread of the block calls it (barriers).
+// Up to FK partials a lane are loaded at once (as moments_final_cols does; the loop took one chunk's pair at a
+// time), then added in the loop's order; the two sums share one lane_sum2.
 template <int NX>
 __device__ __forceinline__ void bwd_final_cols(const float* part, float* __restrict__ sums, int chunks,
-                                               int c, int ch, int tx, int ty, float (&sh)[FY][NX]) {
+                                               int c, int ch, int tx, int ty, float (&sh)[FY][NX],
+                                               float (&shb)[FY][NX]) {
+    constexpr int FK = 4;
     float ag = 0.0f, agx = 0.0f;
     if (ch < c) {
-        for (int k = ty; k < chunks; k += FY) {
-            ag += part[(int64_t)k * c + ch];
-            agx += part[((int64_t)chunks + k) * c + ch];
+        if (chunks <= FK * FY) {
+            float gv[FK], xv[FK];
+#pragma unroll
+            for (int i = 0; i < FK; ++i) {
+                const int k = ty + i * FY;
+                gv[i] = k < chunks ? part[(int64_t)k * c + ch] : 0.0f;
+                xv[i] = k < chunks ? part[((int64_t)chunks + k) * c + ch] : 0.0f;
+            }
+#pragma unroll
+            for (int i = 0; i < FK; ++i) {
+                if (ty + i * FY < chunks) {
+                    ag += gv[i];
+                    agx += xv[i];
+                }
+            }
+        } else {
+            for (int k = ty; k < chunks; k += FY) {
+                ag += part[(int64_t)k * c + ch];
+                agx += part[((int64_t)chunks + k) * c + ch];
+            }
         }
     }
-    const float sg = lane_sum<NX>(ag, sh, tx, ty);
-    const float sgx = lane_sum<NX>(agx, sh, tx, ty);
+    lane_sum2<NX>(ag, agx, sh, shb, tx, ty);
     if (ty == 0 && ch < c) {
-        sums[ch] = sg;
-        sums[c + ch] = sgx;
+        sums[ch] = ag;
+        sums[c + ch] = agx;
     }
 }
 
@@ -658,8 +709,8 @@ extern "C" __global__ void __launch_bounds__(FX * FY)
 // sums (2, c) = [sum g (dbias), sum g * xhat (dweight)] from bn_nhwc_bwd_sum_v8's two halves of partials.
 extern "C" __global__ void __launch_bounds__(FX * FY)
     bn_nhwc_bwd_final_v8(const float* part, float* sums, int chunks, int c) {
-    __shared__ float sh[FY][FX];
-    bwd_final_cols<FX>(part, sums, chunks, c, blockIdx.x * FX + threadIdx.x, threadIdx.x, threadIdx.y, sh);
+    __shared__ float sh[FY][FX], shb[FY][FX];
+    bwd_final_cols<FX>(part, sums, chunks, c, blockIdx.x * FX + threadIdx.x, threadIdx.x, threadIdx.y, sh, shb);
 }
 
 // ----- one cooperative launch per BatchNorm (kernels.bn_cooperative) ------------------------------------------
@@ -775,9 +826,9 @@ __device__ void bnv_train_bwd(const T* __restrict__ x, const T* __restrict__ dy,
         bnv_bwd_partial<T>(x, dy, stats, weight, bias, part, rows, c, rpc, relu, rev ? chunks - 1 - k : k, chunks);
     }
     grid.sync();
-    __shared__ float sh[FY][2];
+    __shared__ float sh[FY][2], shb[FY][2];
     const int tx = threadIdx.x & 1, ty = threadIdx.x >> 1;
-    for (int p = blockIdx.x; p < (c >> 1); p += gridDim.x) bwd_final_cols<2>(part, sums, chunks, c, 2 * p + tx, tx, ty, sh);
+    for (int p = blockIdx.x; p < (c >> 1); p += gridDim.x) bwd_final_cols<2>(part, sums, chunks, c, 2 * p + tx, tx, ty, sh, shb);
     grid.sync();
     bnv_bwd_dx<T>(x, dy, stats, weight, bias, sums, dx, rows, c, count, relu);
 }
@@ -801,9 +852,9 @@ __device__ void bnv_train_join_bwd(const T* __restrict__ a, const T* __restrict_
                                           bh, bw);
     }
     grid.sync();
-    __shared__ float sh[FY][2];
+    __shared__ float sh[FY][2], shb[FY][2];
     const int tx = threadIdx.x & 1, ty = threadIdx.x >> 1;
-    for (int p = blockIdx.x; p < (c >> 1); p += gridDim.x) bwd_final_cols<2>(part, sums, chunks, c, 2 * p + tx, tx, ty, sh);
+    for (int p = blockIdx.x; p < (c >> 1); p += gridDim.x) bwd_final_cols<2>(part, sums, chunks, c, 2 * p + tx, tx, ty, sh, shb);
     grid.sync();
     bnv_bwd_dx<T>(x, gout, stats, weight, bias, sums, dx, rows, c, count, 0);
 }
@@ -938,9 +989,9 @@ __device__ void bnv_train_bwd_pool(const T* __restrict__ x, PoolDy<T> src, const
         }
     }
     grid.sync();
-    __shared__ float sh[FY][2];
+    __shared__ float sh[FY][2], shb[FY][2];
     const int tx = threadIdx.x & 1, ty = threadIdx.x >> 1;
-    for (int p = blockIdx.x; p < (c >> 1); p += gridDim.x) bwd_final_cols<2>(part, sums, chunks, c, 2 * p + tx, tx, ty, sh);
+    for (int p = blockIdx.x; p < (c >> 1); p += gridDim.x) bwd_final_cols<2>(part, sums, chunks, c, 2 * p + tx, tx, ty, sh, shb);
     grid.sync();
     const int64_t groups = rows * (int64_t)G;
     const int64_t g0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
