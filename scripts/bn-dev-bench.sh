@@ -10,6 +10,8 @@
 # and OLD_BIN the same from a copy of kernels/ holding the other revision of batchnorm/02_nhwc_vec.cu.
 # Env: ROUNDS (2), OUT (/tmp): one log per run, bnbench-{new,old}-R.txt, and bnbench-hashes.txt (same / DIFFER).
 set -uo pipefail
+# shellcheck source=scripts/gpu-env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/gpu-env.sh"
 new=${1:?new binary}
 old=${2:?old binary}
 batch=${3:-256}
@@ -24,12 +26,7 @@ for r in $(seq 1 "${ROUNDS:-2}"); do
     done
 done
 # Bit for bit: the hash columns of the first rounds.
-hashes() {
-    awk '/^l[1-4] /{s = $1 " " $2 " " $3 " " $4
-        for (i = 5; i <= NF; i++) if (length($i) == 16 && $i ~ /^[0-9a-f]+$/) s = s " " $i
-        print s}' "$1"
-}
-if diff <(hashes "$out/bnbench-old-1.txt") <(hashes "$out/bnbench-new-1.txt") > "$out/bnbench-hashes.txt"; then
+if diff <(devbench_hashes "$out/bnbench-old-1.txt") <(devbench_hashes "$out/bnbench-new-1.txt") > "$out/bnbench-hashes.txt"; then
     echo "hashes: same (old and new bit for bit)" | tee -a "$out/bnbench-hashes.txt"
 else
     echo "hashes: DIFFER" | tee -a "$out/bnbench-hashes.txt"

@@ -2,13 +2,15 @@
 # Times several builds of a dev harness (kernels/dev/batchnorm/bnbench.cu or kernels/dev/gemm/tmabench.cu) side by
 # side: ROUNDS rounds, each running every build once in the order given, then a summary: each build's per-step
 # milliseconds (the harness's last lines: "per ResNet-152 step ..." or "per step ...", every round) and whether its
-# output hashes equal the first build's (bit for bit; the hash words as scripts/bn-dev-bench.sh takes them). Runs
+# output hashes equal the first build's (bit for bit; the hash words of gpu-env.sh's devbench_hashes). Runs
 # on the GPU machine. Two builds of the same harness with different -D switches are the usual use, e.g.
 #   nvcc -O3 -std=c++17 -arch=sm_90 -I kernels -DBN_BWD_U=4 -o bnbench-u4 kernels/dev/batchnorm/bnbench.cu
 #   usage: bash scripts/bn-dev-variants.sh LABEL:BINARY [LABEL:BINARY ...]
 # Env: ROUNDS (2), ARGS (the harness's arguments, e.g. the batch: 256), OUT (/tmp): the logs
 # devbench-LABEL-R.txt and devbench-summary.txt.
 set -uo pipefail
+# shellcheck source=scripts/gpu-env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/gpu-env.sh"
 [ $# -ge 1 ] || { echo "usage: bash scripts/bn-dev-variants.sh LABEL:BINARY [LABEL:BINARY ...]" >&2; exit 2; }
 out=${OUT:-/tmp}
 rounds=${ROUNDS:-2}
@@ -27,18 +29,13 @@ for r in $(seq 1 "$rounds"); do
         "$bin" ${ARGS:-} > "$out/devbench-$label-$r.txt" 2>&1 || echo "build $label round $r failed (exit $?)" >&2
     done
 done
-hashes() {
-    awk '/^l[1-4] /{s = $1 " " $2 " " $3 " " $4
-        for (i = 5; i <= NF; i++) if (length($i) == 16 && $i ~ /^[0-9a-f]+$/) s = s " " $i
-        print s}' "$1"
-}
 summary=$out/devbench-summary.txt
 {
     first=${labels[0]}
     for label in "${labels[@]}"; do
         echo "== $label"
         if [ "$label" != "$first" ]; then
-            if diff <(hashes "$out/devbench-$first-1.txt") <(hashes "$out/devbench-$label-1.txt") > /dev/null; then
+            if diff <(devbench_hashes "$out/devbench-$first-1.txt") <(devbench_hashes "$out/devbench-$label-1.txt") > /dev/null; then
                 echo "hashes: same as $first"
             else
                 echo "hashes: DIFFER from $first"

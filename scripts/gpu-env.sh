@@ -36,3 +36,12 @@ ktrace_lib() {
     gcc -O2 -shared -fPIC "$1/ktrace.c" -o "$2" -I"$GPU_SITE/cu13/include" -I"$inc" -L"$GPU_SITE/cu13/lib" \
         -l:libcupti.so.13 -lpthread
 }
+
+# devbench_hashes LOG: the hash words of a dev harness log (kernels/dev/batchnorm/bnbench.cu,
+# kernels/dev/gemm/tmabench.cu): on every shape line (l1 .. l4) its first four words and every 16-digit hex word,
+# so that two builds' logs compare bit for bit with diff.
+devbench_hashes() {
+    awk '/^l[1-4] /{s = $1 " " $2 " " $3 " " $4
+        for (i = 5; i <= NF; i++) if (length($i) == 16 && $i ~ /^[0-9a-f]+$/) s = s " " $i
+        print s}' "$1"
+}
