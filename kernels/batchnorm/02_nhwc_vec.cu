@@ -114,7 +114,7 @@ __device__ __forceinline__ void for_chunk_rows(int64_t rows, int c, int chunk, i
     }
 }
 
-// for_chunk_rows with the loads batched: ld(r) makes row r's loads (a value of V), use(r, v) the rest, in the same
+// for_chunk_rows with the loads batched: ld(r) makes row r's loads (a value of V), use(v) the rest, in the same
 // row order, so the same sums bit for bit. U rows' loads are issued before the first use. for_chunk_rows' unrolled
 // loop tests its bound after each row, and ptxas keeps a row's loads behind the previous row's exit test: in the
 // moments loop one 16-byte load a thread was in flight (SASS, 2026-12-07), 12 KB a SM at 3 blocks of 256 threads,
@@ -828,7 +828,9 @@ __device__ void bnv_train_bwd(const T* __restrict__ x, const T* __restrict__ dy,
     grid.sync();
     __shared__ float sh[FY][2], shb[FY][2];
     const int tx = threadIdx.x & 1, ty = threadIdx.x >> 1;
-    for (int p = blockIdx.x; p < (c >> 1); p += gridDim.x) bwd_final_cols<2>(part, sums, chunks, c, 2 * p + tx, tx, ty, sh, shb);
+    for (int p = blockIdx.x; p < (c >> 1); p += gridDim.x) {
+        bwd_final_cols<2>(part, sums, chunks, c, 2 * p + tx, tx, ty, sh, shb);
+    }
     grid.sync();
     bnv_bwd_dx<T>(x, dy, stats, weight, bias, sums, dx, rows, c, count, relu);
 }
@@ -854,7 +856,9 @@ __device__ void bnv_train_join_bwd(const T* __restrict__ a, const T* __restrict_
     grid.sync();
     __shared__ float sh[FY][2], shb[FY][2];
     const int tx = threadIdx.x & 1, ty = threadIdx.x >> 1;
-    for (int p = blockIdx.x; p < (c >> 1); p += gridDim.x) bwd_final_cols<2>(part, sums, chunks, c, 2 * p + tx, tx, ty, sh, shb);
+    for (int p = blockIdx.x; p < (c >> 1); p += gridDim.x) {
+        bwd_final_cols<2>(part, sums, chunks, c, 2 * p + tx, tx, ty, sh, shb);
+    }
     grid.sync();
     bnv_bwd_dx<T>(x, gout, stats, weight, bias, sums, dx, rows, c, count, 0);
 }
@@ -991,7 +995,9 @@ __device__ void bnv_train_bwd_pool(const T* __restrict__ x, PoolDy<T> src, const
     grid.sync();
     __shared__ float sh[FY][2], shb[FY][2];
     const int tx = threadIdx.x & 1, ty = threadIdx.x >> 1;
-    for (int p = blockIdx.x; p < (c >> 1); p += gridDim.x) bwd_final_cols<2>(part, sums, chunks, c, 2 * p + tx, tx, ty, sh, shb);
+    for (int p = blockIdx.x; p < (c >> 1); p += gridDim.x) {
+        bwd_final_cols<2>(part, sums, chunks, c, 2 * p + tx, tx, ty, sh, shb);
+    }
     grid.sync();
     const int64_t groups = rows * (int64_t)G;
     const int64_t g0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
