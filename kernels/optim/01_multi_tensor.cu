@@ -29,6 +29,12 @@
 //   are > 0; with scaling disabled only the step count moves). out = [scale used, found inf (0/1), scale, tracker,
 //   steps after]: the step's report, read by the host whenever it is ready.
 //
+// Both update kernels can also write the low-precision copy that the convolutions read (lowp, not null): for a
+//   tensor i with ltab[2 i] != ~0 (a convolution weight), element j's new value, rounded to bf16 (lowp_f16 == 0)
+//   or fp16, is stored at lowp[ltab[2 i] + krsc_of(j)] (ltab[2 i + 1] = c | (r * s) << 32), the element
+//   mt_weights_krsc would write from the updated master. The step's weights are then made by the update that
+//   changes them (no per-step cast and permute); a skipped step writes neither.
+//
 // mt_weights_krsc_{bf16,f16}: the convolution weights for a training step, FP32 (k, c, r, s) -> the activation
 //   dtype in the kernels' (k, r, s, c) layout, all of them in one launch (instead of a cast and a permuting copy
 //   per weight); tab[4 i + 3] = c | (r * s) << 32, tab[4 i + 1] = the output offset in elements.
@@ -69,6 +75,18 @@ extern "C" __global__ void __launch_bounds__(256) mt_gather_f32(const unsigned l
     }
 }
 
+// The (k, r, s, c) index of element j = (k * c + ci) * rs + t of a (k, c, r, s) tensor: (k * rs + t) * c + ci. In
+// 32-bit arithmetic (the launcher checks that every tensor has fewer than 2^31 elements): the two 64-bit integer
+// divisions an element it replaces are each a long instruction sequence, a likely reason why the relayouts ran at
+// about a third of copy speed (ResNet-152's 60M weights: 218 / 228 us each way on the H200, ktrace 2026-12-05).
+__device__ __forceinline__ int krsc_of(int j, int c, int rs) {
+    const int kc = j / rs;
+    const int t = j - kc * rs;
+    const int k = kc / c;
+    const int ci = kc - k * c;
+    return (k * rs + t) * c + ci;
+}
+
 // False when the step is skipped (norm_sq not finite); else the clipping coefficient in *coef.
 __device__ __forceinline__ bool clip_coef(const float* __restrict__ norm_sq, float clip, float* coef) {
     const float nsq = norm_sq[0];
@@ -78,13 +96,43 @@ __device__ __forceinline__ bool clip_coef(const float* __restrict__ norm_sq, flo
     return true;
 }
 
+// The low-precision copy of the chunk's tensor (ltab, see the top): its offset in lowp (NO_LOWP: none) and its
+// (c, r * s); lowp_store writes element j's new value v there.
+#define NO_LOWP 0xffffffffffffffffull
+struct LowpDst {
+    unsigned long long off;
+    int c, rs;
+};
+
+__device__ __forceinline__ LowpDst lowp_dst(const void* lowp, const unsigned long long* __restrict__ ltab, int i) {
+    LowpDst d{NO_LOWP, 1, 1};
+    if (lowp != nullptr) {
+        d.off = ltab[2 * i];
+        d.c = (int)(ltab[2 * i + 1] & 0xffffffffu);
+        d.rs = (int)(ltab[2 * i + 1] >> 32);
+    }
+    return d;
+}
+
+__device__ __forceinline__ void lowp_store(void* lowp, int lowp_f16, const LowpDst& d, long long j, float v) {
+    if (d.off == NO_LOWP) return;
+    const long long o = (long long)d.off + krsc_of((int)j, d.c, d.rs);
+    if (lowp_f16) {
+        static_cast<__half*>(lowp)[o] = from_f32<__half>(v);
+    } else {
+        static_cast<__nv_bfloat16*>(lowp)[o] = from_f32<__nv_bfloat16>(v);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(256) mt_sgd_f32(const unsigned long long* __restrict__ tab,
                                                               const int2* __restrict__ chunks,
                                                               const float* __restrict__ grad,
                                                               float* __restrict__ mom,
                                                               const float* __restrict__ norm_sq, float clip,
                                                               const float* __restrict__ lr_p, float momentum,
-                                                              int nesterov) {
+                                                              int nesterov, void* lowp,
+                                                              const unsigned long long* __restrict__ ltab,
+                                                              int lowp_f16) {
     float coef;
     if (!clip_coef(norm_sq, clip, &coef)) return;
     const float lr = *lr_p;
@@ -92,6 +140,7 @@ extern "C" __global__ void __launch_bounds__(256) mt_sgd_f32(const unsigned long
     float* p = reinterpret_cast<float*>(tab[4 * ch.x]);
     const long long off = (long long)tab[4 * ch.x + 1], len = (long long)tab[4 * ch.x + 2];
     const float wd = lo_f(tab[4 * ch.x + 3]), lrm = hi_f(tab[4 * ch.x + 3]) * lr;
+    const LowpDst ld = lowp_dst(lowp, ltab, ch.x);
     const long long end = min(len, (long long)ch.y + CHUNK);
     for (long long j = ch.y + threadIdx.x; j < end; j += blockDim.x) {
         const float pj = p[j];
@@ -103,20 +152,10 @@ extern "C" __global__ void __launch_bounds__(256) mt_sgd_f32(const unsigned long
             mom[off + j] = buf;
             d = nesterov ? g + momentum * buf : buf;
         }
-        p[j] = pj - lrm * d;
+        const float pn = pj - lrm * d;
+        p[j] = pn;
+        lowp_store(lowp, lowp_f16, ld, j, pn);
     }
-}
-
-// The (k, r, s, c) index of element j = (k * c + ci) * rs + t of a (k, c, r, s) tensor: (k * rs + t) * c + ci. In
-// 32-bit arithmetic (the launcher checks that every tensor has fewer than 2^31 elements): the two 64-bit integer
-// divisions an element it replaces are each a long instruction sequence, a likely reason why the relayouts ran at
-// about a third of copy speed (ResNet-152's 60M weights: 218 / 228 us each way on the H200, ktrace 2026-12-05).
-__device__ __forceinline__ int krsc_of(int j, int c, int rs) {
-    const int kc = j / rs;
-    const int t = j - kc * rs;
-    const int k = kc / c;
-    const int ci = kc - k * c;
-    return (k * rs + t) * c + ci;
 }
 
 // Layout copy with a dtype conversion over the chunks of the table: (k, c, r, s) S -> (k, r, s, c) D when TO_KRSC
@@ -158,7 +197,9 @@ extern "C" __global__ void __launch_bounds__(256) mt_adamw_f32(const unsigned lo
                                                                 const float* __restrict__ norm_sq, float clip,
                                                                 const float* __restrict__ ctl,
                                                                 const float* __restrict__ lr_p, float beta1,
-                                                                float beta2, float eps, float omb1, float omb2) {
+                                                                float beta2, float eps, float omb1, float omb2,
+                                                                void* lowp, const unsigned long long* __restrict__ ltab,
+                                                                int lowp_f16) {
     float coef;
     if (!clip_coef(norm_sq, clip, &coef)) return;
     const float lr = *lr_p;
@@ -170,6 +211,7 @@ extern "C" __global__ void __launch_bounds__(256) mt_adamw_f32(const unsigned lo
     float* p = reinterpret_cast<float*>(tab[4 * ch.x]);
     const long long off = (long long)tab[4 * ch.x + 1], len = (long long)tab[4 * ch.x + 2];
     const float wd = lo_f(tab[4 * ch.x + 3]), lrm = hi_f(tab[4 * ch.x + 3]) * lr;
+    const LowpDst ld = lowp_dst(lowp, ltab, ch.x);
     const long long end = min(len, (long long)ch.y + CHUNK);
     for (long long j = ch.y + threadIdx.x; j < end; j += blockDim.x) {
         float pj = p[j];
@@ -181,7 +223,9 @@ extern "C" __global__ void __launch_bounds__(256) mt_adamw_f32(const unsigned lo
         const float v = beta2 * exp_avg_sq[off + j] + omb2 * (g * g);
         exp_avg[off + j] = m;
         exp_avg_sq[off + j] = v;
-        p[j] = pj - lrm * ((m / bc1) / (sqrtf(v / bc2) + eps));
+        const float pn = pj - lrm * ((m / bc1) / (sqrtf(v / bc2) + eps));
+        p[j] = pn;
+        lowp_store(lowp, lowp_f16, ld, j, pn);
     }
 }
 

@@ -1158,6 +1158,75 @@ fn multi_tensor_optimizers_match_cpu() -> Result<()> {
     Ok(())
 }
 
+/// `kernels.weights_in_optimizer`: the conv weights the optimizer keeps (`ConvWeights`: bf16/fp16, (k, r, s, c))
+/// after SGD (Nesterov) and AdamW updates through `Optimizer::step_flat`, one of them skipped on the device (inf
+/// norm), equal bit for bit to `conv_weights_krsc` of the updated masters; a frozen conv's weight (kept, not
+/// trained) stays its master's; loading optimizer state forgets them. Outputs poisoned: the kept buffer is made
+/// whole by its first fill.
+#[test]
+fn optimizer_keeps_the_conv_weights() -> Result<()> {
+    let _poison = poison_outputs();
+    use trainer::optim::{OptimKind, Optimizer, ParamOptions};
+    let dev = cuda()?;
+    // A bias-like vector, the 7x7 stem, a 3x3 over a chunk boundary, a frozen 1x1, a 1x1 and a long vector.
+    let shapes: Vec<Vec<usize>> =
+        vec![vec![7], vec![64, 3, 7, 7], vec![128, 64, 3, 3], vec![256, 64, 1, 1], vec![512, 256, 1, 1], vec![40000]];
+    let frozen = 3;
+    for dt in [DType::BF16, DType::F16] {
+        for kind in
+            [OptimKind::Sgd { momentum: 0.9, nesterov: true }, OptimKind::AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8 }]
+        {
+            let vars: Vec<Var> = shapes
+                .iter()
+                .map(|s| Ok(Var::from_tensor(&(Tensor::randn(0f32, 1.0, s.as_slice(), &dev)? * 0.1)?)?))
+                .collect::<Result<_>>()?;
+            let params = vars
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| *i != frozen)
+                .map(|(i, v)| (format!("p{i}"), v.clone(), ParamOptions { weight_decay: 1e-4, lr_mult: 1.0 }))
+                .collect();
+            let mut opt = Optimizer::new(kind, params);
+            let convs: Vec<Tensor> = vars.iter().filter(|v| v.rank() == 4).map(|v| v.as_tensor().clone()).collect();
+            let refs: Vec<&Tensor> = convs.iter().collect();
+            opt.keep_conv_weights(&refs, dt)?;
+            let check = |opt: &Optimizer, what: &str| -> Result<()> {
+                let kept = opt.conv_weights().context("no kept conv weights")?;
+                let want = kernels::ops::weights::conv_weights_krsc(&refs, dt)?;
+                for (i, (w, m)) in want.iter().zip(&convs).enumerate() {
+                    let got = kept.get(m.id()).context("a conv weight is not kept")?;
+                    ensure!(got.dims() == w.dims() && got.dtype() == dt, "{what}: conv {i} is {:?}", got.dims());
+                    let (a, b) = (got.to_dtype(DType::F32)?.flatten_all()?, w.to_dtype(DType::F32)?.flatten_all()?);
+                    let differ = a.ne(&b)?.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?;
+                    ensure!(differ == 0.0, "{what} {dt:?} {kind:?}: conv {i}: {differ} elements differ");
+                }
+                Ok(())
+            };
+            check(&opt, "fresh")?;
+            let n: usize = shapes.iter().map(|s| s.iter().product::<usize>()).sum();
+            let before = vars[frozen].as_tensor().copy()?;
+            for step in 0..3 {
+                let flat = Tensor::randn(0f32, 1.0, n, &dev)?;
+                let sq = flat.sqr()?.sum_all()?;
+                let nsq = if step == 1 { Tensor::new(f32::INFINITY, &dev)? } else { sq };
+                let ctl = Tensor::new(&[1f32, 0.0, step as f32], &dev)?;
+                let lr = Tensor::new(&[0.05f32], &dev)?;
+                let p1 = vars[1].as_tensor().copy()?;
+                opt.step_flat(&flat, &nsq, if step == 2 { 1.0 } else { 0.0 }, (f64::NAN, Some(&lr)), &ctl)?;
+                let moved = (vars[1].as_tensor() - &p1)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                ensure!((moved > 0.0) == (step != 1), "step {step}: the stem weight moved by {moved}");
+                check(&opt, &format!("after step {step}"))?;
+            }
+            let still = (vars[frozen].as_tensor() - &before)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            ensure!(still == 0.0, "the frozen conv moved by {still}");
+            opt.load_state(&std::collections::BTreeMap::new(), 0)?;
+            ensure!(opt.conv_weights().is_none(), "loading optimizer state kept the conv weights");
+            println!("kept conv weights {dt:?} {kind:?}: bit for bit with the relayout after 3 steps (one skipped)");
+        }
+    }
+    Ok(())
+}
+
 /// The loss scaler's update on the device (`amp_update_f32`) against its FP32 rule on the host, bit for bit, over
 /// a script of clean, overflowing (inf) and NaN steps with growth, backoff and both clamps; with scaling off only
 /// the step count moves.

@@ -555,6 +555,56 @@ fn graph_replay_matches_eager_steps() -> Result<()> {
     Ok(())
 }
 
+/// `kernels.weights_in_optimizer`: the fused fp16 runner with the conv weights kept and written by the optimizer
+/// against the same runner converting them every step, over [`graph_replay_matches_eager_steps`]' script (graph
+/// captures and replays, skipped steps, a scale reset from the host, a partial batch run eagerly), for SGD and
+/// AdamW: every step's report and every model tensor afterwards bit for bit, and the kept weights made only where
+/// asked for.
+#[test]
+fn kept_conv_weights_give_the_same_run() -> Result<()> {
+    let gpu = cuda()?;
+    if let Some(v) = trainer::config::weights_in_optimizer_env() {
+        println!("KERNELS_WEIGHTS_IN_OPTIMIZER={} in the environment decides over the config: skipped", u8::from(v));
+        return Ok(());
+    }
+    let (batches, script) = graph_script(&gpu)?;
+    for optim in ["sgd", "adamw"] {
+        let run = |keep: bool| -> Result<_> {
+            let sets: Vec<String> = vec![
+                "kernels.step=\"fused\"".into(),
+                "kernels.graph=\"on\"".into(),
+                format!("optim.name=\"{optim}\""),
+                format!("kernels.weights_in_optimizer={keep}"),
+                "amp.growth_interval=1".into(),
+                "amp.growth_factor=1000.0".into(),
+            ];
+            let cfg = trainer::config::Config::from_str_with(RUNNER_TOML, "gpu.toml", &sets)?;
+            let model = trainer::train::build_model(&cfg, &gpu)?;
+            let mut runner = trainer::train::StepRunner::new(&cfg, model)?;
+            let (outs, tensors) = drive(&mut runner, &batches, &script)?;
+            Ok((outs, tensors, runner.opt.conv_weights().is_some(), runner.graphs.replayed))
+        };
+        let (outs0, t0, kept0, rep0) = run(false)?;
+        let (outs1, t1, kept1, rep1) = run(true)?;
+        ensure!(!kept0 && kept1, "{optim}: conv weights kept: off {kept0}, on {kept1}");
+        ensure!(rep0 == rep1 && rep1 > 0, "{optim}: replays off {rep0}, on {rep1}");
+        for (i, (a, b)) in outs0.iter().zip(&outs1).enumerate() {
+            let same = |x: f64, y: f64| x == y || (x.is_nan() && y.is_nan());
+            ensure!(
+                same(a.0, b.0) && same(a.1, b.1) && a.2 == b.2 && same(a.3, b.3),
+                "{optim} step {i}: converted (loss, norm, skipped, scale) {a:?}, kept {b:?}"
+            );
+        }
+        ensure_same_bits(&format!("{optim}: kept against converted"), &t1, &t0)?;
+        println!(
+            "kept conv weights, {optim}: {} steps ({rep1} replayed), reports and {} tensors bit for bit",
+            outs1.len(),
+            t1.len()
+        );
+    }
+    Ok(())
+}
+
 /// `kernels.bn_stats = "fused"`: the BatchNorm moments computed in the epilogue of the TMA convolutions and 1x1
 /// GEMMs (`conv_fwd_stats_*`, `gemm_nt_stats_*`) and combined by `batch_stats_from_partials`, against the
 /// separate pass (`batch_stats`) over the same output, on every TMA tile, in bf16 and fp16, outputs and partials

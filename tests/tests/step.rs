@@ -579,3 +579,40 @@ fn cooperative_batchnorm_gives_the_same_step_on_the_cpu() {
         assert_same_step(&arch.to_string(), &a, &b);
     }
 }
+
+/// `StepArgs::weights`: conv weights handed to the step (as the optimizer keeps them on CUDA; here made by
+/// `conv_weights_krsc` on the CPU in FP32) give the same step bit for bit as the weights the step makes itself; a
+/// map that lacks a conv, or holds one in another dtype, is refused with an error naming the problem.
+#[test]
+fn given_conv_weights_give_the_same_step() {
+    let dev = Device::Cpu;
+    let m = model(Arch::ResNet18, Stem::Cifar);
+    let x = integration_tests::seeded_randn(&[2, 3, 32, 32], 20261207);
+    let labels = Tensor::new(&[1u32, 7], &dev).unwrap();
+    let masters = m.conv_weight_masters();
+    assert_eq!(masters.len(), 1 + 16 + 3, "resnet18: the stem, 16 block convs and 3 downsample convs");
+    let refs: Vec<&Tensor> = masters.iter().collect();
+    let made = kernels::ops::weights::conv_weights_krsc(&refs, DType::F32).unwrap();
+    let given: std::collections::HashMap<_, _> = masters.iter().map(|w| w.id()).zip(made).collect();
+    let step = |weights: Option<&std::collections::HashMap<candle_core::TensorId, Tensor>>| {
+        let args = resnet::step::StepArgs { weights, ..resnet::step::StepArgs::new(0.1, 8.0, Precision::F32) };
+        m.train_step_explicit_with(&x, &labels, args)
+    };
+    let plain = step(None).unwrap();
+    let with = step(Some(&given)).unwrap();
+    let loss = |o: &resnet::step::StepOutput| o.loss.to_scalar::<f32>().unwrap();
+    assert_eq!(loss(&plain), loss(&with));
+    assert_eq!(plain.grads.len(), with.grads.len());
+    for (id, g) in &plain.grads {
+        let d = (g - &with.grads[id]).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        assert_eq!(d, 0.0, "a gradient differs by {d} with the given weights");
+    }
+    let mut short = given.clone();
+    short.remove(&masters[3].id());
+    let e = step(Some(&short)).unwrap_err().to_string();
+    assert!(e.contains("lack one of the model's"), "{e}");
+    let mut wrong = given.clone();
+    wrong.insert(masters[0].id(), given[&masters[0].id()].to_dtype(DType::F16).unwrap());
+    let e = step(Some(&wrong)).unwrap_err().to_string();
+    assert!(e.contains("F16") && e.contains("expected"), "{e}");
+}

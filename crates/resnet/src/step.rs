@@ -115,6 +115,10 @@ pub struct StepArgs<'a> {
     /// ([`ResNet::grad_buckets`]) and the sink that takes each bucket as soon as it is final. None: the
     /// gradients come back in [`StepOutput::grads`], all converted at the end of the step.
     pub buckets: Option<(&'a [Vec<TensorId>], &'a mut dyn GradSink)>,
+    /// Every conv's weight already in the activation dtype and the kernels' (k, r, r, c) layout, keyed by its
+    /// master's tensor id ([`ResNet::conv_weight_masters`]): the weights the optimizer keeps up to date on CUDA
+    /// (`kernels::cuda::optim::ConvWeights`). None: the step makes them from the masters (one launch on CUDA).
+    pub weights: Option<&'a HashMap<TensorId, Tensor>>,
 }
 
 impl StepArgs<'_> {
@@ -128,6 +132,7 @@ impl StepArgs<'_> {
             sync: None,
             recompute: Recompute::None,
             buckets: None,
+            weights: None,
         }
     }
 }
@@ -387,15 +392,30 @@ impl<'a> Engine<'a> {
         Ok(ConvW { conv, w })
     }
 
-    /// Fills [`Self::weights`] for every conv of the model.
-    fn convert_weights(&mut self) -> Result<()> {
-        let m = self.model;
-        let mut convs: Vec<&Conv2d> = vec![&m.conv1];
-        for b in m.stages.iter().flatten() {
-            convs.extend(&b.convs);
-            if let Some(d) = &b.downsample {
-                convs.push(&d.conv);
+    /// Fills [`Self::weights`] for every conv of the model: from `given` ([`StepArgs::weights`], checked to hold
+    /// every conv's weight in its shape and the activation dtype), else made from the masters.
+    fn convert_weights(&mut self, given: Option<&HashMap<TensorId, Tensor>>) -> Result<()> {
+        let convs = self.model.convs();
+        if let Some(given) = given {
+            for c in &convs {
+                let master = c.weight.var().as_tensor();
+                let (k, ci, r, s) = master.dims4()?;
+                match given.get(&master.id()) {
+                    Some(w) if w.dims() == [k, r, s, ci] && w.dtype() == self.act => {}
+                    Some(w) => candle_core::bail!(
+                        "explicit training step: a given conv weight is {:?} {:?}, expected {:?} {:?}",
+                        w.dims(),
+                        w.dtype(),
+                        [k, r, s, ci],
+                        self.act
+                    ),
+                    None => {
+                        candle_core::bail!("explicit training step: the given conv weights lack one of the model's")
+                    }
+                }
             }
+            self.weights = given.clone();
+            return Ok(());
         }
         let masters: Vec<Tensor> = convs.iter().map(|c| c.weight.var().as_tensor().detach()).collect();
         let refs: Vec<&Tensor> = masters.iter().collect();
@@ -1008,6 +1028,23 @@ fn sync_grad_sums(sync: &dyn BnSync, sums: &Tensor, rows: usize, w: &Tensor) -> 
 }
 
 impl ResNet {
+    /// Every convolution of the model: the stem, then each block's convs and its downsample conv, in order.
+    pub fn convs(&self) -> Vec<&Conv2d> {
+        let mut convs: Vec<&Conv2d> = vec![&self.conv1];
+        for b in self.stages.iter().flatten() {
+            convs.extend(&b.convs);
+            if let Some(d) = &b.downsample {
+                convs.push(&d.conv);
+            }
+        }
+        convs
+    }
+
+    /// The FP32 master of every conv weight ([`Self::convs`]' order), keyed as [`StepArgs::weights`] takes them.
+    pub fn conv_weight_masters(&self) -> Vec<Tensor> {
+        self.convs().iter().map(|c| c.weight.var().as_tensor().clone()).collect()
+    }
+
     /// A rank's part of a synchronised-BatchNorm step when it has no samples: the same all-reduces, in the same
     /// order, as [`Self::train_step_explicit_with`] runs (forward: every BatchNorm's statistics, with the
     /// running statistics updated from the global batch; backward: every BatchNorm's gradient sums), with zeros.
@@ -1096,7 +1133,7 @@ impl ResNet {
     /// of `args.sync`, and the gradients handed on bucket by bucket during the backward (`args.buckets`; then
     /// [`StepOutput::grads`] is empty).
     pub fn train_step_explicit_with(&self, x: &Tensor, labels: &Tensor, args: StepArgs<'_>) -> Result<StepOutput> {
-        let StepArgs { label_smoothing, grad_scale, loss_scale, precision, sync, recompute, buckets } = args;
+        let StepArgs { label_smoothing, grad_scale, loss_scale, precision, sync, recompute, buckets, weights } = args;
         if let Some(why) = unsupported(self, precision) {
             candle_core::bail!("explicit training step: {why}");
         }
@@ -1114,7 +1151,7 @@ impl ResNet {
             weights: HashMap::new(),
             recompute,
         };
-        e.convert_weights()?;
+        e.convert_weights(weights)?;
         let m = e.model;
         let input = x.detach().to_dtype(e.act)?.permute((0, 2, 3, 1))?.contiguous()?;
 

@@ -261,7 +261,7 @@ mod cuda {
             out.push(graph::base_addr(e.param.var().as_tensor())?);
         }
         for t in runner.opt.persistent_state() {
-            out.push(graph::base_addr(t)?);
+            out.push(graph::base_addr(&t)?);
         }
         out.push(graph::base_addr(&runner.device_state()?)?);
         out.push(graph::base_addr(lr_dev)?);

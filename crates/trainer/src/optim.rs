@@ -30,13 +30,57 @@ pub struct Optimizer {
     /// AdamW's two moments) as one flat FP32 tensor over all parameters; the slots' states are views of them.
     /// Empty until the first multi-tensor step.
     flat_state: Vec<Tensor>,
+    /// CUDA, fused step: the training step's conv weights in the activation dtype and the kernels' layout, which
+    /// the multi-tensor update writes as it updates their masters ([`Optimizer::keep_conv_weights`]).
+    #[cfg(feature = "cuda")]
+    conv_weights: Option<kernels::cuda::optim::ConvWeights>,
 }
 
 impl Optimizer {
     /// The tensors the optimizer keeps and writes in place between steps (the flat state buffers of the
-    /// multi-tensor path): a captured CUDA graph has their addresses baked in.
-    pub fn persistent_state(&self) -> &[Tensor] {
-        &self.flat_state
+    /// multi-tensor path, the kept conv weights): a captured CUDA graph has their addresses baked in.
+    pub fn persistent_state(&self) -> Vec<Tensor> {
+        #[allow(unused_mut)]
+        let mut out = self.flat_state.clone();
+        #[cfg(feature = "cuda")]
+        out.extend(self.conv_weights.iter().map(|w| w.buffer().clone()));
+        out
+    }
+
+    /// The conv weights the update keeps (made from `masters`, FP32 (k, c, r, s) on one CUDA device, in `dtype`,
+    /// bf16 or f16, when not kept yet or kept for other weights or another dtype). From then on every multi-tensor
+    /// update writes each weight it changes, so the fused step reads them instead of casting and permuting its
+    /// weights each step. Whatever writes a master outside the optimizer must call
+    /// [`Self::forget_conv_weights`] (or refresh them).
+    #[cfg(feature = "cuda")]
+    pub fn keep_conv_weights(
+        &mut self,
+        masters: &[&Tensor],
+        dtype: DType,
+    ) -> Result<&kernels::cuda::optim::ConvWeights> {
+        let same = self.conv_weights.as_ref().is_some_and(|w| {
+            w.dtype() == dtype && masters.iter().all(|m| w.get(m.id()).is_some()) && w.len() == masters.len()
+        });
+        if !same {
+            self.conv_weights = None;
+            self.conv_weights = Some(kernels::cuda::optim::ConvWeights::new(masters, dtype)?);
+        }
+        Ok(self.conv_weights.as_ref().expect("made above"))
+    }
+
+    /// The conv weights kept by [`Self::keep_conv_weights`], if any.
+    #[cfg(feature = "cuda")]
+    pub fn conv_weights(&self) -> Option<&kernels::cuda::optim::ConvWeights> {
+        self.conv_weights.as_ref()
+    }
+
+    /// Drops the kept conv weights (the masters were written outside the optimizer: a loaded checkpoint); the next
+    /// [`Self::keep_conv_weights`] makes them again.
+    pub fn forget_conv_weights(&mut self) {
+        #[cfg(feature = "cuda")]
+        {
+            self.conv_weights = None;
+        }
     }
 }
 
@@ -52,7 +96,14 @@ impl Optimizer {
             .into_iter()
             .map(|(name, var, o)| Slot { name, var, weight_decay: o.weight_decay, lr_mult: o.lr_mult, state: vec![] })
             .collect();
-        Self { kind, slots, steps: 0, flat_state: vec![] }
+        Self {
+            kind,
+            slots,
+            steps: 0,
+            flat_state: vec![],
+            #[cfg(feature = "cuda")]
+            conv_weights: None,
+        }
     }
 
     pub fn vars(&self) -> impl Iterator<Item = (&str, &Var)> {
@@ -175,13 +226,15 @@ impl Optimizer {
                 }
                 let params = self.sgd_params();
                 let mom = if momentum > 0.0 { &self.flat_state[0] } else { flat };
-                kernels::cuda::optim::sgd_step(&params, flat, mom, decision, lr, momentum as f32, nesterov)?;
+                let kept = self.conv_weights.as_ref();
+                kernels::cuda::optim::sgd_step(&params, flat, mom, decision, lr, momentum as f32, nesterov, kept)?;
             }
             OptimKind::AdamW { beta1, beta2, eps } => {
                 self.flat_states(2, flat.device())?;
                 let params = self.sgd_params();
                 let (m, v) = (&self.flat_state[0], &self.flat_state[1]);
-                kernels::cuda::optim::adamw_step(&params, flat, m, v, decision, ctl, lr, (beta1, beta2, eps))?;
+                let kept = self.conv_weights.as_ref();
+                kernels::cuda::optim::adamw_step(&params, flat, m, v, decision, ctl, lr, (beta1, beta2, eps), kept)?;
             }
         }
         Ok(())
@@ -203,6 +256,8 @@ impl Optimizer {
     /// Applies one update. `grads[i]` is the (unscaled, clipped) FP32 gradient of the i-th parameter; `t` the
     /// 1-based number of this update (AdamW's bias corrections). [`Self::steps`] is the caller's to count.
     pub fn step(&mut self, grads: &[Tensor], lr: f64, t: u64) -> Result<()> {
+        // The per-parameter update writes the masters only: the kept conv weights would be stale.
+        self.forget_conv_weights();
         if grads.len() != self.slots.len() {
             bail!("optimizer: {} gradients for {} parameters", grads.len(), self.slots.len());
         }
@@ -281,6 +336,8 @@ impl Optimizer {
     /// optimizer's (another optimizer's state, state of a parameter this run does not train, or a partial
     /// checkpoint is an error naming the tensor).
     pub fn load_state(&mut self, tensors: &BTreeMap<String, Tensor>, steps: u64) -> Result<()> {
+        // A resume loads the masters as well: the kept conv weights are made again from them at the next step.
+        self.forget_conv_weights();
         let names = self.state_names();
         let known: std::collections::HashSet<String> =
             self.slots.iter().flat_map(|s| names.iter().map(move |n| format!("{}.{n}", s.name))).collect();

@@ -210,6 +210,9 @@ pub struct StepRunner {
     pub bucket_bytes: usize,
     /// `kernels.recompute`: what the fused step's backward recomputes instead of keeping it.
     pub recompute: resnet::step::Recompute,
+    /// `kernels.weights_in_optimizer`: the fused step on CUDA in bf16/fp16 reads the conv weights the optimizer
+    /// keeps ([`Optimizer::keep_conv_weights`]) instead of converting them each step.
+    pub weights_in_optimizer: bool,
     /// Data-parallel: the gradient buckets (made at the first step).
     buckets: Option<BucketPlan>,
     /// The device's copy of the loss scale, growth tracker and steps taken ([`Self::device_state`]), and the host
@@ -335,6 +338,7 @@ impl StepRunner {
             grad_allreduce: cfg.train.grad_allreduce,
             bucket_bytes: (cfg.train.bucket_mb * 1e6).max(1.0) as usize,
             recompute: cfg.kernels.recompute.level(),
+            weights_in_optimizer: cfg.kernels.weights_in_optimizer(),
             buckets: None,
             ctl: None,
             ctl_seen: None,
@@ -436,6 +440,7 @@ impl StepRunner {
         // The loss scale as the device knows it (None without loss scaling: the gradients are not scaled).
         let loss_scale = if self.scaler.enabled { Some(ctl.narrow(0, 0, 1)?) } else { None };
         let accum = micro.len() as f64;
+        let kept = self.kept_conv_weights()?;
         let vars: Vec<_> = self.opt.vars().map(|(_, v)| v.clone()).collect();
         let mut acc: Vec<Option<Tensor>> = vec![None; vars.len()];
         let mut loss_sum: Option<Tensor> = None;
@@ -500,6 +505,7 @@ impl StepRunner {
                         sync: sync.as_ref().map(|s| s as &dyn resnet::step::BnSync),
                         loss_scale: loss_scale.clone(),
                         recompute: self.recompute,
+                        weights: kept.as_ref(),
                         ..resnet::step::StepArgs::new(self.label_smoothing, 1.0 / accum, self.precision)
                     };
                     if let (true, true, Some(r), Some(plan)) = (overlap, last, reducer.as_mut(), &self.buckets) {
@@ -596,6 +602,29 @@ impl StepRunner {
             p.steps += 1;
         }
         Ok(report)
+    }
+
+    /// The conv weights the fused step reads from the optimizer (`kernels.weights_in_optimizer`), made here when
+    /// not kept yet: None on the autograd path, off CUDA, in fp32, with the option off, and inside a graph capture
+    /// when none are kept yet (a buffer made there would be the graph's; that step converts its weights itself,
+    /// and the next eager step makes them).
+    fn kept_conv_weights(&mut self) -> Result<Option<std::collections::HashMap<candle_core::TensorId, Tensor>>> {
+        #[cfg(feature = "cuda")]
+        {
+            let act = self.precision.act_dtype();
+            let wanted = self.weights_in_optimizer
+                && self.engine == StepEngine::Fused
+                && self.model.device().is_cuda()
+                && matches!(act, DType::BF16 | DType::F16);
+            if !wanted || (self.opt.conv_weights().is_none() && kernels::cuda::graph::capturing()) {
+                return Ok(None);
+            }
+            let masters = self.model.conv_weight_masters();
+            let refs: Vec<&Tensor> = masters.iter().collect();
+            return Ok(Some(self.opt.keep_conv_weights(&refs, act)?.views()));
+        }
+        #[allow(unreachable_code)]
+        Ok(None)
     }
 
     /// Hands a queued step's report to the host: on CUDA it goes to pinned host memory right away, so that

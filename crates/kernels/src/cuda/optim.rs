@@ -131,7 +131,8 @@ pub struct DeviceDecision<'a> {
 /// PyTorch's SGD over all `params` in place, their gradients `grad` (flat, in order) clipped and skipped as
 /// `decision` says, momentum buffers in the flat `momentum_buf` (same length, zero before the first step; unused
 /// when `momentum` is 0). The learning rate is read on the device from `lr` (one FP32), so a captured step
-/// replays with each step's rate.
+/// replays with each step's rate. `lowp`: the conv weights the update writes too ([`ConvWeights`]).
+#[allow(clippy::too_many_arguments)]
 pub fn sgd_step(
     params: &[SgdParam<'_>],
     grad: &Tensor,
@@ -140,6 +141,7 @@ pub fn sgd_step(
     lr: &Tensor,
     momentum: f32,
     nesterov: bool,
+    lowp: Option<&ConvWeights>,
 ) -> Result<()> {
     let Some(p0) = params.first() else { candle_core::bail!("multi-tensor: no parameters") };
     let (_, dev) = f32_addr(p0.tensor, "parameter 0")?;
@@ -163,12 +165,14 @@ pub fn sgd_step(
     let pn = scalar_addr(decision.norm_sq, "gradient norm")?;
     let plr = scalar_addr(lr, "learning rate")?;
     let nest = i32::from(nesterov);
+    let lp = LowpTable::new(&dev, params, lowp)?;
     let f = dev.get_or_load_custom_func("mt_sgd_f32", MODULE, ptx::OPTIM_01_MULTI_TENSOR)?;
     let mut b = f.builder();
     b.arg(&tb.tab).arg(&tb.chunks).arg(&pg).arg(&pm).arg(&pn).arg(&decision.clip);
-    b.arg(&plr).arg(&momentum).arg(&nest);
-    // SAFETY: (tab, chunks, grad, momentum, norm_sq, clip, lr, momentum, nesterov) as mt_sgd_f32 takes them; every
-    // chunk lies inside its parameter and the flat buffers (off elements each); norm_sq and lr are one float each.
+    b.arg(&plr).arg(&momentum).arg(&nest).arg(&lp.addr).arg(&lp.ltab).arg(&lp.f16);
+    // SAFETY: (tab, chunks, grad, momentum, norm_sq, clip, lr, momentum, nesterov, lowp, ltab, lowp_f16) as
+    // mt_sgd_f32 takes them; every chunk lies inside its parameter and the flat buffers (off elements each); norm_sq
+    // and lr are one float each; lowp is null or holds every (offset + length) of ltab (LowpTable::new checks).
     unsafe { b.launch(cfg(tb.blocks)) }.w()?;
     Ok(())
 }
@@ -187,6 +191,7 @@ pub fn adamw_step(
     ctl: &Tensor,
     lr: &Tensor,
     (beta1, beta2, eps): (f64, f64, f64),
+    lowp: Option<&ConvWeights>,
 ) -> Result<()> {
     let Some(p0) = params.first() else { candle_core::bail!("multi-tensor: no parameters") };
     let (_, dev) = f32_addr(p0.tensor, "parameter 0")?;
@@ -214,15 +219,148 @@ pub fn adamw_step(
     let plr = scalar_addr(lr, "learning rate")?;
     let (b1, b2, e) = (beta1 as f32, beta2 as f32, eps as f32);
     let (omb1, omb2) = ((1.0 - beta1) as f32, (1.0 - beta2) as f32);
+    let lp = LowpTable::new(&dev, params, lowp)?;
     let f = dev.get_or_load_custom_func("mt_adamw_f32", MODULE, ptx::OPTIM_01_MULTI_TENSOR)?;
     let mut b = f.builder();
     b.arg(&tb.tab).arg(&tb.chunks).arg(&pg).arg(&pm).arg(&pv).arg(&pn).arg(&decision.clip).arg(&pc).arg(&plr);
-    b.arg(&b1).arg(&b2).arg(&e).arg(&omb1).arg(&omb2);
-    // SAFETY: (tab, chunks, grad, exp_avg, exp_avg_sq, norm_sq, clip, ctl, lr, beta1, beta2, eps, omb1, omb2) as
-    // mt_adamw_f32 takes them; every chunk lies inside its parameter and the three flat buffers (off elements
-    // each); norm_sq and lr are one float each, ctl three.
+    b.arg(&b1).arg(&b2).arg(&e).arg(&omb1).arg(&omb2).arg(&lp.addr).arg(&lp.ltab).arg(&lp.f16);
+    // SAFETY: (tab, chunks, grad, exp_avg, exp_avg_sq, norm_sq, clip, ctl, lr, beta1, beta2, eps, omb1, omb2, lowp,
+    // ltab, lowp_f16) as mt_adamw_f32 takes them; every chunk lies inside its parameter and the three flat buffers
+    // (off elements each); norm_sq and lr are one float each, ctl three; lowp is null or holds every (offset +
+    // length) of ltab (LowpTable::new checks).
     unsafe { b.launch(cfg(tb.blocks)) }.w()?;
     Ok(())
+}
+
+/// The convolution weights of the training step, kept between steps: every weight in the activation dtype (bf16 or
+/// f16) and the kernels' (k, r, s, c) layout, views of one flat buffer laid out by [`krsc_offsets`]. Made whole
+/// from the FP32 masters by [`ConvWeights::new`] and [`ConvWeights::refresh`] (`mt_weights_krsc`, one launch);
+/// then [`sgd_step`] and [`adamw_step`], given it, write each weight they update as they update its master (the
+/// values `mt_weights_krsc` would make from the new master, bit for bit), so that a step needs no cast and
+/// permute of its weights. Whatever writes a master any other way must call [`ConvWeights::refresh`].
+pub struct ConvWeights {
+    flat: Tensor,
+    dtype: DType,
+    masters: Vec<Tensor>,
+    /// Per master (keyed by its tensor id): its view in `flat` ((k, r, s, c)), its offset there, its length and
+    /// the kernels' (c | r s << 32) word.
+    slots: std::collections::HashMap<candle_core::TensorId, (Tensor, usize, usize, u64)>,
+}
+
+impl ConvWeights {
+    /// `masters`: FP32 (k, c, r, s) weights, contiguous, on one CUDA device; `dtype`: bf16 or f16.
+    pub fn new(masters: &[&Tensor], dtype: DType) -> Result<Self> {
+        let Some(first) = masters.first() else { candle_core::bail!("conv weights: no weights") };
+        if !matches!(dtype, DType::BF16 | DType::F16) {
+            candle_core::bail!("conv weights: dtype {dtype:?} (bf16 or f16 only)");
+        }
+        let lens: Vec<usize> = masters.iter().map(|w| w.elem_count()).collect();
+        let (offs, total) = krsc_offsets(&lens);
+        let flat = match dtype {
+            DType::BF16 => Tensor::zeros(total, DType::BF16, first.device())?,
+            _ => Tensor::zeros(total, DType::F16, first.device())?,
+        };
+        let mut slots = std::collections::HashMap::with_capacity(masters.len());
+        for (i, w) in masters.iter().enumerate() {
+            if w.dtype() != DType::F32 || !w.is_contiguous() {
+                candle_core::bail!(
+                    "conv weights: weight {i} is {:?} {:?}, expected contiguous F32",
+                    w.dims(),
+                    w.dtype()
+                );
+            }
+            let (k, c, r, s) = w.dims4()?;
+            let view = flat.narrow(0, offs[i], lens[i])?.reshape((k, r, s, c))?;
+            slots.insert(w.id(), (view, offs[i], lens[i], c as u64 | ((r * s) as u64) << 32));
+        }
+        if slots.len() != masters.len() {
+            candle_core::bail!("conv weights: a weight is listed twice");
+        }
+        let me = Self { flat, dtype, masters: masters.iter().map(|&w| w.clone()).collect(), slots };
+        me.refresh()?;
+        Ok(me)
+    }
+
+    /// Writes every weight again from its master (one launch).
+    pub fn refresh(&self) -> Result<()> {
+        let refs: Vec<&Tensor> = self.masters.iter().collect();
+        let (st, _) = self.flat.storage_and_layout();
+        let candle_core::Storage::Cuda(out) = &*st else { candle_core::bail!("conv weights: not on a CUDA device") };
+        weights_krsc(&refs, out)
+    }
+
+    /// The activation dtype of the weights.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The flat buffer that holds every weight (a captured graph has its address baked in).
+    pub fn buffer(&self) -> &Tensor {
+        &self.flat
+    }
+
+    /// The weight of `master` (by its tensor id) in the kernels' layout: (k, r, s, c) in [`Self::dtype`].
+    pub fn get(&self, master: candle_core::TensorId) -> Option<&Tensor> {
+        self.slots.get(&master).map(|s| &s.0)
+    }
+
+    /// How many weights it holds.
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Whether it holds no weight (never: [`Self::new`] refuses an empty list).
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    /// Every weight, keyed by its master's tensor id.
+    pub fn views(&self) -> std::collections::HashMap<candle_core::TensorId, Tensor> {
+        self.slots.iter().map(|(id, s)| (*id, s.0.clone())).collect()
+    }
+}
+
+/// The update kernels' arguments for a [`ConvWeights`]: its address (0: none), the per-parameter table (offset or
+/// u64::MAX, then the (c | r s << 32) word) and the dtype flag.
+struct LowpTable {
+    addr: u64,
+    ltab: candle_core::cuda_backend::cudarc::driver::CudaSlice<u64>,
+    f16: i32,
+}
+
+impl LowpTable {
+    fn new(dev: &CudaDevice, params: &[SgdParam<'_>], lowp: Option<&ConvWeights>) -> Result<Self> {
+        let mut words = Vec::with_capacity(2 * params.len());
+        let (mut addr, mut f16) = (0u64, 0i32);
+        if let Some(cw) = lowp {
+            let total = cw.flat.elem_count();
+            addr = match cw.dtype {
+                DType::BF16 => super::addr_of::<half::bf16>(&cw.flat, total, "conv weights")?,
+                _ => super::addr_of::<half::f16>(&cw.flat, total, "conv weights")?,
+            };
+            f16 = i32::from(cw.dtype == DType::F16);
+            for (i, p) in params.iter().enumerate() {
+                match cw.slots.get(&p.tensor.id()) {
+                    Some(&(_, off, len, word)) => {
+                        if len != p.tensor.elem_count() || off + len > total {
+                            candle_core::bail!(
+                                "multi-tensor: parameter {i} has {} elements, its conv weight {len} at {off} of {total}",
+                                p.tensor.elem_count()
+                            );
+                        }
+                        words.extend([off as u64, word]);
+                    }
+                    None => words.extend([u64::MAX, 0]),
+                }
+            }
+        } else {
+            words.extend([u64::MAX, 0]);
+        }
+        // SAFETY: written in full by the copy below before the kernel reads it.
+        let mut ltab = unsafe { dev.alloc::<u64>(words.len())? };
+        super::graph::htod(dev, &words, &mut ltab)?;
+        Ok(Self { addr, ltab, f16 })
+    }
 }
 
 /// torch.amp.GradScaler's update, and the step count, on the device (`amp_update_f32`, one thread): `ctl` = FP32

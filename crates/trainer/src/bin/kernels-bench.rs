@@ -716,7 +716,7 @@ multi-tensor kernels over ResNet-152's parameters, {dt:?} conversions (GB/s of t
     rows.push(mem_row(
         "SGD, momentum + Nesterov + weight decay (p, g, m read; p, m written)",
         timer.time(|| {
-            sgd_step(&sgd, &flat, &m, decision, &lr, 0.9, true)?;
+            sgd_step(&sgd, &flat, &m, decision, &lr, 0.9, true, None)?;
             Ok(flat.clone())
         })?,
         5.0 * f4,
@@ -724,7 +724,7 @@ multi-tensor kernels over ResNet-152's parameters, {dt:?} conversions (GB/s of t
     rows.push(mem_row(
         "AdamW (p, g, m, v read; p, m, v written)",
         timer.time(|| {
-            adamw_step(&sgd, &flat, &m, &v, decision, &ctl, &lr, (0.9, 0.999, 1e-8))?;
+            adamw_step(&sgd, &flat, &m, &v, decision, &ctl, &lr, (0.9, 0.999, 1e-8), None)?;
             Ok(flat.clone())
         })?,
         7.0 * f4,
@@ -747,6 +747,17 @@ multi-tensor kernels over ResNet-152's parameters, {dt:?} conversions (GB/s of t
         &format!("conv weights FP32 -> {dt:?} (k, r, s, c), {} tensors", convs.len()),
         timer.time(|| Ok(kernels::ops::weights::conv_weights_krsc(&refs, dt)?.swap_remove(0)))?,
         f4c + lpc,
+    ));
+    // The update that also writes the step's conv weights (what the trainer runs): the bytes above plus the
+    // low-precision copy of every conv weight.
+    let kept = kernels::cuda::optim::ConvWeights::new(&refs, dt)?;
+    rows.push(mem_row(
+        &format!("SGD as above, writing the {dt:?} (k, r, s, c) conv weights too"),
+        timer.time(|| {
+            sgd_step(&sgd, &flat, &m, decision, &lr, 0.9, true, Some(&kept))?;
+            Ok(flat.clone())
+        })?,
+        5.0 * f4 + lpc,
     ));
     let lp = kernels::ops::weights::conv_weights_krsc(&refs, dt)?;
     rows.push(mem_row(
