@@ -124,6 +124,25 @@ __device__ __forceinline__ void lowp_store(void* lowp, int lowp_f16, const LowpD
     }
 }
 
+// One SGD element (the rule at the top): the new value of parameter pj from its raw gradient g0, with the momentum
+// buffer *buf read and written when momentum != 0.
+__device__ __forceinline__ float sgd_elem(float pj, float g0, float* buf, float coef, float wd, float lrm,
+                                          float momentum, int nesterov) {
+    float g = g0 * coef;
+    if (wd != 0.f) g += wd * pj;
+    float d = g;
+    if (momentum != 0.f) {
+        const float b = momentum * *buf + g;
+        *buf = b;
+        d = nesterov ? g + momentum * b : b;
+    }
+    return pj - lrm * d;
+}
+
+// Each thread moves 16-byte vectors of p, the gradient and the momentum buffer where all three are 16-byte aligned
+// at the chunk (the chunks start at multiples of 4 elements), so that four times the bytes are in flight a load;
+// the chunk's last (len % 4) elements, and tensors at an unaligned flat offset, go element by element. The same
+// arithmetic per element either way.
 extern "C" __global__ void __launch_bounds__(256) mt_sgd_f32(const unsigned long long* __restrict__ tab,
                                                               const int2* __restrict__ chunks,
                                                               const float* __restrict__ grad,
@@ -142,17 +161,35 @@ extern "C" __global__ void __launch_bounds__(256) mt_sgd_f32(const unsigned long
     const float wd = lo_f(tab[4 * ch.x + 3]), lrm = hi_f(tab[4 * ch.x + 3]) * lr;
     const LowpDst ld = lowp_dst(lowp, ltab, ch.x);
     const long long end = min(len, (long long)ch.y + CHUNK);
-    for (long long j = ch.y + threadIdx.x; j < end; j += blockDim.x) {
-        const float pj = p[j];
-        float g = grad[off + j] * coef;
-        if (wd != 0.f) g += wd * pj;
-        float d = g;
-        if (momentum != 0.f) {
-            const float buf = momentum * mom[off + j] + g;
-            mom[off + j] = buf;
-            d = nesterov ? g + momentum * buf : buf;
+    long long tail = ch.y;
+    const unsigned long long addrs = (unsigned long long)(p + ch.y) | (unsigned long long)(grad + off + ch.y) |
+                                     (unsigned long long)(mom + off + ch.y);
+    if ((addrs & 15) == 0) {
+        const long long n4 = (end - ch.y) >> 2;
+        for (long long q = threadIdx.x; q < n4; q += blockDim.x) {
+            const long long j = ch.y + 4 * q;
+            const float4 pv = *reinterpret_cast<const float4*>(p + j);
+            const float4 gv = *reinterpret_cast<const float4*>(grad + off + j);
+            float4 mv = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (momentum != 0.f) mv = *reinterpret_cast<const float4*>(mom + off + j);
+            float4 pn;
+            pn.x = sgd_elem(pv.x, gv.x, &mv.x, coef, wd, lrm, momentum, nesterov);
+            pn.y = sgd_elem(pv.y, gv.y, &mv.y, coef, wd, lrm, momentum, nesterov);
+            pn.z = sgd_elem(pv.z, gv.z, &mv.z, coef, wd, lrm, momentum, nesterov);
+            pn.w = sgd_elem(pv.w, gv.w, &mv.w, coef, wd, lrm, momentum, nesterov);
+            *reinterpret_cast<float4*>(p + j) = pn;
+            if (momentum != 0.f) *reinterpret_cast<float4*>(mom + off + j) = mv;
+            lowp_store(lowp, lowp_f16, ld, j, pn.x);
+            lowp_store(lowp, lowp_f16, ld, j + 1, pn.y);
+            lowp_store(lowp, lowp_f16, ld, j + 2, pn.z);
+            lowp_store(lowp, lowp_f16, ld, j + 3, pn.w);
         }
-        const float pn = pj - lrm * d;
+        tail = ch.y + 4 * n4;
+    }
+    for (long long j = tail + threadIdx.x; j < end; j += blockDim.x) {
+        float m = momentum != 0.f ? mom[off + j] : 0.f;
+        const float pn = sgd_elem(p[j], grad[off + j], &m, coef, wd, lrm, momentum, nesterov);
+        if (momentum != 0.f) mom[off + j] = m;
         p[j] = pn;
         lowp_store(lowp, lowp_f16, ld, j, pn);
     }
