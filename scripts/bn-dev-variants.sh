@@ -3,8 +3,9 @@
 # side: ROUNDS rounds, each running every build once in the order given, then a summary: each build's per-step
 # milliseconds (each round's log from its first "per ResNet-152 step" heading to the end) and whether its
 # output hashes equal the first build's (bit for bit; the hash words of gpu-env.sh's devbench_hashes). Runs
-# on the GPU machine. Two builds of the same harness with different -D switches are the usual use, e.g.
-#   nvcc -O3 -std=c++17 -arch=sm_90 -I kernels -DBN_L2_HINTS=1 -o bnbench-l2 kernels/dev/batchnorm/bnbench.cu
+# on the GPU machine. Builds of the same harness with different -D switches, or from different revisions of the
+# kernels (nvcc's -I another tree's kernels/), are the usual use, e.g.
+#   nvcc -O3 -std=c++17 -arch=sm_90 -I kernels -DSWITCH=1 -o bnbench-sw kernels/dev/batchnorm/bnbench.cu
 #   usage: bash scripts/bn-dev-variants.sh LABEL:BINARY [LABEL:BINARY ...]
 # Env: ROUNDS (2), ARGS (the harness's arguments, e.g. the batch: 256), OUT (/tmp): the logs
 # devbench-LABEL-R.txt and devbench-summary.txt.

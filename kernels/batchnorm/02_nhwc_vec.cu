@@ -46,61 +46,6 @@ __device__ __forceinline__ float bn_pre(float x, float mean, float scale, float 
     return fmaf(x - mean, scale, bias);
 }
 
-// L2 eviction priorities (BN_L2_HINTS, a compile-time switch, off): phase 1's reads of a tensor that phase 3 reads
-// again are loaded with an evict-last policy, phase 3's (last) reads with evict-first, so that the tensor stays in
-// L2 between the two. In bnbench on an H100 (2026-12-07) the l3 inner forward's phase 3 took as long in place
-// (17.3 us) as alone (17.1 us): nothing of phase 1's read of its 25.7 MB was reused. Built, not yet run: time it
-// with a -DBN_L2_HINTS=1 build of kernels/dev/batchnorm/bnbench.cu against a plain one (scripts/bn-dev-variants.sh);
-// the values are the same either way (cache policies only).
-#ifndef BN_L2_HINTS
-#define BN_L2_HINTS 0
-#endif
-
-template <typename T>
-__device__ __forceinline__ Vec8<T> load8_policy(const T* p, uint64_t pol) {
-    static_assert(sizeof(Vec8<T>) == 16 || sizeof(Vec8<T>) == 32, "16- or 32-byte groups");
-    Vec8<T> v;
-    uint32_t* d = reinterpret_cast<uint32_t*>(&v);
-#pragma unroll
-    for (int i = 0; i < (int)(sizeof(Vec8<T>) / 16); ++i) {
-        asm("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;\n"
-                     : "=r"(d[4 * i]), "=r"(d[4 * i + 1]), "=r"(d[4 * i + 2]), "=r"(d[4 * i + 3])
-                     : "l"(reinterpret_cast<const char*>(p) + 16 * i), "l"(pol));
-    }
-    return v;
-}
-
-__device__ __forceinline__ uint64_t policy_evict_last() {
-    uint64_t pol;
-    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(pol));
-    return pol;
-}
-
-__device__ __forceinline__ uint64_t policy_evict_first() {
-    uint64_t pol;
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
-    return pol;
-}
-
-// A phase-1 read (evict last with BN_L2_HINTS) and a phase-3 read (evict first).
-template <typename T>
-__device__ __forceinline__ Vec8<T> load8_keep(const T* p) {
-#if BN_L2_HINTS
-    return load8_policy<T>(p, policy_evict_last());
-#else
-    return *reinterpret_cast<const Vec8<T>*>(p);
-#endif
-}
-
-template <typename T>
-__device__ __forceinline__ Vec8<T> load8_last(const T* p) {
-#if BN_L2_HINTS
-    return load8_policy<T>(p, policy_evict_first());
-#else
-    return *reinterpret_cast<const Vec8<T>*>(p);
-#endif
-}
-
 // Row of the reductions' shared buffer: VB floats (one a thread) + 4, so that chunk_sums' reads (a warp's 32
 // consecutive channels: 8 offsets k times 4 channel groups) fall in 32 different banks.
 #define GS (VB + 4)
@@ -235,7 +180,7 @@ __device__ void bnv_moments(const T* __restrict__ x, float* __restrict__ part, i
     }
     float s1[8] = {0, 0, 0, 0, 0, 0, 0, 0}, s2[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for_chunk_rows_ld<4, Vec8<T>>(
-        rows, c, chunk, chunks, [&](int64_t r) { return load8_keep<T>(x + r * c + ch0); },
+        rows, c, chunk, chunks, [&](int64_t r) { return *reinterpret_cast<const Vec8<T>*>(x + r * c + ch0); },
         [&](const Vec8<T>& v) {
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
@@ -329,7 +274,7 @@ __device__ void bnv_apply_res(const T* __restrict__ x, const T* __restrict__ r, 
     for (; g + (U - 1) * stride < groups; g += U * stride) {
         Vec8<T> v[U], rv[U];
 #pragma unroll
-        for (int u = 0; u < U; ++u) v[u] = load8_last<T>(x + (g + u * stride) * 8);
+        for (int u = 0; u < U; ++u) v[u] = *reinterpret_cast<const Vec8<T>*>(x + (g + u * stride) * 8);
         if (RES != RES_NONE) {
 #pragma unroll
             for (int u = 0; u < U; ++u) rv[u] = *reinterpret_cast<const Vec8<T>*>(r + (g + u * stride) * 8);
@@ -343,7 +288,7 @@ __device__ void bnv_apply_res(const T* __restrict__ x, const T* __restrict__ r, 
     }
     for (; g < groups; g += stride) {
         const int64_t i = g * 8;
-        const Vec8<T> v = load8_last<T>(x + i);
+        const Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(x + i);
         Vec8<T> rv;
         if (RES != RES_NONE) rv = *reinterpret_cast<const Vec8<T>*>(r + i);
         const Vec8<T> o = apply8<T, RES>(v, rv, k, kr, relu);
@@ -411,8 +356,8 @@ __device__ void bnv_bwd_partial(const T* __restrict__ x, const T* __restrict__ d
     const Consts k = load_consts(stats, weight, bias, c, ch0);
     float ag[8] = {0, 0, 0, 0, 0, 0, 0, 0}, agx[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for_chunk_rows<4>(rows, c, chunk, chunks, [&](int64_t r) {
-        const Vec8<T> xv = load8_keep<T>(x + r * c + ch0);
-        const Vec8<T> gv = load8_keep<T>(dy + r * c + ch0);
+        const Vec8<T> xv = *reinterpret_cast<const Vec8<T>*>(x + r * c + ch0);
+        const Vec8<T> gv = *reinterpret_cast<const Vec8<T>*>(dy + r * c + ch0);
         add_grad_row(xv, gv, k, relu, ag, agx);
     });
     write_grad_partials(ag, agx, sh, G, part, c, chunk, chunks);
@@ -533,8 +478,8 @@ __device__ void bnv_bwd_dx(const T* __restrict__ x, const T* dy, const float* st
         Vec8<T> xv[2], gv[2];
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
-            xv[u] = load8_last<T>(x + (g + u * stride) * 8);
-            gv[u] = load8_last<T>(dy + (g + u * stride) * 8);
+            xv[u] = *reinterpret_cast<const Vec8<T>*>(x + (g + u * stride) * 8);
+            gv[u] = *reinterpret_cast<const Vec8<T>*>(dy + (g + u * stride) * 8);
         }
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
@@ -543,8 +488,8 @@ __device__ void bnv_bwd_dx(const T* __restrict__ x, const T* dy, const float* st
     }
     for (; g < groups; g += stride) {
         const int64_t i = g * 8;
-        const Vec8<T> xv = load8_last<T>(x + i);
-        const Vec8<T> gv = load8_last<T>(dy + i);
+        const Vec8<T> xv = *reinterpret_cast<const Vec8<T>*>(x + i);
+        const Vec8<T> gv = *reinterpret_cast<const Vec8<T>*>(dy + i);
         *reinterpret_cast<Vec8<T>*>(dx + i) = dx8<T>(xv, gv, k, a, k1, k2, relu);
     }
 }
