@@ -804,7 +804,8 @@ __device__ void bnv_apply_stashed(const T* __restrict__ x, const T* __restrict__
 // gives) rows of VB x 8 elements. Phase 1 keeps there the first stash_rows rows each thread reads, and phase 3 reads
 // them from there instead of from global memory: at 3 blocks a SM about 56 KB a block, 22 MB a launch that phase 3
 // does not read again (a tensor of up to that size, such as ResNet's layer3 inner activations at batch 256,
-// 25.7 MB, almost whole). stash_rows 0 (or have_moments: no phase 1) keeps the grid-stride phase 3.
+// 25.7 MB, almost whole). stash_rows 0 (or have_moments: no phase 1) keeps the grid-stride phase 3. The launcher
+// (cuda/bn.rs, stash_plan) passes rows only under KERNELS_BN_STASH=1 until the stash has run on a GPU.
 extern __shared__ __align__(16) unsigned char bn_stash_smem[];
 
 template <typename T>

@@ -702,10 +702,11 @@ const STASH_MAX_ROWS: usize = 16;
 /// rows a thread keeps (0: none) and the dynamic shared memory that takes, the most rows (up to
 /// [`STASH_MAX_ROWS`]) with which as many blocks stay resident a SM as the launch needs (its chunks over the SMs,
 /// at most the occupancy without a stash), so the grid keeps one chunk a block. Phase 3 then reads those rows of x
-/// from shared memory instead of global memory. `KERNELS_BN_STASH=0` in the environment turns it off.
+/// from shared memory instead of global memory. Off unless `KERNELS_BN_STASH=1` is in the environment: built and
+/// checked on the CPU side (2026-12-07), not yet run on a GPU (docs/BENCHMARKS.md, twenty-ninth session).
 fn stash_plan<T: DeviceRepr>(dev: &CudaDevice, f: &CudaFunction, name: &str, chunks: usize) -> Result<(i32, u32)> {
-    static OFF: OnceLock<bool> = OnceLock::new();
-    if *OFF.get_or_init(|| std::env::var_os("KERNELS_BN_STASH").is_some_and(|v| v == "0")) {
+    static ON: OnceLock<bool> = OnceLock::new();
+    if !*ON.get_or_init(|| std::env::var_os("KERNELS_BN_STASH").is_some_and(|v| v == "1")) {
         return Ok((0, 0));
     }
     type Cache = HashMap<(usize, String, usize), (i32, u32)>;
