@@ -167,12 +167,9 @@ struct ChunkRows {
 // chunk's sum of squared deviations from its own mean); block 0 also writes K to part[2 * chunks * c + ch]. The
 // finaliser bn_nhwc_moments_final combines the chunks exactly (Chan et al.'s pairwise formula).
 // Chunk `chunk` of `chunks` (a block's: blockIdx.x of gridDim.x, or one of several in bn_nhwc_train_v8's loop).
-// With stash (bn_nhwc_train_v8's phase 1, see there): this thread's rows, as read, also go to stash[slot * VB + t]
-// while *slot < stash_rows (*slot counts the rows read, over every chunk of the block).
 template <typename T>
 __device__ void bnv_moments(const T* __restrict__ x, float* __restrict__ part, int64_t rows, int c, int64_t rpc,
-                            int chunk, int chunks, Vec8<T>* stash = nullptr, int stash_rows = 0,
-                            int* slot = nullptr) {
+                            int chunk, int chunks) {
     __shared__ float sh[GS_FLOATS];
     const int G = c >> 3, t = threadIdx.x, cg = t % G, ch0 = cg * 8;
     float k[8];
@@ -185,11 +182,6 @@ __device__ void bnv_moments(const T* __restrict__ x, float* __restrict__ part, i
     for_chunk_rows_ld<4, Vec8<T>>(
         rows, c, chunk, chunks, [&](int64_t r) { return *reinterpret_cast<const Vec8<T>*>(x + r * c + ch0); },
         [&](const Vec8<T>& v) {
-            // Here, after the batch's loads were issued: a shared store waits for its load.
-            if (stash != nullptr) {
-                if (*slot < stash_rows) stash[*slot * VB + t] = v;
-                ++*slot;
-            }
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
                 const float d = to_f32(v.v[j]) - k[j];
@@ -745,12 +737,11 @@ template <typename T>
 __device__ void bnv_train_stats(const T* __restrict__ x, float* __restrict__ part, float* __restrict__ stats,
                                 int64_t rows, int c, int64_t rpc, int chunks, float eps, float* running_mean,
                                 float* running_var, long long* num_batches_tracked, float momentum, int have_moments,
-                                int rev, Vec8<T>* stash = nullptr, int stash_rows = 0) {
+                                int rev) {
     cg::grid_group grid = cg::this_grid();
     if (!have_moments) {
-        int slot = 0;
         for (int k = blockIdx.x; k < chunks; k += gridDim.x) {
-            bnv_moments<T>(x, part, rows, c, rpc, rev ? chunks - 1 - k : k, chunks, stash, stash_rows, &slot);
+            bnv_moments<T>(x, part, rows, c, rpc, rev ? chunks - 1 - k : k, chunks);
         }
         grid.sync();
     }
@@ -764,76 +755,16 @@ __device__ void bnv_train_stats(const T* __restrict__ x, float* __restrict__ par
     grid.sync();
 }
 
-// Phase 3 of bn_nhwc_train_v8 over the rows phase 1 read, in phase 1's order (each block its chunks, each thread
-// its rows and channel group): x of the first stash_rows rows from the block's shared-memory stash, the rest (and
-// the shortcut r) from global memory; each element as bnv_apply_res computes it (apply8, relu_bits8), so the same
-// y and mask bit for bit, in another order.
-template <typename T, int RES, bool MASK>
-__device__ void bnv_apply_stashed(const T* __restrict__ x, const T* __restrict__ r, const float* stats,
-                                  const float* __restrict__ weight, const float* __restrict__ bias,
-                                  T* __restrict__ y, int64_t rows, int c, int relu, uint8_t* __restrict__ mask,
-                                  int chunks, int rev, const Vec8<T>* stash, int stash_rows) {
-    struct Row {
-        int64_t i;
-        Vec8<T> v, rv;
-    };
-    const int t = threadIdx.x, ch0 = (t % (c >> 3)) * 8;
-    const Consts k = load_consts(stats, weight, bias, c, ch0);
-    Consts kr;
-    int slot = 0;
-    for (int kk = blockIdx.x; kk < chunks; kk += gridDim.x) {
-        for_chunk_rows_ld<2, Row>(
-            rows, c, rev ? chunks - 1 - kk : kk, chunks,
-            [&](int64_t row) {
-                Row q;
-                q.i = row * c + ch0;
-                q.v = slot < stash_rows ? stash[slot * VB + t] : *reinterpret_cast<const Vec8<T>*>(x + q.i);
-                ++slot;
-                if (RES != RES_NONE) q.rv = *reinterpret_cast<const Vec8<T>*>(r + q.i);
-                return q;
-            },
-            [&](const Row& q) {
-                const Vec8<T> o = apply8<T, RES>(q.v, q.rv, k, kr, relu);
-                *reinterpret_cast<Vec8<T>*>(y + q.i) = o;
-                if (MASK) mask[q.i >> 3] = relu_bits8(o);
-            });
-    }
-}
-
-// bn_nhwc_train_v8's shared-memory stash: stash_rows (the launcher's choice, from the dynamic shared memory it
-// gives) rows of VB x 8 elements. Phase 1 keeps there the first stash_rows rows each thread reads, and phase 3 reads
-// them from there instead of from global memory: at 3 blocks a SM about 56 KB a block, 22 MB a launch that phase 3
-// does not read again (a tensor of up to that size, such as ResNet's layer3 inner activations at batch 256,
-// 25.7 MB, almost whole). stash_rows 0 (or have_moments: no phase 1) keeps the grid-stride phase 3. The launcher
-// (cuda/bn.rs, stash_plan) passes rows only under KERNELS_BN_STASH=1 until the stash has run on a GPU.
-extern __shared__ __align__(16) unsigned char bn_stash_smem[];
-
 template <typename T>
 __device__ void bnv_train(const T* __restrict__ x, const T* __restrict__ res, float* __restrict__ part,
                           float* __restrict__ stats, const float* __restrict__ weight, const float* __restrict__ bias,
                           T* __restrict__ y, uint8_t* __restrict__ mask, int64_t rows, int c, int64_t rpc,
                           int chunks, float eps, float* running_mean, float* running_var,
-                          long long* num_batches_tracked, float momentum, int relu, int have_moments, int rev,
-                          int stash_rows = 0) {
-    if (have_moments || y == nullptr) stash_rows = 0;
-    Vec8<T>* stash = stash_rows > 0 ? reinterpret_cast<Vec8<T>*>(bn_stash_smem) : nullptr;
+                          long long* num_batches_tracked, float momentum, int relu, int have_moments, int rev) {
     bnv_train_stats<T>(x, part, stats, rows, c, rpc, chunks, eps, running_mean, running_var, num_batches_tracked,
-                       momentum, have_moments, rev, stash, stash_rows);
+                       momentum, have_moments, rev);
     // y null: the statistics only (the normalisation runs inside the next convolution, ig::bnin_a / bnin_b).
     if (y == nullptr) return;
-    if (stash != nullptr) {
-        if (res == nullptr) {
-            bnv_apply_stashed<T, RES_NONE, false>(x, nullptr, stats, weight, bias, y, rows, c, relu, nullptr, chunks,
-                                                  rev, stash, stash_rows);
-        } else if (mask != nullptr) {
-            bnv_apply_stashed<T, RES_RAW, true>(x, res, stats, weight, bias, y, rows, c, 1, mask, chunks, rev, stash,
-                                                stash_rows);
-        } else {
-            bnv_apply_stashed<T, RES_RAW, false>(x, res, stats, weight, bias, y, rows, c, 1, nullptr, chunks, rev,
-                                                 stash, stash_rows);
-        }
-        return;
-    }
     if (res != nullptr) {
         bnv_apply_masked<T, RES_RAW>(x, res, stats, weight, bias, nullptr, nullptr, nullptr, y, rows, c, mask);
     } else {
@@ -1082,14 +1013,14 @@ __device__ void bnv_train_bwd_pool(const T* __restrict__ x, PoolDy<T> src, const
 }
 
 #define BNV_TRAIN_EXPORT(T, NAME)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(VB, 3)                                                             \
+    extern "C" __global__ void __launch_bounds__(VB, 4)                                                             \
         bn_nhwc_train_v8_##NAME(const T* x, const T* res, float* part, float* stats, const float* weight,           \
                                 const float* bias, T* y, uint8_t* mask, long long rows, int c, long long rpc,       \
                                 int chunks, float eps, float* running_mean, float* running_var,                     \
                                 long long* num_batches_tracked, float momentum, int relu, int have_moments,        \
-                                int rev, int stash_rows) {                                                          \
+                                int rev) {                                                                          \
         bnv_train<T>(x, res, part, stats, weight, bias, y, mask, rows, c, rpc, chunks, eps, running_mean,            \
-                     running_var, num_batches_tracked, momentum, relu, have_moments, rev, stash_rows);              \
+                     running_var, num_batches_tracked, momentum, relu, have_moments, rev);                          \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(VB, 3)                                                             \
         bn_nhwc_train_bwd_v8_##NAME(const T* x, const T* dy, const float* stats, const float* weight,               \

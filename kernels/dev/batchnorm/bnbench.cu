@@ -88,8 +88,8 @@ struct Shape {
 
 static int g_sms = 0;
 
-static void coop(const void* f, int grid, void** args, size_t smem = 0) {
-    CK(cudaLaunchCooperativeKernel(f, dim3(grid), dim3(VB), args, smem, g_stream));
+static void coop(const void* f, int grid, void** args) {
+    CK(cudaLaunchCooperativeKernel(f, dim3(grid), dim3(VB), args, 0, g_stream));
 }
 
 // The launchers' row split (cuda/bn.rs, Split::v8): 132 x per_sm chunks, at least 16 rows a thread; the chunk
@@ -100,27 +100,10 @@ static int split(long long rows, int rstep, int per_sm, long long& rpc) {
     return (int)((rows + rpc - 1) / rpc);
 }
 
-static int resident(const void* f, size_t smem = 0) {
+static int resident(const void* f) {
     int per = 0;
-    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, f, VB, smem));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, f, VB, 0));
     return per * g_sms;
-}
-
-// bn_nhwc_train_v8's stash rows (cuda/bn.rs's choice): BNB_STASH rows if set, else the most (up to 16) whose
-// shared memory (rows x VB x 8 elements) still lets per_sm blocks reside on a SM; the dynamic shared memory set.
-static int stash_rows(const void* f, int per_sm, size_t& smem) {
-    const char* env = std::getenv("BNB_STASH");
-    int rows = 16;
-    if (env != nullptr) rows = std::atoi(env);
-    for (; rows > 0; --rows) {
-        smem = (size_t)rows * VB * 8 * sizeof(T);
-        if (cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) continue;
-        int per = 0;
-        CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, f, VB, smem));
-        if (per >= per_sm || env != nullptr) return rows;
-    }
-    smem = 0;
-    return 0;
 }
 
 int main(int argc, char** argv) {
@@ -186,9 +169,6 @@ int main(int argc, char** argv) {
     const void* f_bwd = (const void*)BNB_K(bn_nhwc_train_bwd_v8);
     const void* f_join = (const void*)BNB_K(bn_nhwc_train_join_bwd_2_v8);
     const void* f_empty = (const void*)bnbench_empty_coop;
-    size_t smem = 0;
-    int stash = stash_rows(f_train, per_sm, smem);
-    std::printf("bn_nhwc_train_v8: stash %d rows a thread (%zu bytes of shared memory a block)\n", stash, smem);
 
     // Per step totals (us), per column.
     const char* cols[] = {"full", "y null", "final", "final+apply", "empty0", "empty1", "empty2", "bwd/join"};
@@ -201,7 +181,7 @@ int main(int argc, char** argv) {
         const int G = c / 8, rstep = VB / G;
         long long rpc;
         int ichunks = split(rows, rstep, per_sm, rpc);
-        const int grid = std::min<int>(resident(f_train, smem), ichunks);
+        const int grid = std::min<int>(resident(f_train), ichunks);
         const int gridb = std::min<int>(resident(s.res ? f_join : f_bwd), ichunks);
         const double mb = rows * c * sizeof(T) / 1e6;
         float eps = 1e-5f, mom = 0.1f, count = (float)rows;
@@ -211,8 +191,8 @@ int main(int argc, char** argv) {
         T* yp = y;
         T* ynull = nullptr;
         void* args_full[] = {&x, &resp, &part, &stats, &w, &bias, &yp, &maskp, (void*)&rows, &c, &rpc, &ichunks, &eps,
-                             &rm, &rv, &nbt, &mom, &relu, &have, &rev, &stash};
-        auto full = [&] { coop(f_train, grid, args_full, smem); };
+                             &rm, &rv, &nbt, &mom, &relu, &have, &rev};
+        auto full = [&] { coop(f_train, grid, args_full); };
         // Hashes of one launch from fresh running statistics.
         full();
         CK(cudaStreamSynchronize(g_stream));
@@ -220,15 +200,15 @@ int main(int argc, char** argv) {
         unsigned long long h_mask = s.res ? fnv(mask, rows * c / 8) : 0;
         const double t_full = time_us(full);
         void* args_stats[] = {&x, &resp, &part, &stats, &w, &bias, &ynull, &maskp, (void*)&rows, &c, &rpc, &ichunks,
-                              &eps, &rm, &rv, &nbt, &mom, &relu, &have, &rev, &stash};
-        const double t_stats = time_us([&] { coop(f_train, grid, args_stats, smem); });
+                              &eps, &rm, &rv, &nbt, &mom, &relu, &have, &rev};
+        const double t_stats = time_us([&] { coop(f_train, grid, args_stats); });
         int have1 = 1;
         void* args_fin[] = {&x, &resp, &part, &stats, &w, &bias, &ynull, &maskp, (void*)&rows, &c, &rpc, &ichunks,
-                            &eps, &rm, &rv, &nbt, &mom, &relu, &have1, &rev, &stash};
-        const double t_fin = time_us([&] { coop(f_train, grid, args_fin, smem); });
+                            &eps, &rm, &rv, &nbt, &mom, &relu, &have1, &rev};
+        const double t_fin = time_us([&] { coop(f_train, grid, args_fin); });
         void* args_finapply[] = {&x, &resp, &part, &stats, &w, &bias, &yp, &maskp, (void*)&rows, &c, &rpc, &ichunks,
-                                 &eps, &rm, &rv, &nbt, &mom, &relu, &have1, &rev, &stash};
-        const double t_finapply = time_us([&] { coop(f_train, grid, args_finapply, smem); });
+                                 &eps, &rm, &rv, &nbt, &mom, &relu, &have1, &rev};
+        const double t_finapply = time_us([&] { coop(f_train, grid, args_finapply); });
         double t_empty[3];
         for (int k = 0; k < 3; ++k) {
             int syncs = k;

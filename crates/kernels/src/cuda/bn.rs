@@ -687,66 +687,8 @@ fn reverse_chunks() -> i32 {
 }
 
 fn coop_cfg(blocks: u32) -> LaunchConfig {
-    coop_cfg_smem(blocks, 0)
-}
-
-fn coop_cfg_smem(blocks: u32, smem: u32) -> LaunchConfig {
     COOP_LAUNCHES.with(|n| n.set(n.get() + 1));
-    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (V8_THREADS as u32, 1, 1), shared_mem_bytes: smem }
-}
-
-/// The most rows a thread `bn_nhwc_train_v8` keeps in its shared-memory stash (16 KiB a row of a block in bf16).
-const STASH_MAX_ROWS: usize = 16;
-
-/// `bn_nhwc_train_v8`'s stash for a launch of `chunks` chunks (kernels/batchnorm/02_nhwc_vec.cu, `bnv_train`): the
-/// rows a thread keeps (0: none) and the dynamic shared memory that takes, the most rows (up to
-/// [`STASH_MAX_ROWS`]) with which as many blocks stay resident a SM as the launch needs (its chunks over the SMs,
-/// at most the occupancy without a stash), so the grid keeps one chunk a block. Phase 3 then reads those rows of x
-/// from shared memory instead of global memory. Off unless `KERNELS_BN_STASH=1` is in the environment: built and
-/// checked on the CPU side (2026-12-07), not yet run on a GPU (docs/BENCHMARKS.md, twenty-ninth session).
-fn stash_plan<T: DeviceRepr>(dev: &CudaDevice, f: &CudaFunction, name: &str, chunks: usize) -> Result<(i32, u32)> {
-    static ON: OnceLock<bool> = OnceLock::new();
-    if !*ON.get_or_init(|| std::env::var_os("KERNELS_BN_STASH").is_some_and(|v| v == "1")) {
-        return Ok((0, 0));
-    }
-    type Cache = HashMap<(usize, String, usize), (i32, u32)>;
-    static PLANS: OnceLock<Mutex<Cache>> = OnceLock::new();
-    let sms = super::loader::sm_count(dev)?;
-    let row = V8_THREADS * 8 * std::mem::size_of::<T>();
-    let key = (super::loader::dev_key(dev), name.to_string(), chunks.div_ceil(sms));
-    let map = PLANS.get_or_init(Default::default);
-    if let Some(p) = map.lock().unwrap_or_else(|e| e.into_inner()).get(&key).copied() {
-        return Ok(p);
-    }
-    use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
-    let free = f.occupancy_max_active_blocks_per_multiprocessor(V8_THREADS as u32, 0, None).w()? as usize;
-    let need = key.2.clamp(1, free.max(1));
-    let max_smem = STASH_MAX_ROWS * row;
-    f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, max_smem as i32).w()?;
-    let mut plan = (0, 0);
-    for rows in (1..=STASH_MAX_ROWS).rev() {
-        let smem = (rows * row) as u32;
-        let per = f.occupancy_max_active_blocks_per_multiprocessor(V8_THREADS as u32, smem as usize, None).w()?;
-        if per as usize >= need {
-            plan = (rows as i32, smem);
-            break;
-        }
-    }
-    map.lock().unwrap_or_else(|e| e.into_inner()).insert(key, plan);
-    Ok(plan)
-}
-
-/// [`coop_blocks`] with `smem` bytes of dynamic shared memory a block.
-fn coop_blocks_smem(dev: &CudaDevice, f: &CudaFunction, name: &str, chunks: usize, smem: u32) -> Result<u32> {
-    if smem == 0 {
-        return coop_blocks(dev, f, name, chunks);
-    }
-    let per_sm = f.occupancy_max_active_blocks_per_multiprocessor(V8_THREADS as u32, smem as usize, None).w()?;
-    let resident = per_sm as usize * super::loader::sm_count(dev)?;
-    if resident == 0 {
-        candle_core::bail!("{name}: no block of {V8_THREADS} threads and {smem} bytes of shared memory fits on an SM");
-    }
-    Ok(resident.min(chunks).max(1) as u32)
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (V8_THREADS as u32, 1, 1), shared_mem_bytes: 0 }
 }
 
 /// The split of a cooperative forward whose moments come from a convolution's epilogue
@@ -832,9 +774,7 @@ fn train_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     let mask = mask_out(dev, len, apply && mask && rv.is_some())?;
     let name = format!("bn_nhwc_train_v8_{}", suffix(T::DTYPE, OP)?);
     let f = dev.get_or_load_custom_func(&name, MODULE_V8, ptx::BATCHNORM_02_NHWC_VEC)?;
-    // The stash serves phase 3 after the kernel's own phase 1: not with the epilogue's moments nor without y.
-    let (stash, smem) = if apply && have_moments == 0 { stash_plan::<T>(dev, &f, &name, sp.chunks)? } else { (0, 0) };
-    let blocks = coop_blocks_smem(dev, &f, &name, sp.chunks, smem)?;
+    let blocks = coop_blocks(dev, &f, &name, sp.chunks)?;
     let (chunks, eps, relu) = (sp.chunks as i32, eps as f32, relu as i32);
     let (rm, rv_addr, nb, momentum) = RunningAddrs::kernel_args(running);
     let null = 0u64;
@@ -856,17 +796,16 @@ fn train_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     };
     bld.arg(&sp.rows).arg(&sp.c).arg(&sp.rows_per_chunk).arg(&chunks).arg(&eps);
     let rev = reverse_chunks();
-    bld.arg(&rm).arg(&rv_addr).arg(&nb).arg(&momentum).arg(&relu).arg(&have_moments).arg(&rev).arg(&stash);
+    bld.arg(&rm).arg(&rv_addr).arg(&nb).arg(&momentum).arg(&relu).arg(&have_moments).arg(&rev);
     // SAFETY: matches bn_nhwc_train_v8_* (x, res, part, stats, weight, bias, y, mask, rows, c, rpc, chunks, eps,
-    // running_mean, running_var, num_batches_tracked, momentum, relu, have_moments, rev, stash_rows), with
-    // stash_rows x 256 x 8 elements of dynamic shared memory ([`stash_plan`]); x, res (or null) and y
+    // running_mean, running_var, num_batches_tracked, momentum, relu, have_moments, rev); x, res (or null) and y
     // hold rows*c elements (c % 8 == 0, 256 % (c / 8) == 0, 16-byte aligned: v8_applies; y fresh, or null: no
     // phase 3), the mask (or
     // null; only with res) rows*c/8 bytes, fresh, part (2 chunks
     // + 1) c (checked when given: the epilogue's chunks of 128 rows, read only under have_moments), stats 3 c, weight
     // and bias c; the running addresses are null or c / c / 1 elements ([`RunningAddrs`]); every chunk has a row.
     // A cooperative launch of at most the resident blocks ([`coop_blocks`]): the grid barriers need it.
-    unsafe { bld.launch_cooperative(coop_cfg_smem(blocks, smem)) }.w()?;
+    unsafe { bld.launch_cooperative(coop_cfg(blocks)) }.w()?;
     let mask = mask.map(|m| CudaStorage::wrap_cuda_slice(m, dev.clone()));
     let y = y.map(|y| CudaStorage::wrap_cuda_slice(y, dev.clone()));
     Ok((CudaStorage::wrap_cuda_slice(stats, dev.clone()), y, mask))
