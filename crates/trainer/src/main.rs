@@ -475,6 +475,19 @@ fn info(c: ConfigArgs) -> Result<()> {
         Some(note) => println!("step: {engine} ({note})"),
         None => println!("step: {engine}"),
     }
+    if engine == config::StepEngine::Fused && cuda && cfg.amp.dtype != resnet::Precision::F32 {
+        if cfg.kernels.weights_in_optimizer() {
+            println!(
+                "conv weights: kept in {} (k, r, s, c) and written by the optimizer's update \
+                 (kernels.weights_in_optimizer)",
+                cfg.amp.dtype
+            );
+        } else {
+            println!(
+                "conv weights: cast and permuted at the start of each step (kernels.weights_in_optimizer = false)"
+            );
+        }
+    }
     if cfg.kernels.recompute != config::RecomputeChoice::None {
         println!("recompute: {} (kernels.recompute; the fused step only)", cfg.kernels.recompute.name());
     }

@@ -343,6 +343,22 @@ fn info_prints_stages_and_parameter_count() {
     assert!(
         String::from_utf8_lossy(&out.stdout).contains("recompute: relu+conv (kernels.recompute; the fused step only)")
     );
+    // The fused step on CUDA in bf16 reads the conv weights the optimizer keeps (said only there; the environment's
+    // A/B switch, where set, decides over the config).
+    assert!(!text.contains("conv weights:"), "{text}");
+    if trainer::config::weights_in_optimizer_env().is_none() {
+        let on_cuda = ["--set", "device=\"cuda:0\"", "--set", "amp.dtype=\"bf16\"", "--set", "kernels.conv=\"custom\""];
+        let out = trainer(&[&["info", "--config", &cfg][..], &on_cuda[..]].concat());
+        let kept = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            kept.contains("conv weights: kept in bf16 (k, r, s, c) and written by the optimizer's update"),
+            "{kept}"
+        );
+        let off = ["--set", "kernels.weights_in_optimizer=false"];
+        let out = trainer(&[&["info", "--config", &cfg][..], &on_cuda[..], &off[..]].concat());
+        let cast = String::from_utf8_lossy(&out.stdout);
+        assert!(cast.contains("conv weights: cast and permuted at the start of each step"), "{cast}");
+    }
     // CUDA graphs: "auto" by default, off on the CPU with the reason.
     assert!(text.contains("graph: off (kernels.graph = \"auto\"; CUDA graphs need a CUDA device)"), "{text}");
     let out = trainer(&["info", "--config", &cfg, "--set", "kernels.graph=\"off\""]);
