@@ -359,9 +359,10 @@ struct Engine<'a> {
     buckets: Buckets<'a>,
     /// [`StepArgs::recompute`].
     recompute: Recompute,
-    /// Every conv's weight in the activation dtype and (k, r, r, c) layout, made once per step
-    /// ([`kernels::ops::weights::conv_weights_krsc`]: one launch on CUDA), keyed by the master's tensor id.
-    weights: HashMap<TensorId, Tensor>,
+    /// Every conv's weight in the activation dtype and (k, r, r, c) layout, keyed by the master's tensor id: the
+    /// caller's ([`StepArgs::weights`]) or made once per step ([`kernels::ops::weights::conv_weights_krsc`]: one
+    /// launch on CUDA).
+    weights: std::borrow::Cow<'a, HashMap<TensorId, Tensor>>,
 }
 
 /// A BatchNorm's parameters (detached) and running statistics, as the one-launch ops take them.
@@ -394,7 +395,7 @@ impl<'a> Engine<'a> {
 
     /// Fills [`Self::weights`] for every conv of the model: from `given` ([`StepArgs::weights`], checked to hold
     /// every conv's weight in its shape and the activation dtype), else made from the masters.
-    fn convert_weights(&mut self, given: Option<&HashMap<TensorId, Tensor>>) -> Result<()> {
+    fn convert_weights(&mut self, given: Option<&'a HashMap<TensorId, Tensor>>) -> Result<()> {
         let convs = self.model.convs();
         if let Some(given) = given {
             for c in &convs {
@@ -414,13 +415,14 @@ impl<'a> Engine<'a> {
                     }
                 }
             }
-            self.weights = given.clone();
+            self.weights = std::borrow::Cow::Borrowed(given);
             return Ok(());
         }
         let masters: Vec<Tensor> = convs.iter().map(|c| c.weight.var().as_tensor().detach()).collect();
         let refs: Vec<&Tensor> = masters.iter().collect();
         let converted = kernels::ops::weights::conv_weights_krsc(&refs, self.act)?;
-        self.weights = convs.iter().map(|c| c.weight.var().as_tensor().id()).zip(converted).collect();
+        self.weights =
+            std::borrow::Cow::Owned(convs.iter().map(|c| c.weight.var().as_tensor().id()).zip(converted).collect());
         Ok(())
     }
 
@@ -1148,7 +1150,7 @@ impl ResNet {
             act: precision.act_dtype(),
             policy: &policy,
             buckets,
-            weights: HashMap::new(),
+            weights: std::borrow::Cow::Owned(HashMap::new()),
             recompute,
         };
         e.convert_weights(weights)?;

@@ -440,7 +440,11 @@ impl StepRunner {
         // The loss scale as the device knows it (None without loss scaling: the gradients are not scaled).
         let loss_scale = if self.scaler.enabled { Some(ctl.narrow(0, 0, 1)?) } else { None };
         let accum = micro.len() as f64;
-        let kept = self.kept_conv_weights()?;
+        self.keep_conv_weights()?;
+        #[cfg(feature = "cuda")]
+        let kept = self.opt.conv_weights().map(|w| w.views());
+        #[cfg(not(feature = "cuda"))]
+        let kept = None;
         let vars: Vec<_> = self.opt.vars().map(|(_, v)| v.clone()).collect();
         let mut acc: Vec<Option<Tensor>> = vec![None; vars.len()];
         let mut loss_sum: Option<Tensor> = None;
@@ -505,7 +509,7 @@ impl StepRunner {
                         sync: sync.as_ref().map(|s| s as &dyn resnet::step::BnSync),
                         loss_scale: loss_scale.clone(),
                         recompute: self.recompute,
-                        weights: kept.as_ref(),
+                        weights: kept,
                         ..resnet::step::StepArgs::new(self.label_smoothing, 1.0 / accum, self.precision)
                     };
                     if let (true, true, Some(r), Some(plan)) = (overlap, last, reducer.as_mut(), &self.buckets) {
@@ -604,11 +608,12 @@ impl StepRunner {
         Ok(report)
     }
 
-    /// The conv weights the fused step reads from the optimizer (`kernels.weights_in_optimizer`), made here when
-    /// not kept yet: None on the autograd path, off CUDA, in fp32, with the option off, and inside a graph capture
-    /// when none are kept yet (a buffer made there would be the graph's; that step converts its weights itself,
-    /// and the next eager step makes them).
-    fn kept_conv_weights(&mut self) -> Result<Option<std::collections::HashMap<candle_core::TensorId, Tensor>>> {
+    /// Makes the conv weights the fused step reads from the optimizer (`kernels.weights_in_optimizer`) when they
+    /// are wanted and not kept yet (without them the step converts its weights itself). Not wanted: on the
+    /// autograd path, off CUDA, in fp32, with the option off. Not made inside a graph capture (a
+    /// buffer made there would be the graph's): that step converts its weights itself, and the next eager step
+    /// makes them.
+    fn keep_conv_weights(&mut self) -> Result<()> {
         #[cfg(feature = "cuda")]
         {
             let act = self.precision.act_dtype();
@@ -616,15 +621,13 @@ impl StepRunner {
                 && self.engine == StepEngine::Fused
                 && self.model.device().is_cuda()
                 && matches!(act, DType::BF16 | DType::F16);
-            if !wanted || (self.opt.conv_weights().is_none() && kernels::cuda::graph::capturing()) {
-                return Ok(None);
+            if wanted && (self.opt.conv_weights().is_some() || !kernels::cuda::graph::capturing()) {
+                let masters = self.model.conv_weight_masters();
+                let refs: Vec<&Tensor> = masters.iter().collect();
+                self.opt.keep_conv_weights(&refs, act)?;
             }
-            let masters = self.model.conv_weight_masters();
-            let refs: Vec<&Tensor> = masters.iter().collect();
-            return Ok(Some(self.opt.keep_conv_weights(&refs, act)?.views()));
         }
-        #[allow(unreachable_code)]
-        Ok(None)
+        Ok(())
     }
 
     /// Hands a queued step's report to the host: on CUDA it goes to pinned host memory right away, so that

@@ -10,7 +10,8 @@
 use super::ptx;
 use candle_core::cuda_backend::cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
-use candle_core::{DType, Result, Tensor};
+use candle_core::{DType, Result, Tensor, TensorId};
+use std::collections::HashMap;
 
 const MODULE: &str = "optim/01_multi_tensor";
 /// Elements per block (CHUNK in the .cu file).
@@ -242,43 +243,45 @@ pub struct ConvWeights {
     flat: Tensor,
     dtype: DType,
     masters: Vec<Tensor>,
-    /// Per master (keyed by its tensor id): its view in `flat` ((k, r, s, c)), its offset there, its length and
-    /// the kernels' (c | r s << 32) word.
-    slots: std::collections::HashMap<candle_core::TensorId, (Tensor, usize, usize, u64)>,
+    /// Every weight's view in `flat` ((k, r, s, c)), keyed by its master's tensor id.
+    views: HashMap<TensorId, Tensor>,
+    /// Per master: its offset in `flat`, its length and the kernels' (c | r s << 32) word.
+    layout: HashMap<TensorId, (usize, usize, u64)>,
 }
 
 impl ConvWeights {
     /// `masters`: FP32 (k, c, r, s) weights, contiguous, on one CUDA device; `dtype`: bf16 or f16.
     pub fn new(masters: &[&Tensor], dtype: DType) -> Result<Self> {
-        let Some(first) = masters.first() else { candle_core::bail!("conv weights: no weights") };
+        if masters.is_empty() {
+            candle_core::bail!("conv weights: no weights");
+        }
         if !matches!(dtype, DType::BF16 | DType::F16) {
             candle_core::bail!("conv weights: dtype {dtype:?} (bf16 or f16 only)");
         }
-        let lens: Vec<usize> = masters.iter().map(|w| w.elem_count()).collect();
-        let (offs, total) = krsc_offsets(&lens);
-        let flat = match dtype {
-            DType::BF16 => Tensor::zeros(total, DType::BF16, first.device())?,
-            _ => Tensor::zeros(total, DType::F16, first.device())?,
-        };
-        let mut slots = std::collections::HashMap::with_capacity(masters.len());
         for (i, w) in masters.iter().enumerate() {
-            if w.dtype() != DType::F32 || !w.is_contiguous() {
+            if w.dtype() != DType::F32 || !w.is_contiguous() || w.rank() != 4 {
                 candle_core::bail!(
-                    "conv weights: weight {i} is {:?} {:?}, expected contiguous F32",
+                    "conv weights: weight {i} is {:?} {:?}, expected contiguous 4-d F32",
                     w.dims(),
                     w.dtype()
                 );
             }
-            let (k, c, r, s) = w.dims4()?;
-            let view = flat.narrow(0, offs[i], lens[i])?.reshape((k, r, s, c))?;
-            slots.insert(w.id(), (view, offs[i], lens[i], c as u64 | ((r * s) as u64) << 32));
         }
-        if slots.len() != masters.len() {
+        // The step's own conversion (one launch into one flat buffer), kept.
+        let (flat, made) = crate::ops::weights::conv_weights_krsc_flat(masters, dtype)?;
+        let lens: Vec<usize> = masters.iter().map(|w| w.elem_count()).collect();
+        let (offs, _) = krsc_offsets(&lens);
+        let mut views = HashMap::with_capacity(masters.len());
+        let mut layout = HashMap::with_capacity(masters.len());
+        for (((w, view), off), len) in masters.iter().zip(made).zip(offs).zip(lens) {
+            let (_, c, r, s) = w.dims4()?;
+            views.insert(w.id(), view);
+            layout.insert(w.id(), (off, len, c as u64 | ((r * s) as u64) << 32));
+        }
+        if views.len() != masters.len() {
             candle_core::bail!("conv weights: a weight is listed twice");
         }
-        let me = Self { flat, dtype, masters: masters.iter().map(|&w| w.clone()).collect(), slots };
-        me.refresh()?;
-        Ok(me)
+        Ok(Self { flat, dtype, masters: masters.iter().map(|&w| w.clone()).collect(), views, layout })
     }
 
     /// Writes every weight again from its master (one launch).
@@ -300,23 +303,23 @@ impl ConvWeights {
     }
 
     /// The weight of `master` (by its tensor id) in the kernels' layout: (k, r, s, c) in [`Self::dtype`].
-    pub fn get(&self, master: candle_core::TensorId) -> Option<&Tensor> {
-        self.slots.get(&master).map(|s| &s.0)
+    pub fn get(&self, master: TensorId) -> Option<&Tensor> {
+        self.views.get(&master)
     }
 
     /// How many weights it holds.
     pub fn len(&self) -> usize {
-        self.slots.len()
+        self.views.len()
     }
 
     /// Whether it holds no weight (never: [`Self::new`] refuses an empty list).
     pub fn is_empty(&self) -> bool {
-        self.slots.is_empty()
+        self.views.is_empty()
     }
 
-    /// Every weight, keyed by its master's tensor id.
-    pub fn views(&self) -> std::collections::HashMap<candle_core::TensorId, Tensor> {
-        self.slots.iter().map(|(id, s)| (*id, s.0.clone())).collect()
+    /// Every weight, keyed by its master's tensor id (as the explicit step's `StepArgs::weights` takes them).
+    pub fn views(&self) -> &HashMap<TensorId, Tensor> {
+        &self.views
     }
 }
 
@@ -340,8 +343,8 @@ impl LowpTable {
             };
             f16 = i32::from(cw.dtype == DType::F16);
             for (i, p) in params.iter().enumerate() {
-                match cw.slots.get(&p.tensor.id()) {
-                    Some(&(_, off, len, word)) => {
+                match cw.layout.get(&p.tensor.id()) {
+                    Some(&(off, len, word)) => {
                         if len != p.tensor.elem_count() || off + len > total {
                             candle_core::bail!(
                                 "multi-tensor: parameter {i} has {} elements, its conv weight {len} at {off} of {total}",

@@ -17,21 +17,30 @@ pub fn conv_weights_krsc(weights: &[&Tensor], dtype: DType) -> Result<Vec<Tensor
                 .iter()
                 .all(|w| w.dtype() == DType::F32 && w.rank() == 4 && w.device().same_device(first.device()));
         if fits {
-            let ws: Vec<Tensor> = weights.iter().map(|w| w.contiguous()).collect::<Result<_>>()?;
-            let lens: Vec<usize> = ws.iter().map(|w| w.elem_count()).collect();
-            let (offs, _) = crate::cuda::optim::krsc_offsets(&lens);
-            let flat = first.apply_op1_no_bwd(&WeightsKrsc { weights: ws.clone(), dtype })?;
-            return ws
-                .iter()
-                .zip(offs)
-                .map(|(w, off)| {
-                    let (k, c, r, s) = w.dims4()?;
-                    flat.narrow(0, off, w.elem_count())?.reshape((k, r, s, c))
-                })
-                .collect();
+            return Ok(conv_weights_krsc_flat(weights, dtype)?.1);
         }
     }
     weights.iter().map(|w| w.to_dtype(dtype)?.permute((0, 2, 3, 1))?.contiguous()).collect()
+}
+
+/// [`conv_weights_krsc`] on CUDA in bf16/f16 (FP32 (k, c, r, s) weights on one CUDA device): the flat buffer of
+/// [`crate::cuda::optim::krsc_offsets`]' layout, written by one launch, and each weight's (k, r, s, c) view of it.
+#[cfg(feature = "cuda")]
+pub fn conv_weights_krsc_flat(weights: &[&Tensor], dtype: DType) -> Result<(Tensor, Vec<Tensor>)> {
+    let Some(first) = weights.first() else { candle_core::bail!("conv_weights_krsc: no weights") };
+    let ws: Vec<Tensor> = weights.iter().map(|w| w.contiguous()).collect::<Result<_>>()?;
+    let lens: Vec<usize> = ws.iter().map(|w| w.elem_count()).collect();
+    let (offs, _) = crate::cuda::optim::krsc_offsets(&lens);
+    let flat = first.apply_op1_no_bwd(&WeightsKrsc { weights: ws.clone(), dtype })?;
+    let views = ws
+        .iter()
+        .zip(offs)
+        .map(|(w, off)| {
+            let (k, c, r, s) = w.dims4()?;
+            flat.narrow(0, off, w.elem_count())?.reshape((k, r, s, c))
+        })
+        .collect::<Result<_>>()?;
+    Ok((flat, views))
 }
 
 /// `grads` ((k, r, s, c) each, bf16/f16 on CUDA or any dtype elsewhere) as FP32 (k, c, r, s) contiguous tensors,
