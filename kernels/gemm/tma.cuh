@@ -21,6 +21,8 @@
 //   64 x 128 staging buffer and one thread issues TMA stores of it (full 128-byte lines, clipped at the matrix
 //   edge); the stores drain while the warpgroup runs the next unit, and the buffer is reused only after they
 //   have read it (cp.async.bulk.wait_group.read). Split-K partial sums go straight from the registers.
+//   The STATS kernels (BatchNorm moments of C) keep the whole staged tile until warps 2 and 3 of the producer
+//   warpgroup have reduced it (tma_stats_warps), under the consumers' next MMAs.
 // - Shared layouts are the TMA 128-byte swizzle, which is wgmma's 128B-swizzle canonical layout (as in
 //   wgmma.cuh: K-major 128-byte rows, MN-major 64-element panels of 64 k-rows).
 #pragma once
@@ -170,8 +172,13 @@ template <int BN, int EPI = EPI_PLAIN>
 struct TmaCfg {
     static constexpr bool Z_SMEM = EPI == EPI_GRAD_SUMS || EPI == EPI_JOIN;
     static constexpr bool Z_IN_PLACE = EPI == EPI_JOIN;
+    // MOMENTS: the statistics are taken from the staged tile by two warps of the producer warpgroup
+    // (tma_stats_warps) while the consumers go on to the next unit; the staging holds the whole tile (x256: both
+    // 128-column halves, 64 KB, for a stage fewer) until those warps have read it.
+    static constexpr bool STATS_WARPS = EPI == EPI_MOMENTS;
     static constexpr int STAGES = EPI == EPI_JOIN    ? (BN == 256 ? 3 : BN == 128 ? 4 : 7)
                                   : Z_SMEM           ? (BN == 256 ? 3 : BN == 128 ? 4 : 6)
+                                  : STATS_WARPS      ? (BN == 256 ? 3 : BN == 128 ? 6 : 7)
                                                      : (BN == 256 ? 4 : BN == 128 ? 6 : 8);
     static constexpr int B_BYTES = BN * TMA_KD * 2;
     static constexpr int STAGE_BYTES = TMA_A_BYTES + B_BYTES;
@@ -182,9 +189,12 @@ struct TmaCfg {
     // Arrivals that free a z buffer: every consumer thread once it holds its values (GRAD_SUMS), or the storing
     // thread of each consumer warpgroup once its TMA store has read the chunk (JOIN).
     static constexpr int Z_ARRIVALS = Z_IN_PLACE ? 2 : 256;
-    static constexpr int EPI_BYTES = Z_IN_PLACE ? 0 : TMA_EPI_BYTES;
-    static constexpr int SMEM_BYTES =
-        1024 + STAGES * STAGE_BYTES + EPI_BYTES + Z_BUFS * Z_CHUNK_BYTES + 2 * STAGES * 8 + 2 * Z_BUFS * 8;
+    static constexpr int EPI_BYTES = Z_IN_PLACE ? 0 : (STATS_WARPS && BN == 256) ? 2 * TMA_EPI_BYTES : TMA_EPI_BYTES;
+    // STATS_WARPS: two more barriers, staged (the consumers' 256 threads) and read (the 64 statistics threads).
+    static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + EPI_BYTES + Z_BUFS * Z_CHUNK_BYTES +
+                                      2 * STAGES * 8 + 2 * Z_BUFS * 8 + (STATS_WARPS ? 16 : 0);
+    // Registers a thread (setmaxnreg) of the producer warpgroup and of the consumers: 128 x P + 256 x C <= 64,512.
+    static constexpr int PRODUCER_REGS = STATS_WARPS ? 56 : 40, CONSUMER_REGS = STATS_WARPS ? 224 : 232;
 };
 
 // The dynamic shared memory every TMA kernel of tile width BN is launched with: the largest layout of its kernels.
@@ -514,6 +524,105 @@ __device__ __forceinline__ void tma_epilogue_stats(const float (&acc)[BN / 2], f
     consumers_bar();
 }
 
+// The MOMENTS kernels' statistics, taken by warps 2 and 3 of the producer warpgroup (64 threads) from the tile
+// the consumers staged for their TMA store, so that the consumers go straight on to the next unit's MMAs and the
+// reduction runs under them (the consumers' own epilogue reduction, tma_epilogue_stats, left the tensor cores idle
+// through it: +15-55% on the short-K shapes). Per unit: wait until both consumer warpgroups have staged the tile
+// (barrier staged, phase zu), read it, arrive on barrier read (the consumers wait on it before staging the next
+// unit), then write the partials as tma_epilogue_stats does: part[tm N + col] = S, part[(chunks + tm) N + col] =
+// M2 about the tile's mean, K = 0 from row tile 0. The staging: rows [0, 64) and [64, 128) of the tile are the
+// two warpgroups' buffers, TMA_EPI_WG_BYTES apart, 128-column halves (x256) 2 TMA_EPI_WG_BYTES apart, each two
+// 64 x 64 boxes with the 128-byte swizzle (16-byte chunk j of row r at (j ^ (r % 8)) 16).
+// A thread takes 8 columns (one 16-byte chunk) over RPT = 128 / RG rows, RG = 512 / BN threads a chunk (lanes
+// that differ in their low bits; each starts STAG rows further on, so that a quarter warp's loads hit different
+// banks). Two passes over shared memory, both in FP32 in a fixed order (deterministic): the column sums S, merged
+// across the RG lanes, give the tile's mean; then the squared deviations from it, merged the same way. The values
+// are those the TMA store writes (as stored in T), rows past M left out.
+template <typename T, int BN>
+__device__ __forceinline__ void tma_stats_warps(uint32_t epi, uint32_t staged, uint32_t read, float* __restrict__ part,
+                                                const Shape& sh, int units, int mt, int nt) {
+    constexpr int RG = 512 / BN, RPT = TMA_BM / RG, CPW = 32 / RG, STAG = 8 / RG;
+    const int t = threadIdx.x - 64, lane = t & 31;
+    const int rg = lane % RG, chunk = (t >> 5) * CPW + lane / RG;  // 0 .. BN / 8 - 1
+    const int half = chunk >> 4, box = (chunk >> 3) & 1, j = chunk & 7;
+    const uint32_t base = epi + half * 2 * TMA_EPI_WG_BYTES + box * 8192;
+    const int M = sh.M, N = sh.N, chunks = (M + TMA_BM - 1) / TMA_BM;
+    int zu = 0;
+    for (int u = blockIdx.x; u < units; u += gridDim.x, ++zu) {
+        int tm, tn, ks;
+        tma_unit(u, mt, nt, 1, tm, tn, ks);
+        const int rows = min(TMA_BM, M - tm * TMA_BM);
+        mbar_wait(staged, zu & 1);
+        auto load8 = [&](int i, float (&v)[8]) {
+            const int R = rg * RPT + ((i + STAG * rg) & (RPT - 1)), r = R & 63;
+            const uint32_t addr = base + (R >> 6) * TMA_EPI_WG_BYTES + r * 128 + ((j ^ (r & 7)) << 4);
+            uint32_t w[4];
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+                         : "r"(addr));  // ordered after mbar_wait's asm (both volatile)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                T pair[2];
+                memcpy(pair, &w[q], 4);
+                v[2 * q] = to_f(pair[0]);
+                v[2 * q + 1] = to_f(pair[1]);
+            }
+            return R < rows;
+        };
+        float a[8];
+#pragma unroll
+        for (int c = 0; c < 8; ++c) a[c] = 0.f;
+#pragma unroll 4
+        for (int i = 0; i < RPT; ++i) {
+            float v[8];
+            if (load8(i, v)) {
+#pragma unroll
+                for (int c = 0; c < 8; ++c) a[c] += v[c];
+            }
+        }
+#pragma unroll
+        for (int m = 1; m < RG; m <<= 1)
+#pragma unroll
+            for (int c = 0; c < 8; ++c) a[c] += __shfl_xor_sync(0xffffffffu, a[c], m);
+        float mean[8], q2[8];
+        const float inv = 1.f / (float)rows;
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+            mean[c] = a[c] * inv;
+            q2[c] = 0.f;
+        }
+#pragma unroll 4
+        for (int i = 0; i < RPT; ++i) {
+            float v[8];
+            if (load8(i, v)) {
+#pragma unroll
+                for (int c = 0; c < 8; ++c) {
+                    const float d = v[c] - mean[c];
+                    q2[c] = fmaf(d, d, q2[c]);
+                }
+            }
+        }
+        mbar_arrive(read);  // this thread's reads of the tile are done
+#pragma unroll
+        for (int m = 1; m < RG; m <<= 1)
+#pragma unroll
+            for (int c = 0; c < 8; ++c) q2[c] += __shfl_xor_sync(0xffffffffu, q2[c], m);
+        const int gc = tn * BN + 8 * chunk;
+        if (rg == 0 && gc < N) {  // N % 8 == 0: the chunk's 8 columns are all in or all out
+            float4* ps = reinterpret_cast<float4*>(part + (size_t)tm * N + gc);
+            float4* pq = reinterpret_cast<float4*>(part + (size_t)(chunks + tm) * N + gc);
+            ps[0] = make_float4(a[0], a[1], a[2], a[3]);
+            ps[1] = make_float4(a[4], a[5], a[6], a[7]);
+            pq[0] = make_float4(q2[0], q2[1], q2[2], q2[3]);
+            pq[1] = make_float4(q2[4], q2[5], q2[6], q2[7]);
+            if (tm == 0) {
+                float4* pk = reinterpret_cast<float4*>(part + (size_t)2 * chunks * N + gc);
+                pk[0] = pk[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+        }
+    }
+}
+
 // Two consecutive values of T (4-byte aligned) as floats.
 template <typename T>
 __device__ __forceinline__ void load_pair(const T* p, float& a, float& b) {
@@ -765,6 +874,10 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
     const uint32_t bars = zbuf + Z_BUFS * Z_CHUNK;    // full[s] at bars + 8 s, empty[s] at + 8 (S + s)
     // Z_SMEM: zfull[b] at zfull + 8 b, zempty[b] at zempty + 8 b.
     const uint32_t zfull = bars + 16 * STAGES, zempty = zfull + 8 * Z_BUFS;
+    // STATS_WARPS: staged (the consumers have staged the unit's tile: 256 arrivals) and read (the statistics warps
+    // have read it: 64 arrivals).
+    constexpr bool STATS_WARPS = Cfg::STATS_WARPS;
+    const uint32_t staged = zempty + 8 * Z_BUFS, read = staged + 8;
     // Z_SMEM with C stored through its map (the launcher's tma_c; its z map tz then covers z like C's): a producer
     // thread loads z; otherwise the epilogue reads z from global memory.
     const bool z_tma = Z_SMEM && sh.tma_c;
@@ -782,12 +895,16 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
             mbar_init(zfull + 8 * b, 1);
             mbar_init(zempty + 8 * b, Cfg::Z_ARRIVALS);
         }
+        if constexpr (STATS_WARPS) {
+            mbar_init(staged, 256);
+            mbar_init(read, 64);
+        }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
 
     if (wg == 0) {
-        setmaxnreg_dec<40>();
+        setmaxnreg_dec<Cfg::PRODUCER_REGS>();
         if (tid == 0) {
             int it = 0;
             for (int u = blockIdx.x; u < units; u += gridDim.x) {
@@ -841,10 +958,14 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
                 }
             }
         }
+        if constexpr (STATS_WARPS) {
+            // ws is the statistics' partials (the launcher runs these kernels without split-K).
+            if (sh.tma_c && tid >= 64) tma_stats_warps<T, BN>(epi, staged, read, ws, sh, units, mt, nt);
+        }
         return;
     }
 
-    setmaxnreg_inc<232>();
+    setmaxnreg_inc<Cfg::CONSUMER_REGS>();
     const int cw = wg - 1;              // consumer warpgroup: rows [64 cw, 64 cw + 64) of the tile
     const int warp = (tid >> 5) & 3, lane = tid & 31;
     constexpr int NACC = BN / 2;
@@ -942,8 +1063,11 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
         if (kts > 0 && (tid & 127) == 0) mbar_arrive(bars + 8 * (STAGES + prev));
 
         if constexpr (EPI == EPI_MOMENTS) {
-            // ws is the statistics' partials here (the launcher runs these kernels without split-K).
-            tma_epilogue_stats<T, BN>(acc, ws, sh, tm, tn, cw, reinterpret_cast<float*>(smem + STAGES * STAGE_BYTES));
+            // ws is the statistics' partials here (the launcher runs these kernels without split-K). With map C the
+            // statistics warps take them from the staged tile (tma_stats_warps); without it the consumers do.
+            if (!sh.tma_c)
+                tma_epilogue_stats<T, BN>(acc, ws, sh, tm, tn, cw,
+                                          reinterpret_cast<float*>(smem + STAGES * STAGE_BYTES));
         } else if constexpr (EPI == EPI_GRAD_SUMS) {
             // ws: the sums' partials; the bias argument: the BatchNorm's input z (no bias in these passes).
             float* red = reinterpret_cast<float*>(smem + STAGES * STAGE_BYTES);
@@ -1038,13 +1162,20 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
             // Through shared memory and TMA stores, 128 columns at a time: the stores drain while this warpgroup
             // runs the next unit's MMAs. Fragment j of row r goes to 16-byte chunk (j % 8) ^ (r % 8) of row r of
             // box j / 8 (the 128-byte swizzle; conflict-free: the 8 rows of a store phase hit 8 different chunks).
+            // STATS_WARPS: every half has its own buffer (2 TMA_EPI_WG_BYTES apart), written once the statistics
+            // warps have read the previous unit's tile and the previous stores have read theirs; the tile stays
+            // until those warps have read it (barrier read, waited for at the next unit).
             const uint32_t buf = epi + cw * TMA_EPI_WG_BYTES;
             const int rloc = warp * 16 + (lane >> 2);  // row within this warpgroup's 64, + 8 h
             constexpr int EW = BN < 128 ? BN : 128;  // columns per staging round
+            if constexpr (STATS_WARPS) mbar_wait(read, (zu & 1) ^ 1);
 #pragma unroll
             for (int half = 0; half < BN / EW; ++half) {
-                if ((tid & 127) == 0) bulk_wait_all<true>();
-                wg_bar(1 + cw);
+                const uint32_t hbuf = STATS_WARPS ? buf + half * 2 * TMA_EPI_WG_BYTES : buf;
+                if (!STATS_WARPS || half == 0) {
+                    if ((tid & 127) == 0) bulk_wait_all<true>();
+                    wg_bar(1 + cw);
+                }
 #pragma unroll
                 for (int jj = 0; jj < EW / 8; ++jj) {
                     const int j = half * (EW / 8) + jj;
@@ -1055,7 +1186,7 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
                     for (int h = 0; h < 2; ++h) {
                         const int r = rloc + 8 * h;
                         const uint32_t addr =
-                            buf + (jj >> 3) * 8192 + r * 128 + ((((jj & 7) ^ (r & 7))) << 4) + ((lane & 3) << 2);
+                            hbuf + (jj >> 3) * 8192 + r * 128 + ((((jj & 7) ^ (r & 7))) << 4) + ((lane & 3) << 2);
                         const uint32_t v =
                             pack2(from_f<T>(acc[4 * j + 2 * h] + b0), from_f<T>(acc[4 * j + 2 * h + 1] + b1));
                         asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
@@ -1066,10 +1197,11 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
                 if ((tid & 127) == 0) {
                     const int row = tm * TMA_BM + cw * 64, c0 = tn * BN + half * EW;
 #pragma unroll
-                    for (int bx = 0; bx < EW / 64; ++bx) tma_store_2d(tc, buf + bx * 8192, c0 + 64 * bx, row);
+                    for (int bx = 0; bx < EW / 64; ++bx) tma_store_2d(tc, hbuf + bx * 8192, c0 + 64 * bx, row);
                     bulk_commit();
                 }
             }
+            if constexpr (STATS_WARPS) mbar_arrive(staged);  // after this thread's stores to the staging
         } else {
             // Element offset of output row row0 + 8 h (strided grad-input: its dx pixel).
             size_t obase[2];

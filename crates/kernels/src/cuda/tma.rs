@@ -230,7 +230,13 @@ pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
         Epi::Join { b, .. } => Some(b),
         _ => None,
     };
-    let tma_c = plain_c && !split && n % 8 == 0 && pc % 16 == 0 && z_addr.is_none_or(|z| z % 16 == 0);
+    // A STATS kernel with map C takes its moments from the staged tile in two warps of its producer warpgroup,
+    // which write the partials 16 bytes at a time (ig::tma_stats_warps); without map C its consumers do.
+    let part_ok = match epi {
+        Epi::Moments { part } => part % 16 == 0,
+        _ => true,
+    };
+    let tma_c = plain_c && !split && n % 8 == 0 && pc % 16 == 0 && z_addr.is_none_or(|z| z % 16 == 0) && part_ok;
     if let Epi::Join { mask, .. } = epi {
         if !tma_c || n % 32 != 0 || mask % 4 != 0 {
             candle_core::bail!(
