@@ -21,7 +21,7 @@
 //   64 x 128 staging buffer and one thread issues TMA stores of it (full 128-byte lines, clipped at the matrix
 //   edge); the stores drain while the warpgroup runs the next unit, and the buffer is reused only after they
 //   have read it (cp.async.bulk.wait_group.read). Split-K partial sums go straight from the registers.
-//   The STATS kernels (BatchNorm moments of C) keep the whole staged tile until warps 2 and 3 of the producer
+//   The STATS kernels (BatchNorm moments of C) keep the whole staged tile until warps 1-3 of the producer
 //   warpgroup have reduced it (tma_stats_warps), under the consumers' next MMAs.
 // - Shared layouts are the TMA 128-byte swizzle, which is wgmma's 128B-swizzle canonical layout (as in
 //   wgmma.cuh: K-major 128-byte rows, MN-major 64-element panels of 64 k-rows).
@@ -172,13 +172,13 @@ template <int BN, int EPI = EPI_PLAIN>
 struct TmaCfg {
     static constexpr bool Z_SMEM = EPI == EPI_GRAD_SUMS || EPI == EPI_JOIN;
     static constexpr bool Z_IN_PLACE = EPI == EPI_JOIN;
-    // MOMENTS: the statistics are taken from the staged tile by two warps of the producer warpgroup
+    // MOMENTS: the statistics are taken from the staged tile by three warps of the producer warpgroup
     // (tma_stats_warps) while the consumers go on to the next unit; the staging holds the whole tile (x256: both
-    // 128-column halves, 64 KB, for a stage fewer) until those warps have read it.
+    // 128-column halves, 64 KB) until those warps have read it: a stage fewer on every tile.
     static constexpr bool STATS_WARPS = EPI == EPI_MOMENTS;
     static constexpr int STAGES = EPI == EPI_JOIN    ? (BN == 256 ? 3 : BN == 128 ? 4 : 7)
                                   : Z_SMEM           ? (BN == 256 ? 3 : BN == 128 ? 4 : 6)
-                                  : STATS_WARPS      ? (BN == 256 ? 3 : BN == 128 ? 6 : 7)
+                                  : STATS_WARPS      ? (BN == 256 ? 3 : BN == 128 ? 5 : 7)
                                                      : (BN == 256 ? 4 : BN == 128 ? 6 : 8);
     static constexpr int B_BYTES = BN * TMA_KD * 2;
     static constexpr int STAGE_BYTES = TMA_A_BYTES + B_BYTES;
@@ -190,11 +190,13 @@ struct TmaCfg {
     // thread of each consumer warpgroup once its TMA store has read the chunk (JOIN).
     static constexpr int Z_ARRIVALS = Z_IN_PLACE ? 2 : 256;
     static constexpr int EPI_BYTES = Z_IN_PLACE ? 0 : (STATS_WARPS && BN == 256) ? 2 * TMA_EPI_BYTES : TMA_EPI_BYTES;
-    // STATS_WARPS: two more barriers, staged (the consumers' 256 threads) and read (the 64 statistics threads).
-    static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + EPI_BYTES + Z_BUFS * Z_CHUNK_BYTES +
+    // STATS_WARPS: 4 KB after the staging where two statistics warps hand their sums to the third.
+    static constexpr int HAND_BYTES = STATS_WARPS ? 4096 : 0;
+    // STATS_WARPS: two more barriers, staged (the consumers' 256 threads) and read (the 96 statistics threads).
+    static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + EPI_BYTES + HAND_BYTES + Z_BUFS * Z_CHUNK_BYTES +
                                       2 * STAGES * 8 + 2 * Z_BUFS * 8 + (STATS_WARPS ? 16 : 0);
     // Registers a thread (setmaxnreg) of the producer warpgroup and of the consumers: 128 x P + 256 x C <= 64,512.
-    static constexpr int PRODUCER_REGS = STATS_WARPS ? 56 : 40, CONSUMER_REGS = STATS_WARPS ? 224 : 232;
+    static constexpr int PRODUCER_REGS = STATS_WARPS ? 72 : 40, CONSUMER_REGS = STATS_WARPS ? 216 : 232;
 };
 
 // The dynamic shared memory every TMA kernel of tile width BN is launched with: the largest layout of its kernels.
@@ -524,97 +526,132 @@ __device__ __forceinline__ void tma_epilogue_stats(const float (&acc)[BN / 2], f
     consumers_bar();
 }
 
-// The MOMENTS kernels' statistics, taken by warps 2 and 3 of the producer warpgroup (64 threads) from the tile
-// the consumers staged for their TMA store, so that the consumers go straight on to the next unit's MMAs and the
-// reduction runs under them (the consumers' own epilogue reduction, tma_epilogue_stats, left the tensor cores idle
-// through it: +15-55% on the short-K shapes). Per unit: wait until both consumer warpgroups have staged the tile
-// (barrier staged, phase zu), read it, arrive on barrier read (the consumers wait on it before staging the next
-// unit), then write the partials as tma_epilogue_stats does: part[tm N + col] = S, part[(chunks + tm) N + col] =
-// M2 about the tile's mean, K = 0 from row tile 0. The staging: rows [0, 64) and [64, 128) of the tile are the
-// two warpgroups' buffers, TMA_EPI_WG_BYTES apart, 128-column halves (x256) 2 TMA_EPI_WG_BYTES apart, each two
-// 64 x 64 boxes with the 128-byte swizzle (16-byte chunk j of row r at (j ^ (r % 8)) 16).
-// A thread takes 8 columns (one 16-byte chunk) over RPT = 128 / RG rows, RG = 512 / BN threads a chunk (lanes
-// that differ in their low bits; each starts STAG rows further on, so that a quarter warp's loads hit different
-// banks). Two passes over shared memory, both in FP32 in a fixed order (deterministic): the column sums S, merged
-// across the RG lanes, give the tile's mean; then the squared deviations from it, merged the same way. The values
-// are those the TMA store writes (as stored in T), rows past M left out.
-template <typename T, int BN>
+// The MOMENTS kernels' statistics, taken by warps 1-3 of the producer warpgroup (96 threads; warp 0 holds the
+// TMA thread) from the tile the consumers staged for their TMA store, so that the consumers go straight on to the
+// next unit's MMAs and the reduction runs under them (the consumers' own epilogue reduction, tma_epilogue_stats,
+// left the tensor cores idle through it: +15-110% on the short-K shapes). Per unit: wait until both consumer
+// warpgroups have staged the tile (barrier staged, phase zu), reduce it, arrive on barrier read once nothing of
+// it is read any more (the consumers wait on that before staging the next unit), and write the partials as
+// tma_epilogue_stats does: part[tm N + col] = S, part[(chunks + tm) N + col] = M2 about the tile's mean, K = 0 from
+// row tile 0. The staging: rows [0, 64) and [64, 128) of the tile are the two warpgroups' buffers,
+// TMA_EPI_WG_BYTES apart, 128-column halves (x256) 2 TMA_EPI_WG_BYTES apart, each two 64 x 64 boxes with the
+// 128-byte swizzle (16-byte chunk j of row r at (j ^ (r % 8)) 16).
+// Lane l of warp w takes the 8 columns of chunk l % (BN / 8) over the rows R = g + G i, g = LPC (w - 1) + l / (BN /
+// 8), G = 3 LPC, LPC = 256 / BN lanes a chunk (a quarter warp reads 8 chunks of one row: no bank conflicts).
+// One pass of shifted sums, the shift K_c the tile's row 0 (d = x - K_c: sum d and sum d^2, additive across
+// threads, M2 = sum d^2 - (sum d)^2 / n; K_c is a value of the column, so |mean - K_c| is of the order of the
+// column's spread and the cancellation small), in FP32 and in a fixed order (deterministic): warps 1 and 2 hand
+// their sums to warp 3 through the 4 KB after the staging (TmaCfg::HAND_BYTES; not the tile itself, which the TMA
+// stores may still be reading) between two named barriers (4), and warp 3 adds them to its own and then its LPC
+// lanes a chunk. The values are those the TMA store writes (as stored in T), rows
+// past M left out.
+template <typename T, int BN, int EPI_BYTES>
 __device__ __forceinline__ void tma_stats_warps(uint32_t epi, uint32_t staged, uint32_t read, float* __restrict__ part,
                                                 const Shape& sh, int units, int mt, int nt) {
-    constexpr int RG = 512 / BN, RPT = TMA_BM / RG, CPW = 32 / RG, STAG = 8 / RG;
-    const int t = threadIdx.x - 64, lane = t & 31;
-    const int rg = lane % RG, chunk = (t >> 5) * CPW + lane / RG;  // 0 .. BN / 8 - 1
+    constexpr int CH = BN / 8, LPC = 32 / CH, G = 3 * LPC;
+    const int w = (threadIdx.x >> 5) - 1, lane = threadIdx.x & 31;  // w: 0 .. 2
+    const int chunk = lane % CH, g = LPC * w + lane / CH;
     const int half = chunk >> 4, box = (chunk >> 3) & 1, j = chunk & 7;
     const uint32_t base = epi + half * 2 * TMA_EPI_WG_BYTES + box * 8192;
     const int M = sh.M, N = sh.N, chunks = (M + TMA_BM - 1) / TMA_BM;
+    // The 8 values of this thread's chunk in tile row R (0 .. 127).
+    auto load8 = [&](int R, float (&v)[8]) {
+        const int r = R & 63;
+        const uint32_t addr = base + (R >> 6) * TMA_EPI_WG_BYTES + r * 128 + ((j ^ (r & 7)) << 4);
+        uint32_t q[4];
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(q[0]), "=r"(q[1]), "=r"(q[2]), "=r"(q[3])
+                     : "r"(addr));  // ordered after mbar_wait's asm (both volatile)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            T pair[2];
+            memcpy(pair, &q[e], 4);
+            v[2 * e] = to_f(pair[0]);
+            v[2 * e + 1] = to_f(pair[1]);
+        }
+    };
     int zu = 0;
     for (int u = blockIdx.x; u < units; u += gridDim.x, ++zu) {
         int tm, tn, ks;
         tma_unit(u, mt, nt, 1, tm, tn, ks);
         const int rows = min(TMA_BM, M - tm * TMA_BM);
         mbar_wait(staged, zu & 1);
-        auto load8 = [&](int i, float (&v)[8]) {
-            const int R = rg * RPT + ((i + STAG * rg) & (RPT - 1)), r = R & 63;
-            const uint32_t addr = base + (R >> 6) * TMA_EPI_WG_BYTES + r * 128 + ((j ^ (r & 7)) << 4);
-            uint32_t w[4];
-            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                         : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
-                         : "r"(addr));  // ordered after mbar_wait's asm (both volatile)
+        float k[8], sd[8], sq[8];
+        load8(0, k);
 #pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                T pair[2];
-                memcpy(pair, &w[q], 4);
-                v[2 * q] = to_f(pair[0]);
-                v[2 * q + 1] = to_f(pair[1]);
-            }
-            return R < rows;
-        };
-        float a[8];
-#pragma unroll
-        for (int c = 0; c < 8; ++c) a[c] = 0.f;
-#pragma unroll 4
-        for (int i = 0; i < RPT; ++i) {
+        for (int c = 0; c < 8; ++c) sd[c] = sq[c] = 0.f;
+#pragma unroll 2
+        for (int R = g; R < rows; R += G) {
             float v[8];
-            if (load8(i, v)) {
+            load8(R, v);
 #pragma unroll
-                for (int c = 0; c < 8; ++c) a[c] += v[c];
+            for (int c = 0; c < 8; ++c) {
+                const float d = v[c] - k[c];
+                sd[c] += d;
+                sq[c] = fmaf(d, d, sq[c]);
             }
         }
-#pragma unroll
-        for (int m = 1; m < RG; m <<= 1)
-#pragma unroll
-            for (int c = 0; c < 8; ++c) a[c] += __shfl_xor_sync(0xffffffffu, a[c], m);
-        float mean[8], q2[8];
-        const float inv = 1.f / (float)rows;
-#pragma unroll
-        for (int c = 0; c < 8; ++c) {
-            mean[c] = a[c] * inv;
-            q2[c] = 0.f;
+        // Every read of the tile done: warps 1 and 2 leave their sums in its first 4 KB for warp 3.
+        asm volatile("bar.sync 4, 96;\n" ::: "memory");
+        const uint32_t hand = epi + EPI_BYTES + (w & 1) * 2048 + lane * 64;
+        if (w < 2) {
+            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(hand), "f"(sd[0]), "f"(sd[1]), "f"(sd[2]),
+                         "f"(sd[3])
+                         : "memory");
+            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(hand + 16), "f"(sd[4]), "f"(sd[5]),
+                         "f"(sd[6]), "f"(sd[7])
+                         : "memory");
+            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(hand + 32), "f"(sq[0]), "f"(sq[1]),
+                         "f"(sq[2]), "f"(sq[3])
+                         : "memory");
+            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(hand + 48), "f"(sq[4]), "f"(sq[5]),
+                         "f"(sq[6]), "f"(sq[7])
+                         : "memory");
         }
-#pragma unroll 4
-        for (int i = 0; i < RPT; ++i) {
-            float v[8];
-            if (load8(i, v)) {
+        asm volatile("bar.sync 4, 96;\n" ::: "memory");
+        if (w < 2) {
+            mbar_arrive(read);
+            continue;
+        }
 #pragma unroll
-                for (int c = 0; c < 8; ++c) {
-                    const float d = v[c] - mean[c];
-                    q2[c] = fmaf(d, d, q2[c]);
-                }
+        for (int o = 0; o < 2; ++o) {
+            float h[16];
+            const uint32_t from = epi + EPI_BYTES + o * 2048 + lane * 64;
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                             : "=f"(h[4 * e]), "=f"(h[4 * e + 1]), "=f"(h[4 * e + 2]), "=f"(h[4 * e + 3])
+                             : "r"(from + 16 * e)
+                             : "memory");
+#pragma unroll
+            for (int c = 0; c < 8; ++c) {
+                sd[c] += h[c];
+                sq[c] += h[8 + c];
             }
         }
-        mbar_arrive(read);  // this thread's reads of the tile are done
+        mbar_arrive(read);  // the tile and the hand-over read
 #pragma unroll
-        for (int m = 1; m < RG; m <<= 1)
+        for (int m = CH; m < 32; m <<= 1)
 #pragma unroll
-            for (int c = 0; c < 8; ++c) q2[c] += __shfl_xor_sync(0xffffffffu, q2[c], m);
+            for (int c = 0; c < 8; ++c) {
+                sd[c] += __shfl_xor_sync(0xffffffffu, sd[c], m);
+                sq[c] += __shfl_xor_sync(0xffffffffu, sq[c], m);
+            }
         const int gc = tn * BN + 8 * chunk;
-        if (rg == 0 && gc < N) {  // N % 8 == 0: the chunk's 8 columns are all in or all out
+        if (lane < CH && gc < N) {  // N % 8 == 0: the chunk's 8 columns are all in or all out
+            const float n = (float)rows, inv = 1.f / n;
+            float S[8], Q[8];
+#pragma unroll
+            for (int c = 0; c < 8; ++c) {
+                S[c] = fmaf(n, k[c], sd[c]);
+                Q[c] = fmaxf(0.f, fmaf(-sd[c] * inv, sd[c], sq[c]));
+            }
             float4* ps = reinterpret_cast<float4*>(part + (size_t)tm * N + gc);
             float4* pq = reinterpret_cast<float4*>(part + (size_t)(chunks + tm) * N + gc);
-            ps[0] = make_float4(a[0], a[1], a[2], a[3]);
-            ps[1] = make_float4(a[4], a[5], a[6], a[7]);
-            pq[0] = make_float4(q2[0], q2[1], q2[2], q2[3]);
-            pq[1] = make_float4(q2[4], q2[5], q2[6], q2[7]);
+            ps[0] = make_float4(S[0], S[1], S[2], S[3]);
+            ps[1] = make_float4(S[4], S[5], S[6], S[7]);
+            pq[0] = make_float4(Q[0], Q[1], Q[2], Q[3]);
+            pq[1] = make_float4(Q[4], Q[5], Q[6], Q[7]);
             if (tm == 0) {
                 float4* pk = reinterpret_cast<float4*>(part + (size_t)2 * chunks * N + gc);
                 pk[0] = pk[1] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -870,12 +907,12 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
     const uint32_t s0 = smem_u32(smem);
     const uint32_t epi = s0 + STAGES * STAGE_BYTES;  // epilogue staging, Cfg::EPI_BYTES (none in place)
     constexpr int ZCH = Cfg::ZCH, ZW = Cfg::ZW, Z_BUFS = Cfg::Z_BUFS, Z_CHUNK = Cfg::Z_CHUNK_BYTES;
-    const uint32_t zbuf = epi + Cfg::EPI_BYTES;       // the z buffers, Z_BUFS x Z_CHUNK
+    const uint32_t zbuf = epi + Cfg::EPI_BYTES + Cfg::HAND_BYTES;  // the z buffers, Z_BUFS x Z_CHUNK
     const uint32_t bars = zbuf + Z_BUFS * Z_CHUNK;    // full[s] at bars + 8 s, empty[s] at + 8 (S + s)
     // Z_SMEM: zfull[b] at zfull + 8 b, zempty[b] at zempty + 8 b.
     const uint32_t zfull = bars + 16 * STAGES, zempty = zfull + 8 * Z_BUFS;
     // STATS_WARPS: staged (the consumers have staged the unit's tile: 256 arrivals) and read (the statistics warps
-    // have read it: 64 arrivals).
+    // have read it: 96 arrivals).
     constexpr bool STATS_WARPS = Cfg::STATS_WARPS;
     const uint32_t staged = zempty + 8 * Z_BUFS, read = staged + 8;
     // Z_SMEM with C stored through its map (the launcher's tma_c; its z map tz then covers z like C's): a producer
@@ -897,7 +934,7 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
         }
         if constexpr (STATS_WARPS) {
             mbar_init(staged, 256);
-            mbar_init(read, 64);
+            mbar_init(read, 96);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -960,7 +997,7 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
         }
         if constexpr (STATS_WARPS) {
             // ws is the statistics' partials (the launcher runs these kernels without split-K).
-            if (sh.tma_c && tid >= 64) tma_stats_warps<T, BN>(epi, staged, read, ws, sh, units, mt, nt);
+            if (sh.tma_c && tid >= 32) tma_stats_warps<T, BN, Cfg::EPI_BYTES>(epi, staged, read, ws, sh, units, mt, nt);
         }
         return;
     }
