@@ -364,7 +364,14 @@ fn info_prints_stages_and_parameter_count() {
     let out = trainer(&["info", "--config", &cfg, "--set", "kernels.graph=\"off\""]);
     let off = String::from_utf8_lossy(&out.stdout);
     assert!(off.contains("graph: off (kernels.graph = \"off\")"), "{off}");
-    assert!(!text.contains("bn_stats:"), "{text}");
+    // The BatchNorm moments in the conv epilogues by default ("forward"); "pass" prints nothing.
+    assert!(
+        text.contains("bn_stats: forward (kernels.bn_stats; the fused step on CUDA: moments in the conv epilogues)"),
+        "{text}"
+    );
+    let out = trainer(&["info", "--config", &cfg, "--set", "kernels.bn_stats=\"pass\""]);
+    let pass = String::from_utf8_lossy(&out.stdout);
+    assert!(!pass.contains("bn_stats:"), "{pass}");
     let out = trainer(&["info", "--config", &cfg, "--set", "kernels.bn_stats=\"fused\""]);
     assert!(String::from_utf8_lossy(&out.stdout).contains("bn_stats: fused (kernels.bn_stats;"));
     let out = trainer(&["info", "--config", &cfg, "--set", "kernels.bn_stats=\"auto\""]);
