@@ -148,7 +148,9 @@ constexpr int TMA_A_BYTES = TMA_BM * TMA_KD * 2;
 constexpr int TMA_EPI_WG_BYTES = 64 * 128 * 2, TMA_EPI_BYTES = 2 * TMA_EPI_WG_BYTES;
 // What a TMA kernel's epilogue adds (the EPI template argument).
 // EPI_JOIN: the stored value joined with a residual gradient under a ReLU mask (ig::tma_gemm_body's store).
-constexpr int EPI_PLAIN = 0, EPI_MOMENTS = 1, EPI_GRAD_SUMS = 2, EPI_JOIN = 3;
+// EPI_GRAD_SUMS_W: the GRAD_SUMS sums taken by statistics warps from the staged tile (tma_gsums_warps; x128 and
+// x64; built by kernels/dev/gemm/tmabench.cu only, not yet by the trainer).
+constexpr int EPI_PLAIN = 0, EPI_MOMENTS = 1, EPI_GRAD_SUMS = 2, EPI_JOIN = 3, EPI_GRAD_SUMS_W = 4;
 
 // Per block-tile width BN (256: tile x256, 128: tile x128, 64: tile x64) and epilogue: stages and dynamic shared
 // memory (alignment slack, the stages, the epilogue staging, the z buffers, 2 x STAGES barriers and 2 x Z_BUFS).
@@ -175,9 +177,14 @@ struct TmaCfg {
     // MOMENTS: the statistics are taken from the staged tile by three warps of the producer warpgroup
     // (tma_stats_warps) while the consumers go on to the next unit; the staging holds the whole tile (x256: both
     // 128-column halves, 64 KB) until those warps have read it: a stage fewer on every tile.
-    static constexpr bool STATS_WARPS = EPI == EPI_MOMENTS;
+    // GRAD_SUMS_W: the same for the backward sums, which also read z: a whole z tile in shared memory (Z_TILE_BYTES,
+    // loaded by a statistics thread once the previous unit's is read), so x256 does not fit.
+    static constexpr bool STATS_WARPS = EPI == EPI_MOMENTS || EPI == EPI_GRAD_SUMS_W;
+    static_assert(EPI != EPI_GRAD_SUMS_W || BN <= 128, "GRAD_SUMS_W: x128 and x64 only");
+    static constexpr int Z_TILE_BYTES = EPI == EPI_GRAD_SUMS_W ? TMA_BM * BN * 2 : 0;
     static constexpr int STAGES = EPI == EPI_JOIN    ? (BN == 256 ? 3 : BN == 128 ? 4 : 7)
                                   : Z_SMEM           ? (BN == 256 ? 3 : BN == 128 ? 4 : 6)
+                                  : EPI == EPI_GRAD_SUMS_W ? (BN == 128 ? 4 : 7)
                                   : STATS_WARPS      ? (BN == 256 ? 3 : BN == 128 ? 5 : 7)
                                                      : (BN == 256 ? 4 : BN == 128 ? 6 : 8);
     static constexpr int B_BYTES = BN * TMA_KD * 2;
@@ -194,7 +201,8 @@ struct TmaCfg {
     static constexpr int HAND_BYTES = STATS_WARPS ? 4096 : 0;
     // STATS_WARPS: two more barriers, staged (the consumers' 256 threads) and read (the 96 statistics threads).
     static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + EPI_BYTES + HAND_BYTES + Z_BUFS * Z_CHUNK_BYTES +
-                                      2 * STAGES * 8 + 2 * Z_BUFS * 8 + (STATS_WARPS ? 16 : 0);
+                                      Z_TILE_BYTES + 2 * STAGES * 8 + 2 * Z_BUFS * 8 + (STATS_WARPS ? 16 : 0) +
+                                      (Z_TILE_BYTES > 0 ? 8 : 0);
     // Registers a thread (setmaxnreg) of the producer warpgroup and of the consumers: 128 x P + 256 x C <= 64,512.
     static constexpr int PRODUCER_REGS = STATS_WARPS ? 72 : 40, CONSUMER_REGS = STATS_WARPS ? 216 : 232;
 };
@@ -660,6 +668,132 @@ __device__ __forceinline__ void tma_stats_warps(uint32_t epi, uint32_t staged, u
     }
 }
 
+// The GRAD_SUMS_W kernels' backward sums (EPI_GRAD_SUMS_W: x128 and x64), taken as tma_stats_warps takes the
+// moments: warps 1-3 of the producer warpgroup read the stored gradient g from the staged tile and z from a whole
+// z tile in shared memory (zt: (row half, 64-column box) boxes of 8 KB, 128-byte swizzle, as the staging), and the
+// consumers only stage and store. Thread 32 loads each unit's z tile through map Z (barrier zfull, phase zu): the
+// block's first at the start, each next one as soon as the three warps have read the tile before it, so the load
+// runs under the consumers' MMAs. Per element, the arithmetic of tma_epilogue_grad_sums (the ReLU mask of
+// bn(z) = (z - mean) invstd w + b, then g and g xhat summed); per unit, part[tm N + col] = sum g and
+// part[(chunks + tm) N + col] = sum g xhat. A thread takes 4 columns (8 bytes of g and of z a row; a quarter warp
+// reads 4 chunks of one row: no bank conflicts) over rows R = g0 + G i (G = 3 LPC, LPC = 128 / BN lanes a column
+// quad); the sums go to warp 3 through the 4 KB after the staging, and then across its LPC lanes, in a fixed order.
+template <typename T, int BN, int EPI_BYTES>
+__device__ __forceinline__ void tma_gsums_warps(uint32_t epi, uint32_t staged, uint32_t read, uint32_t zt,
+                                                uint32_t zfull, const TmaDesc* tz, float* __restrict__ part,
+                                                const Shape& sh, int units, int mt, int nt) {
+    constexpr int CQ = BN / 4, LPC = 32 / CQ, G = 3 * LPC, CB = BN / 64;
+    const int w = (threadIdx.x >> 5) - 1, lane = threadIdx.x & 31;  // w: 0 .. 2
+    const int quad = lane % CQ, g0 = LPC * w + lane / CQ;
+    const int box = quad >> 4, jc = (quad >> 1) & 7, sub = quad & 1;  // column 4 quad = 64 box + 8 jc + 4 sub
+    const int M = sh.M, N = sh.N, chunks = (M + TMA_BM - 1) / TMA_BM;
+    // The z tile of unit u (thread 32 only).
+    auto load_z = [&](int u) {
+        int tm, tn, ks;
+        tma_unit(u, mt, nt, 1, tm, tn, ks);
+        mbar_expect_tx(zfull, TMA_BM * BN * 2);
+#pragma unroll
+        for (int b = 0; b < 2 * CB; ++b)
+            tma_load_2d(zt + b * 8192, tz, tn * BN + 64 * (b % CB), tm * TMA_BM + 64 * (b / CB), zfull);
+    };
+    if (threadIdx.x == 32 && (int)blockIdx.x < units) load_z(blockIdx.x);
+    // The 4 values at tile row R of the buffer at base (row halves half_stride apart, boxes box_stride apart).
+    auto load4 = [&](uint32_t base, int half_stride, int box_stride, int R, float (&v)[4]) {
+        const int r = R & 63;
+        const uint32_t addr =
+            base + (R >> 6) * half_stride + box * box_stride + r * 128 + ((jc ^ (r & 7)) << 4) + (sub << 3);
+        uint32_t q[2];
+        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(q[0]), "=r"(q[1]) : "r"(addr));
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            T pair[2];
+            memcpy(pair, &q[e], 4);
+            v[2 * e] = to_f(pair[0]);
+            v[2 * e + 1] = to_f(pair[1]);
+        }
+    };
+    int zu = 0;
+    for (int u = blockIdx.x; u < units; u += gridDim.x, ++zu) {
+        int tm, tn, ks;
+        tma_unit(u, mt, nt, 1, tm, tn, ks);
+        const int rows = min(TMA_BM, M - tm * TMA_BM);
+        const int gc = tn * BN + 4 * quad;
+        // This thread's 4 channels (N % 8 == 0: all in or all out; out: any finite constants, nothing written).
+        float mean[4], invstd[4], sc[4], bb[4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int ch = gc < N ? gc + c : 0;
+            mean[c] = sh.bn_stats[ch];
+            invstd[c] = sh.bn_stats[2 * N + ch];
+            sc[c] = invstd[c] * sh.bn_weight[ch];
+            bb[c] = sh.bn_bias[ch];
+        }
+        mbar_wait(staged, zu & 1);
+        mbar_wait(zfull, zu & 1);
+        float sg[4] = {0.f, 0.f, 0.f, 0.f}, sx[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 2
+        for (int R = g0; R < rows; R += G) {
+            float gv[4], zv[4];
+            load4(epi, TMA_EPI_WG_BYTES, 8192, R, gv);
+            load4(zt, CB * 8192, 8192, R, zv);
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const float gm = !(fmaf(zv[c] - mean[c], sc[c], bb[c]) >= 0.f) ? 0.f : gv[c];
+                sg[c] += gm;
+                sx[c] = fmaf(gm, (zv[c] - mean[c]) * invstd[c], sx[c]);
+            }
+        }
+        // Every read of the staging and of the z tile done: the next unit's z may load, and warps 1 and 2 leave
+        // their sums in the 4 KB after the staging for warp 3.
+        asm volatile("bar.sync 4, 96;\n" ::: "memory");
+        if (threadIdx.x == 32 && u + (int)gridDim.x < units) load_z(u + gridDim.x);
+        const uint32_t hand = epi + EPI_BYTES + (w & 1) * 1024 + lane * 32;
+        if (w < 2) {
+            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(hand), "f"(sg[0]), "f"(sg[1]), "f"(sg[2]),
+                         "f"(sg[3])
+                         : "memory");
+            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(hand + 16), "f"(sx[0]), "f"(sx[1]),
+                         "f"(sx[2]), "f"(sx[3])
+                         : "memory");
+        }
+        asm volatile("bar.sync 4, 96;\n" ::: "memory");
+        if (w < 2) {
+            mbar_arrive(read);
+            continue;
+        }
+#pragma unroll
+        for (int o = 0; o < 2; ++o) {
+            float h[8];
+            const uint32_t from = epi + EPI_BYTES + o * 1024 + lane * 32;
+            asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=f"(h[0]), "=f"(h[1]), "=f"(h[2]), "=f"(h[3])
+                         : "r"(from)
+                         : "memory");
+            asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=f"(h[4]), "=f"(h[5]), "=f"(h[6]), "=f"(h[7])
+                         : "r"(from + 16)
+                         : "memory");
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                sg[c] += h[c];
+                sx[c] += h[4 + c];
+            }
+        }
+        mbar_arrive(read);  // the tile and the hand-over read
+#pragma unroll
+        for (int m = CQ; m < 32; m <<= 1)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                sg[c] += __shfl_xor_sync(0xffffffffu, sg[c], m);
+                sx[c] += __shfl_xor_sync(0xffffffffu, sx[c], m);
+            }
+        if (lane < CQ && gc < N) {
+            *reinterpret_cast<float4*>(part + (size_t)tm * N + gc) = make_float4(sg[0], sg[1], sg[2], sg[3]);
+            *reinterpret_cast<float4*>(part + (size_t)(chunks + tm) * N + gc) = make_float4(sx[0], sx[1], sx[2], sx[3]);
+        }
+    }
+}
+
 // Two consecutive values of T (4-byte aligned) as floats.
 template <typename T>
 __device__ __forceinline__ void load_pair(const T* p, float& a, float& b) {
@@ -908,13 +1042,15 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
     const uint32_t epi = s0 + STAGES * STAGE_BYTES;  // epilogue staging, Cfg::EPI_BYTES (none in place)
     constexpr int ZCH = Cfg::ZCH, ZW = Cfg::ZW, Z_BUFS = Cfg::Z_BUFS, Z_CHUNK = Cfg::Z_CHUNK_BYTES;
     const uint32_t zbuf = epi + Cfg::EPI_BYTES + Cfg::HAND_BYTES;  // the z buffers, Z_BUFS x Z_CHUNK
-    const uint32_t bars = zbuf + Z_BUFS * Z_CHUNK;    // full[s] at bars + 8 s, empty[s] at + 8 (S + s)
+    // GRAD_SUMS_W: the z tile (Cfg::Z_TILE_BYTES) where the ring would be.
+    const uint32_t bars = zbuf + Z_BUFS * Z_CHUNK + Cfg::Z_TILE_BYTES;  // full[s] at bars + 8 s, empty[s] at + 8 (S + s)
     // Z_SMEM: zfull[b] at zfull + 8 b, zempty[b] at zempty + 8 b.
     const uint32_t zfull = bars + 16 * STAGES, zempty = zfull + 8 * Z_BUFS;
     // STATS_WARPS: staged (the consumers have staged the unit's tile: 256 arrivals) and read (the statistics warps
     // have read it: 96 arrivals).
     constexpr bool STATS_WARPS = Cfg::STATS_WARPS;
     const uint32_t staged = zempty + 8 * Z_BUFS, read = staged + 8;
+    const uint32_t ztile = read + 8;  // GRAD_SUMS_W: the z tile has landed (1 arrival + its bytes)
     // Z_SMEM with C stored through its map (the launcher's tma_c; its z map tz then covers z like C's): a producer
     // thread loads z; otherwise the epilogue reads z from global memory.
     const bool z_tma = Z_SMEM && sh.tma_c;
@@ -936,6 +1072,7 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
             mbar_init(staged, 256);
             mbar_init(read, 96);
         }
+        if constexpr (Cfg::Z_TILE_BYTES > 0) mbar_init(ztile, 1);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
@@ -997,12 +1134,22 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
         }
         if constexpr (STATS_WARPS) {
             // ws is the statistics' partials (the launcher runs these kernels without split-K).
-            if (sh.tma_c && tid >= 32) tma_stats_warps<T, BN, Cfg::EPI_BYTES>(epi, staged, read, ws, sh, units, mt, nt);
+            if (sh.tma_c && tid >= 32) {
+                if constexpr (EPI == EPI_MOMENTS) {
+                    tma_stats_warps<T, BN, Cfg::EPI_BYTES>(epi, staged, read, ws, sh, units, mt, nt);
+                } else {
+                    tma_gsums_warps<T, BN, Cfg::EPI_BYTES>(epi, staged, read, zbuf, ztile, tz, ws, sh, units, mt,
+                                                           nt);
+                }
+            }
         }
         return;
     }
 
     setmaxnreg_inc<Cfg::CONSUMER_REGS>();
+    if constexpr (EPI == EPI_GRAD_SUMS_W) {
+        if (!sh.tma_c) __trap();  // the statistics warps read the staged tile
+    }
     const int cw = wg - 1;              // consumer warpgroup: rows [64 cw, 64 cw + 64) of the tile
     const int warp = (tid >> 5) & 3, lane = tid & 31;
     constexpr int NACC = BN / 2;
@@ -1292,6 +1439,9 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
 // workspace argument is the partials buffer, the bias argument the BatchNorm's input, Shape::bn_* its
 // per-channel tensors; no split-K.
 #define IG_TMA_KERNEL_GSUMS(NAME, T, MODE, AK, BKM, BN) IG_TMA_KERNEL_S(NAME, T, MODE, AK, BKM, BN, ig::EPI_GRAD_SUMS)
+// The same with the sums taken by the statistics warps (ig::tma_gsums_warps; x128 and x64; map C and map Z).
+#define IG_TMA_KERNEL_GSUMS_W(NAME, T, MODE, AK, BKM, BN) \
+    IG_TMA_KERNEL_S(NAME, T, MODE, AK, BKM, BN, ig::EPI_GRAD_SUMS_W)
 // The same with C joined with a residual gradient under a ReLU mask (ig::join_pair): the workspace argument is
 // the mask, map Z covers the residual gradient as map C covers C (C must go through map C: the launcher's tma_c);
 // no split-K.

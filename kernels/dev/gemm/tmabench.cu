@@ -24,9 +24,17 @@
 // kernels.join_in_conv store: g = mask ? round(round(acc) + b) : 0, b through map Z), against the plain NN GEMM; on
 // the l3 and l4 shapes the joined output is checked bit for bit against that formula applied on the host to the
 // plain kernel's output.
+// With ig::tma_gsums_warps (IG_TMA_KERNEL_GSUMS_W), the 1x1 grad-inputs with the backward sums taken by the
+// statistics warps, against the consumers' epilogue sums, x128 and x64, checked against FP64 on l3 / l4.
 // The last lines weight each shape by its launches in one ResNet-152 step: milliseconds a step.
 #include "conv/05_tma_wgmma.cu"
 #include "gemm/05_tma_wgmma.cu"
+
+#ifdef IG_TMA_KERNEL_GSUMS_W
+// The backward sums by the statistics warps (ig::tma_gsums_warps), built here only: not yet in the trainer.
+IG_TMA_KERNEL_GSUMS_W(gemm_nn_gsumsw_x128_vec_bf16, __nv_bfloat16, ig::TMA_GEMM, true, false, 128)
+IG_TMA_KERNEL_GSUMS_W(gemm_nn_gsumsw_x64_vec_bf16, __nv_bfloat16, ig::TMA_GEMM, true, false, 64)
+#endif
 
 #define DEV_HARNESS "tmabench"
 #include "dev/devbench.cuh"
@@ -395,6 +403,60 @@ int main(int argc, char** argv) {
     for (int ti = 0; ti < NT; ++ti)
         std::printf("  x%-3d %8.3f %8.3f %8.3f %8.3f\n", tiles[ti].bn, step[ti][0] / 1e3, step[ti][1] / 1e3,
                     step[ti][2] / 1e3, step[ti][3] / 1e3);
+
+#ifdef IG_TMA_KERNEL_GSUMS_W
+    {
+        // The 1x1 grad-inputs with the backward sums taken by the statistics warps (gsumsw), against the sums in
+        // the consumers' epilogue (gsums) and the plain kernel, x128 and x64; the partials checked against FP64
+        // on the l3 / l4 shapes, as above.
+        struct WTile {
+            int bn;
+            const void *nn, *nn_gsums, *nn_gsumsw;
+        };
+        const WTile wt_tiles[] = {
+            {128, (const void*)gemm_nn_x128_vec_bf16, (const void*)gemm_nn_gsums_x128_vec_bf16,
+             (const void*)gemm_nn_gsumsw_x128_vec_bf16},
+            {64, (const void*)gemm_nn_x64_vec_bf16, (const void*)gemm_nn_gsums_x64_vec_bf16,
+             (const void*)gemm_nn_gsumsw_x64_vec_bf16},
+        };
+        double wstep[2][3] = {{0}};
+        std::printf("%-20s %4s | %9s %9s %9s %7s | hash: sums (warps)\n", "grad-input sums", "tile", "bgrad", "+sums",
+                    "+warps", "+%");
+        for (const Shape1x1& s : shapes) {
+            const int m = (int)s.m;
+            for (int ti = 0; ti < 2; ++ti) {
+                const WTile& kt = wt_tiles[ti];
+                const ig::TmaDesc ga = tma_map(dy, s.cout, m, 128), gb = tma_map(wt, s.cin, s.cout, 64);
+                Launch bwd = make_bn(kt.bn, kt.nn, ga, gb, dx, part, nullptr, m, s.cin, s.cout, nullptr, nullptr,
+                                     nullptr);
+                Launch bwd_s = make_bn(kt.bn, kt.nn_gsums, ga, gb, dx, part, z, m, s.cin, s.cout, stats, bw, bb);
+                Launch bwd_w = make_bn(kt.bn, kt.nn_gsumsw, ga, gb, dx, part, z, m, s.cin, s.cout, stats, bw, bb);
+                set_bn(s.cin);
+                bwd_w();
+                CK(cudaStreamSynchronize(g_stream));
+                const size_t rows = (s.m + ig::TMA_BM - 1) / ig::TMA_BM;
+                const unsigned long long h_su = fnv(part, 2 * rows * s.cin * sizeof(float));
+                const bool check = (size_t)m * s.cin <= ((size_t)64 << 20);
+                double e_g = 0, e_gx = 0;
+                if (check) check_sums(dx, z, part, m, s.cin, hs, s.cin, hw, hb, e_g, e_gx);
+                const double t[3] = {time_us(bwd), time_us(bwd_s), time_us(bwd_w)};
+                std::printf("%-20s x%-3d | %9.1f %9.1f %9.1f %+6.1f%% | %016llx\n", s.name, kt.bn, t[0], t[1], t[2],
+                            100.0 * (t[2] / t[0] - 1.0), h_su);
+                if (check) {
+                    const bool ok = e_g < 1e-5 && e_gx < 1e-5;
+                    std::printf("  check against FP64 on the host: sums g %.1e g xhat %.1e: %s\n", e_g, e_gx,
+                                ok ? "ok" : "FAIL");
+                    fails += !ok;
+                }
+                for (int k = 0; k < 3; ++k) wstep[ti][k] += t[k] * s.launches;
+            }
+        }
+        std::printf("per ResNet-152 step (these 1x1 grad-inputs, launches weighted), ms: bgrad / +sums / +warps\n");
+        for (int ti = 0; ti < 2; ++ti)
+            std::printf("  x%-3d %8.3f %8.3f %8.3f\n", wt_tiles[ti].bn, wstep[ti][0] / 1e3, wstep[ti][1] / 1e3,
+                        wstep[ti][2] / 1e3);
+    }
+#endif
 
 #ifdef IG_TMA_KERNEL_JOIN
     {
