@@ -534,6 +534,55 @@ __device__ __forceinline__ void tma_epilogue_stats(const float (&acc)[BN / 2], f
     consumers_bar();
 }
 
+// The statistics warps' hand-over (warps 1-3 of the producer warpgroup, w = 0 .. 2; called once all three have met
+// at named barrier 4 after their last read of the tile): warps 1 and 2 store their V sums a and V sums b in the
+// 4 KB after the staging (hand; 8 V bytes a lane, 256 V a warp), the three meet again, and warp 3 adds them to its
+// own, warp 1's then warp 2's (a fixed order). Every thread arrives on read once it reads nothing of the tile or
+// the hand-over any more. Returns whether this thread holds the totals (warp 3).
+template <int V>
+__device__ __forceinline__ bool stats_hand_over(float (&a)[V], float (&b)[V], uint32_t hand, uint32_t read, int w,
+                                                int lane) {
+    static_assert(V % 4 == 0, "whole 16-byte stores");
+    if (w < 2) {
+        const uint32_t to = hand + w * 256 * V + lane * 8 * V;
+#pragma unroll
+        for (int e = 0; e < V / 4; ++e) {
+            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(to + 16 * e), "f"(a[4 * e]),
+                         "f"(a[4 * e + 1]), "f"(a[4 * e + 2]), "f"(a[4 * e + 3])
+                         : "memory");
+        }
+#pragma unroll
+        for (int e = 0; e < V / 4; ++e) {
+            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(to + 4 * V + 16 * e), "f"(b[4 * e]),
+                         "f"(b[4 * e + 1]), "f"(b[4 * e + 2]), "f"(b[4 * e + 3])
+                         : "memory");
+        }
+    }
+    asm volatile("bar.sync 4, 96;\n" ::: "memory");
+    if (w < 2) {
+        mbar_arrive(read);
+        return false;
+    }
+#pragma unroll
+    for (int o = 0; o < 2; ++o) {
+        float h[2 * V];
+        const uint32_t from = hand + o * 256 * V + lane * 8 * V;
+#pragma unroll
+        for (int e = 0; e < V / 2; ++e)
+            asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=f"(h[4 * e]), "=f"(h[4 * e + 1]), "=f"(h[4 * e + 2]), "=f"(h[4 * e + 3])
+                         : "r"(from + 16 * e)
+                         : "memory");
+#pragma unroll
+        for (int c = 0; c < V; ++c) {
+            a[c] += h[c];
+            b[c] += h[V + c];
+        }
+    }
+    mbar_arrive(read);  // the tile and the hand-over read
+    return true;
+}
+
 // The MOMENTS kernels' statistics, taken by warps 1-3 of the producer warpgroup (96 threads; warp 0 holds the
 // TMA thread) from the tile the consumers staged for their TMA store, so that the consumers go straight on to the
 // next unit's MMAs and the reduction runs under them (the consumers' own epilogue reduction, tma_epilogue_stats,
@@ -599,45 +648,9 @@ __device__ __forceinline__ void tma_stats_warps(uint32_t epi, uint32_t staged, u
                 sq[c] = fmaf(d, d, sq[c]);
             }
         }
-        // Every read of the tile done: warps 1 and 2 leave their sums in its first 4 KB for warp 3.
+        // Every read of the tile done: warps 1 and 2 hand their sums to warp 3.
         asm volatile("bar.sync 4, 96;\n" ::: "memory");
-        const uint32_t hand = epi + EPI_BYTES + (w & 1) * 2048 + lane * 64;
-        if (w < 2) {
-            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(hand), "f"(sd[0]), "f"(sd[1]), "f"(sd[2]),
-                         "f"(sd[3])
-                         : "memory");
-            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(hand + 16), "f"(sd[4]), "f"(sd[5]),
-                         "f"(sd[6]), "f"(sd[7])
-                         : "memory");
-            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(hand + 32), "f"(sq[0]), "f"(sq[1]),
-                         "f"(sq[2]), "f"(sq[3])
-                         : "memory");
-            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(hand + 48), "f"(sq[4]), "f"(sq[5]),
-                         "f"(sq[6]), "f"(sq[7])
-                         : "memory");
-        }
-        asm volatile("bar.sync 4, 96;\n" ::: "memory");
-        if (w < 2) {
-            mbar_arrive(read);
-            continue;
-        }
-#pragma unroll
-        for (int o = 0; o < 2; ++o) {
-            float h[16];
-            const uint32_t from = epi + EPI_BYTES + o * 2048 + lane * 64;
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-                             : "=f"(h[4 * e]), "=f"(h[4 * e + 1]), "=f"(h[4 * e + 2]), "=f"(h[4 * e + 3])
-                             : "r"(from + 16 * e)
-                             : "memory");
-#pragma unroll
-            for (int c = 0; c < 8; ++c) {
-                sd[c] += h[c];
-                sq[c] += h[8 + c];
-            }
-        }
-        mbar_arrive(read);  // the tile and the hand-over read
+        if (!stats_hand_over<8>(sd, sq, epi + EPI_BYTES, read, w, lane)) continue;
 #pragma unroll
         for (int m = CH; m < 32; m <<= 1)
 #pragma unroll
@@ -747,39 +760,7 @@ __device__ __forceinline__ void tma_gsums_warps(uint32_t epi, uint32_t staged, u
         // their sums in the 4 KB after the staging for warp 3.
         asm volatile("bar.sync 4, 96;\n" ::: "memory");
         if (threadIdx.x == 32 && u + (int)gridDim.x < units) load_z(u + gridDim.x);
-        const uint32_t hand = epi + EPI_BYTES + (w & 1) * 1024 + lane * 32;
-        if (w < 2) {
-            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(hand), "f"(sg[0]), "f"(sg[1]), "f"(sg[2]),
-                         "f"(sg[3])
-                         : "memory");
-            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(hand + 16), "f"(sx[0]), "f"(sx[1]),
-                         "f"(sx[2]), "f"(sx[3])
-                         : "memory");
-        }
-        asm volatile("bar.sync 4, 96;\n" ::: "memory");
-        if (w < 2) {
-            mbar_arrive(read);
-            continue;
-        }
-#pragma unroll
-        for (int o = 0; o < 2; ++o) {
-            float h[8];
-            const uint32_t from = epi + EPI_BYTES + o * 1024 + lane * 32;
-            asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-                         : "=f"(h[0]), "=f"(h[1]), "=f"(h[2]), "=f"(h[3])
-                         : "r"(from)
-                         : "memory");
-            asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-                         : "=f"(h[4]), "=f"(h[5]), "=f"(h[6]), "=f"(h[7])
-                         : "r"(from + 16)
-                         : "memory");
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                sg[c] += h[c];
-                sx[c] += h[4 + c];
-            }
-        }
-        mbar_arrive(read);  // the tile and the hand-over read
+        if (!stats_hand_over<4>(sg, sx, epi + EPI_BYTES, read, w, lane)) continue;
 #pragma unroll
         for (int m = CQ; m < 32; m <<= 1)
 #pragma unroll
