@@ -722,7 +722,10 @@ extern "C" __global__ void __launch_bounds__(FX * FY)
 // a grid-wide barrier (cooperative_groups, a cooperative launch: every block resident at once, so the grid is at
 // most the occupancy times the SMs; the launcher sizes it). Block 256 threads (VB), grid <= chunks.
 // bn_nhwc_train_bwd_v8: the backward the same way, bn_nhwc_bwd_sum_v8 + bn_nhwc_bwd_final_v8 + bn_nhwc_bwd_dx_v8
-// in one launch, the sums (2, c) also written out (dbias, dweight).
+// in one launch, the sums (2, c) also written out (dbias, dweight). With have_sums phase 1 is skipped: part already
+// holds the chunks' partials of the backward sums, written by the grad-input's epilogue (kernels.bn_stats "fused"
+// or "backward": chunks = its 128-row units), so the launch is bit for bit bn_nhwc_bwd_final_v8 over them +
+// bn_nhwc_bwd_dx_v8, in one launch instead of two.
 // With rev (the launchers' default) phase 1 takes the chunks from the last to the first (block b first takes
 // chunk chunks - 1 - b): the kernel before it (the conv that made x, the grad-input that made dy) wrote the
 // tensors' ends last, so those are what the 50 MB L2 still holds; phase 3 then runs from the front, which phase 1
@@ -820,12 +823,15 @@ template <typename T>
 __device__ void bnv_train_bwd(const T* __restrict__ x, const T* __restrict__ dy, const float* __restrict__ stats,
                               const float* __restrict__ weight, const float* __restrict__ bias,
                               float* __restrict__ part, float* __restrict__ sums, T* __restrict__ dx, int64_t rows,
-                              int c, int64_t rpc, int chunks, float count, int relu, int rev) {
+                              int c, int64_t rpc, int chunks, float count, int relu, int rev, int have_sums) {
     cg::grid_group grid = cg::this_grid();
-    for (int k = blockIdx.x; k < chunks; k += gridDim.x) {
-        bnv_bwd_partial<T>(x, dy, stats, weight, bias, part, rows, c, rpc, relu, rev ? chunks - 1 - k : k, chunks);
+    if (!have_sums) {
+        for (int k = blockIdx.x; k < chunks; k += gridDim.x) {
+            bnv_bwd_partial<T>(x, dy, stats, weight, bias, part, rows, c, rpc, relu, rev ? chunks - 1 - k : k,
+                               chunks);
+        }
+        grid.sync();
     }
-    grid.sync();
     __shared__ float sh[FY][2], shb[FY][2];
     const int tx = threadIdx.x & 1, ty = threadIdx.x >> 1;
     for (int p = blockIdx.x; p < (c >> 1); p += gridDim.x) {
@@ -1025,8 +1031,9 @@ __device__ void bnv_train_bwd_pool(const T* __restrict__ x, PoolDy<T> src, const
     extern "C" __global__ void __launch_bounds__(VB, 3)                                                             \
         bn_nhwc_train_bwd_v8_##NAME(const T* x, const T* dy, const float* stats, const float* weight,               \
                                     const float* bias, float* part, float* sums, T* dx, long long rows, int c,      \
-                                    long long rpc, int chunks, float count, int relu, int rev) {                    \
-        bnv_train_bwd<T>(x, dy, stats, weight, bias, part, sums, dx, rows, c, rpc, chunks, count, relu, rev);       \
+                                    long long rpc, int chunks, float count, int relu, int rev, int have_sums) {     \
+        bnv_train_bwd<T>(x, dy, stats, weight, bias, part, sums, dx, rows, c, rpc, chunks, count, relu, rev,        \
+                         have_sums);                                                                                \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(VB, 3) bn_nhwc_train2_v8_##NAME(                                   \
         const T* x, const T* r, float* part, float* part_r, float* stats, float* stats_r, const float* weight,      \

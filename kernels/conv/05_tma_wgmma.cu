@@ -38,3 +38,12 @@ CONV_TMA_ALL(__nv_bfloat16, bf16, 128)
 CONV_TMA_ALL(__half, f16, 128)
 CONV_TMA_ALL(__nv_bfloat16, bf16, 64)
 CONV_TMA_ALL(__half, f16, 64)
+
+// conv_dgrad_gsumsw_*: conv_dgrad_gsums_* with the sums taken by statistics warps of the producer warpgroup from
+// the staged tile (ig::tma_gsums_warps; x128 and x64 only): what the launcher runs wherever dx goes through map C.
+#define CONV_TMA_GSUMS_W(T, SUF, BN) \
+    IG_TMA_KERNEL_GSUMS_W(conv_dgrad_gsumsw_x##BN##_tma_##SUF, T, ig::TMA_CONV_DGRAD, true, false, BN)
+CONV_TMA_GSUMS_W(__nv_bfloat16, bf16, 128)
+CONV_TMA_GSUMS_W(__half, f16, 128)
+CONV_TMA_GSUMS_W(__nv_bfloat16, bf16, 64)
+CONV_TMA_GSUMS_W(__half, f16, 64)

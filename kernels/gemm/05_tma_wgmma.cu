@@ -35,3 +35,12 @@ GEMM_TMA_ALL(__nv_bfloat16, bf16, 128)
 GEMM_TMA_ALL(__half, f16, 128)
 GEMM_TMA_ALL(__nv_bfloat16, bf16, 64)
 GEMM_TMA_ALL(__half, f16, 64)
+
+// gemm_nn_gsumsw_*: gemm_nn_gsums_* with the sums taken by statistics warps of the producer warpgroup from the
+// staged tile (ig::tma_gsums_warps; x128 and x64 only): what the launcher runs wherever C goes through map C.
+#define GEMM_TMA_GSUMS_W(T, SUF, BN) \
+    IG_TMA_KERNEL_GSUMS_W(gemm_nn_gsumsw_x##BN##_vec_##SUF, T, ig::TMA_GEMM, true, false, BN)
+GEMM_TMA_GSUMS_W(__nv_bfloat16, bf16, 128)
+GEMM_TMA_GSUMS_W(__half, f16, 128)
+GEMM_TMA_GSUMS_W(__nv_bfloat16, bf16, 64)
+GEMM_TMA_GSUMS_W(__half, f16, 64)

@@ -149,7 +149,7 @@ constexpr int TMA_EPI_WG_BYTES = 64 * 128 * 2, TMA_EPI_BYTES = 2 * TMA_EPI_WG_BY
 // What a TMA kernel's epilogue adds (the EPI template argument).
 // EPI_JOIN: the stored value joined with a residual gradient under a ReLU mask (ig::tma_gemm_body's store).
 // EPI_GRAD_SUMS_W: the GRAD_SUMS sums taken by statistics warps from the staged tile (tma_gsums_warps; x128 and
-// x64; built by kernels/dev/gemm/tmabench.cu only, not yet by the trainer).
+// x64; needs map C: the launcher runs them wherever C goes through it, the GRAD_SUMS kernels elsewhere).
 constexpr int EPI_PLAIN = 0, EPI_MOMENTS = 1, EPI_GRAD_SUMS = 2, EPI_JOIN = 3, EPI_GRAD_SUMS_W = 4;
 
 // Per block-tile width BN (256: tile x256, 128: tile x128, 64: tile x64) and epilogue: stages and dynamic shared

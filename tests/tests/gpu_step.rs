@@ -767,9 +767,10 @@ fn joined_relu_grad_sums_match_the_two_passes() -> Result<()> {
 }
 
 /// `kernels.bn_stats = "fused"`, backward: the BatchNorm + ReLU backward sums computed in the epilogue of the
-/// grad-input passes (`gemm_nn_gsums_*` for 1x1, `conv_dgrad_gsums_*` for stride-1 convolutions) against the sums
-/// pass (`BnGrad` with the ReLU) over the same (z, dx), on every TMA tile, in bf16 and fp16, partials poisoned
-/// first; a strided 3x3 (whose grad-input scatters its rows) must leave the sums to the pass.
+/// grad-input passes (`gemm_nn_gsums_*` for 1x1, `conv_dgrad_gsums_*` for stride-1 convolutions; on x128 and x64
+/// their statistics-warps kernels `*_gsumsw_*`, as these outputs go through map C) against the sums pass (`BnGrad`
+/// with the ReLU) over the same (z, dx), on every TMA tile, in bf16 and fp16, partials poisoned first; a strided
+/// 3x3 (whose grad-input scatters its rows) must leave the sums to the pass.
 #[test]
 fn grad_input_epilogue_sums_match_the_pass() -> Result<()> {
     use kernels::ops::batchnorm::BnGrad;
@@ -1009,6 +1010,45 @@ fn cooperative_batchnorm_takes_the_epilogue_moments() -> Result<()> {
          statistics) bit for bit with the separate launches; {from_moments} cooperative forwards took epilogue moments",
         base.len()
     );
+    Ok(())
+}
+
+/// `kernels.bn_stats = "fused"` with `kernels.bn_cooperative = true`, backward: a BatchNorm whose backward sums'
+/// partials came from the grad-input's epilogue (on x128 the statistics warps' `*_gsumsw_*` kernels) reduces them
+/// and makes dz in one cooperative launch (`bn_nhwc_train_bwd_v8` with `have_sums`) instead of the finaliser and
+/// the dx pass. A ResNet-50 step (64 px, batch 8, bf16 and fp16, tile x128 forced so that the epilogues run) must
+/// give the loss, every gradient and every running statistic bit for bit as the separate launches do.
+#[test]
+fn cooperative_batchnorm_takes_the_epilogue_sums() -> Result<()> {
+    use kernels::variants::X128;
+    use kernels::Tuning;
+    let gpu = cuda()?;
+    let x = Tensor::randn(0f32, 1.0, (8, 3, 64, 64), &Device::Cpu)?.to_device(&gpu)?;
+    let labels = Tensor::new((0..8u32).collect::<Vec<_>>().as_slice(), &gpu)?;
+    for prec in [Precision::Bf16, Precision::F16] {
+        let step = |coop: bool| -> Result<(f32, Vec<(String, Tensor)>)> {
+            let mut m = model(Arch::ResNet50, Stem::ImageNet, &gpu)?;
+            let policy = m.config.kernels.clone().with_tuning(Tuning::Forced(X128)).with_fused_bn_reductions(true);
+            // The compact shortcut gradient (cooperative only) is summed by another kernel: equal only to rounding.
+            m.config.kernels = KernelPolicy { bn_cooperative: coop, compact_shortcut_grad: false, ..policy };
+            let o = m.train_step_explicit_with(&x, &labels, resnet::step::StepArgs::new(0.1, 1.0, prec))?;
+            let out = grads_and_running_stats(&m, &o)?;
+            Ok((o.loss.to_scalar::<f32>()?, out))
+        };
+        let (lb, base) = step(false)?;
+        let before = kernels::cuda::bn::cooperative_launches_from_sums();
+        let (lc, coop) = step(true)?;
+        let from_sums = kernels::cuda::bn::cooperative_launches_from_sums() - before;
+        ensure!(from_sums > 0, "{prec:?}: no cooperative backward took epilogue sums");
+        ensure!(lb.to_bits() == lc.to_bits(), "{prec:?}: loss {lc} cooperative, {lb} with the separate launches");
+        ensure_same_bits(&format!("{prec:?} cooperative against the separate launches"), &coop, &base)?;
+        println!(
+            "cooperative BatchNorm backward with epilogue sums, ResNet-50 {prec:?} step: loss and {} tensors \
+             (gradients, running statistics) bit for bit with the separate launches; {from_sums} cooperative \
+             backwards took epilogue sums",
+            base.len()
+        );
+    }
     Ok(())
 }
 

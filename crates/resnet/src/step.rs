@@ -377,9 +377,12 @@ fn train_bn(bn: &BatchNorm2d) -> kernels::ops::batchnorm::TrainBn<'_> {
 
 /// What the kernel that made a BatchNorm's output gradient already computed of that BatchNorm's backward.
 enum Pre {
-    /// Its sums (2, c) = [dbias, dweight] ([`Engine::block_output_grad`] under `bn_sums_in_backward`, the grad-input
-    /// epilogue of [`Engine::conv_backward_sums`]).
+    /// Its sums (2, c) = [dbias, dweight] ([`Engine::block_output_grad`] under `bn_sums_in_backward`, or the sums
+    /// pass of [`Engine::conv_backward_sums`] where the grad-input's epilogue did not run).
     Sums(Tensor),
+    /// The partials of its sums that the grad-input's epilogue wrote ([`Engine::conv_backward_sums`]), reduced by
+    /// the BatchNorm backward's own launch.
+    Partials(Tensor),
     /// Its sums and its grad-input ([`Engine::block_output_grad`] under `bn_cooperative`: one launch).
     Done { sums: Tensor, dz: Tensor },
 }
@@ -668,18 +671,30 @@ impl<'a> Engine<'a> {
         relu: bool,
         pre: Option<Pre>,
     ) -> Result<Tensor> {
+        if let Some(Pre::Done { sums, dz }) = pre {
+            self.put(&bn.weight, || sums.get(1))?;
+            self.put(&bn.bias, || sums.get(0))?;
+            return Ok(dz);
+        }
+        let p = Self::bn_params(bn, &s.stats);
+        let op = BnGrad { relu, stats: p.stats, weight: p.weight, bias: p.bias, sums: None };
+        let z = s.z()?;
         let pre = match pre {
-            Some(Pre::Done { sums, dz }) => {
+            Some(Pre::Partials(part)) if self.cooperative_backward() && !frozen(bn) => {
+                // The epilogue's partials reduced and dz made in one launch on CUDA (the same values as reducing
+                // them first and the dx pass below).
+                let (sums, dz) = kernels::ops::batchnorm::batch_norm_train_backward_from_partials(z, g, &op, &part)?;
                 self.put(&bn.weight, || sums.get(1))?;
                 self.put(&bn.bias, || sums.get(0))?;
                 return Ok(dz);
             }
+            Some(Pre::Partials(part)) => {
+                let c = z.dim(3)?;
+                Some(kernels::ops::batchnorm::grad_sums_from_partials(&part, z.elem_count() / c, c)?)
+            }
             Some(Pre::Sums(sums)) => Some(sums),
-            None => None,
+            Some(Pre::Done { .. }) | None => None,
         };
-        let p = Self::bn_params(bn, &s.stats);
-        let op = BnGrad { relu, stats: p.stats, weight: p.weight, bias: p.bias, sums: None };
-        let z = s.z()?;
         if self.cooperative_backward() && pre.is_none() && !frozen(bn) {
             // Sums and grad-input in one launch on CUDA (the same values as the two passes below).
             let (sums, dz) = kernels::ops::batchnorm::batch_norm_train_backward(z, g, &op)?;
@@ -713,8 +728,8 @@ impl<'a> Engine<'a> {
     }
 
     /// [`Self::conv_backward`] for a conv whose input is BatchNorm `bn` + ReLU of the saved `prev`: also that
-    /// BatchNorm's backward sums over (its input, the grad-input), from the grad-input's epilogue where it can
-    /// ([`kernels::conv2d_nhwc_grad_input_sums`]), for its [`Self::bn_backward`].
+    /// BatchNorm's backward sums over (its input, the grad-input), as the partials the grad-input's epilogue wrote
+    /// where it can ([`kernels::conv2d_nhwc_grad_input_bwd_sums`]), for its [`Self::bn_backward`].
     fn conv_backward_sums(
         &mut self,
         cw: &ConvW,
@@ -722,11 +737,11 @@ impl<'a> Engine<'a> {
         dz: &Tensor,
         prev: &BnSaved,
         bn: &BatchNorm2d,
-    ) -> Result<(Tensor, Tensor)> {
+    ) -> Result<(Tensor, kernels::BwdSums)> {
         self.record_grad_weight(cw, x, dz)?;
         let (c, (_, h, w, _)) = (cw.conv, x.dims4()?);
         let p = Self::bn_params(bn, &prev.stats);
-        kernels::conv2d_nhwc_grad_input_sums(dz, &cw.w, (c.stride, c.padding, (h, w)), self.policy, prev.z()?, &p)
+        kernels::conv2d_nhwc_grad_input_bwd_sums(dz, &cw.w, (c.stride, c.padding, (h, w)), self.policy, prev.z()?, &p)
     }
 
     /// The grad-weight of a conv, recorded unless the weight is frozen (over a normalised input: through
@@ -895,7 +910,10 @@ impl<'a> Engine<'a> {
                 // The conv's input is relu(bn(z)) of the conv before: its sums come with the grad-input.
                 (Some(prev), _) if self.policy.bn_sums_in_backward => {
                     let (dx, sums) = self.conv_backward_sums(&cw, &input, &dz, prev, &b.bns[i - 1])?;
-                    pre = Some(Pre::Sums(sums));
+                    pre = Some(match sums {
+                        kernels::BwdSums::Sums(sums) => Pre::Sums(sums),
+                        kernels::BwdSums::Partials(part) => Pre::Partials(part),
+                    });
                     dx
                 }
                 _ => self.conv_backward(&cw, &input, &dz, true)?.expect("grad-input requested"),

@@ -512,7 +512,7 @@ impl Default for KernelsSection {
             step: StepChoice::Auto,
             recompute: RecomputeChoice::None,
             graph: GraphChoice::Auto,
-            bn_stats: BnStatsChoice::Forward,
+            bn_stats: BnStatsChoice::Fused,
             bn_cooperative: true,
             bn_apply_in_conv: BnApplyInConvChoice::Off,
             join_in_conv: true,

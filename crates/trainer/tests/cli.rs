@@ -364,16 +364,23 @@ fn info_prints_stages_and_parameter_count() {
     let out = trainer(&["info", "--config", &cfg, "--set", "kernels.graph=\"off\""]);
     let off = String::from_utf8_lossy(&out.stdout);
     assert!(off.contains("graph: off (kernels.graph = \"off\")"), "{off}");
-    // The BatchNorm moments in the conv epilogues by default ("forward"); "pass" prints nothing.
+    // Both BatchNorm reductions in the kernels next to them by default ("fused"); "pass" prints nothing.
     assert!(
-        text.contains("bn_stats: forward (kernels.bn_stats; the fused step on CUDA: moments in the conv epilogues)"),
+        text.contains(
+            "bn_stats: fused (kernels.bn_stats; the fused step on CUDA: moments in the conv epilogues, backward sums \
+             with the gradients that make them)"
+        ),
         "{text}"
     );
     let out = trainer(&["info", "--config", &cfg, "--set", "kernels.bn_stats=\"pass\""]);
     let pass = String::from_utf8_lossy(&out.stdout);
     assert!(!pass.contains("bn_stats:"), "{pass}");
-    let out = trainer(&["info", "--config", &cfg, "--set", "kernels.bn_stats=\"fused\""]);
-    assert!(String::from_utf8_lossy(&out.stdout).contains("bn_stats: fused (kernels.bn_stats;"));
+    let out = trainer(&["info", "--config", &cfg, "--set", "kernels.bn_stats=\"forward\""]);
+    let fwd = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        fwd.contains("bn_stats: forward (kernels.bn_stats; the fused step on CUDA: moments in the conv epilogues)"),
+        "{fwd}"
+    );
     let out = trainer(&["info", "--config", &cfg, "--set", "kernels.bn_stats=\"auto\""]);
     let auto = String::from_utf8_lossy(&out.stdout);
     assert!(auto.contains("bn_stats: auto (kernels.bn_stats;") && auto.contains("where timed faster"), "{auto}");

@@ -230,7 +230,7 @@ int main(int argc, char** argv) {
             t_bwd = time_us(join);
         } else {
             void* args_b[] = {&x, &dy, &stats, &w, &bias, &part, &sums, &dx, (void*)&rows, &c, &rpc, &ichunks, &count,
-                              &relu, &rev};
+                              &relu, &rev, &have};
             auto bwd = [&] { coop(f_bwd, gridb, args_b); };
             bwd();
             CK(cudaStreamSynchronize(g_stream));

@@ -30,12 +30,6 @@
 #include "conv/05_tma_wgmma.cu"
 #include "gemm/05_tma_wgmma.cu"
 
-#ifdef IG_TMA_KERNEL_GSUMS_W
-// The backward sums by the statistics warps (ig::tma_gsums_warps), built here only: not yet in the trainer.
-IG_TMA_KERNEL_GSUMS_W(gemm_nn_gsumsw_x128_vec_bf16, __nv_bfloat16, ig::TMA_GEMM, true, false, 128)
-IG_TMA_KERNEL_GSUMS_W(gemm_nn_gsumsw_x64_vec_bf16, __nv_bfloat16, ig::TMA_GEMM, true, false, 64)
-#endif
-
 #define DEV_HARNESS "tmabench"
 #include "dev/devbench.cuh"
 

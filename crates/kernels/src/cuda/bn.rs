@@ -677,6 +677,17 @@ pub fn cooperative_launches_from_moments() -> u64 {
     COOP_FROM_MOMENTS.with(std::cell::Cell::get)
 }
 
+thread_local! {
+    /// Cooperative backward launches that took a grad-input epilogue's sums ([`train_backward`] with `partials`)
+    /// on this thread: tests check that the path without the sums pass ran.
+    static COOP_FROM_SUMS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// How many cooperative BatchNorm backwards this thread has launched with a grad-input epilogue's sums.
+pub fn cooperative_launches_from_sums() -> u64 {
+    COOP_FROM_SUMS.with(std::cell::Cell::get)
+}
+
 /// The cooperative kernels' `rev` argument: their phase 1 takes the row chunks from the last to the first, where
 /// the kernel before them left the tensors' ends in L2 (the results are the same either way). The environment
 /// variable `KERNELS_BN_CHUNKS_FORWARD=1` turns the order back to first-to-last, for timing the two against each
@@ -698,19 +709,29 @@ fn epilogue_split(sp: Split) -> Split {
     Split { chunks: (sp.rows as usize).div_ceil(rpc), rows_per_chunk: rpc as i64, ..sp }
 }
 
-/// The partials buffer of a cooperative forward: the epilogue's (read only, `have_moments`) or a fresh one that
-/// its phase 1 fills.
+/// The partials buffer of a cooperative launch: the epilogue's (read only: `have_moments`, `have_sums`) or a fresh
+/// one that its phase 1 fills.
 enum Partials<'a> {
     Given(CudaView<'a, f32>),
     Fresh(CudaSlice<f32>),
 }
 
 impl<'a> Partials<'a> {
+    /// A forward's: the moments' layout, (2 chunks + 1) x c.
     fn new(moments: Option<Arg<'a>>, sp: &Split, dev: &CudaDevice, op: &str, what: &str) -> Result<Self> {
-        let len = (2 * sp.chunks + 1) * sp.c as usize;
-        Ok(match moments {
+        Self::of_len(moments, (2 * sp.chunks + 1) * sp.c as usize, dev, op, what)
+    }
+
+    /// A backward's: the sums' layout, 2 chunks x c.
+    fn sums(given: Option<Arg<'a>>, sp: &Split, dev: &CudaDevice, op: &str, what: &str) -> Result<Self> {
+        Self::of_len(given, 2 * sp.chunks * sp.c as usize, dev, op, what)
+    }
+
+    fn of_len(given: Option<Arg<'a>>, len: usize, dev: &CudaDevice, op: &str, what: &str) -> Result<Self> {
+        Ok(match given {
             Some(m) => Self::Given(view::<f32>(m, len, dev, op, what)?),
-            // SAFETY: phase 1 writes every (chunk, channel) element of both halves, chunk 0's block the shift.
+            // SAFETY: phase 1 writes every (chunk, channel) element of the layout (a forward's chunk 0 block the
+            // shift too).
             None => Self::Fresh(unsafe { dev.alloc::<f32>(len)? }),
         })
     }
@@ -983,15 +1004,18 @@ fn train_bwd_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     dy: Arg,
     op: &GradArgs,
     sp: Split,
+    partials: Option<Arg>,
 ) -> Result<(CudaStorage, CudaStorage)> {
     const OP: &str = "batch_norm_nhwc_train_backward";
     let dev = &x.0.device;
+    let sp = if partials.is_some() { epilogue_split(sp) } else { sp };
     let c = sp.c as usize;
     let len = sp.rows as usize * c;
     let (xv, gv) = (view::<T>(x, len, dev, OP, "x")?, view::<T>(dy, len, dev, OP, "dy")?);
     chan_views!(op, c, dev, OP => sv, wv, bv);
-    // SAFETY: phase 1 writes every (2, chunk, channel) element.
-    let part = unsafe { dev.alloc::<f32>(2 * sp.chunks * c)? };
+    let have_sums = partials.is_some() as i32;
+    COOP_FROM_SUMS.with(|n| n.set(n.get() + have_sums as u64));
+    let part = Partials::sums(partials, &sp, dev, OP, "epilogue backward sums")?;
     let sums = alloc_out::<f32>(dev, 2 * c)?;
     let dx = alloc_out::<T>(dev, len)?;
     let name = format!("bn_nhwc_train_bwd_v8_{}", suffix(T::DTYPE, OP)?);
@@ -999,24 +1023,30 @@ fn train_bwd_t<T: CudaDType + DeviceRepr + WithDType + 'static>(
     let blocks = coop_blocks(dev, &f, &name, sp.chunks)?;
     let (chunks, count, relu) = (sp.chunks as i32, sp.count(), op.relu as i32);
     let mut bld = f.builder();
-    bld.arg(&xv).arg(&gv).arg(&sv).arg(&wv).arg(&bv).arg(&part).arg(&sums).arg(&dx);
+    bld.arg(&xv).arg(&gv).arg(&sv).arg(&wv).arg(&bv);
+    part.push(&mut bld);
+    bld.arg(&sums).arg(&dx);
     let rev = reverse_chunks();
     bld.arg(&sp.rows).arg(&sp.c).arg(&sp.rows_per_chunk).arg(&chunks).arg(&count).arg(&relu).arg(&rev);
+    bld.arg(&have_sums);
     // SAFETY: matches bn_nhwc_train_bwd_v8_* (x, dy, stats, weight, bias, part, sums, dx, rows, c, rpc, chunks,
-    // count, relu, rev); x, dy and dx hold rows*c elements (v8_applies: c % 8 == 0, 256 % (c / 8) == 0, 16-byte
-    // aligned; dx fresh), stats 3 c, weight and bias c, part 2 chunks c, sums 2 c. Cooperative, at most the
-    // resident blocks ([`coop_blocks`]).
+    // count, relu, rev, have_sums); x, dy and dx hold rows*c elements (v8_applies: c % 8 == 0, 256 % (c / 8) == 0,
+    // 16-byte aligned; dx fresh), stats 3 c, weight and bias c, part 2 chunks c (given: checked by its view, the
+    // epilogue's 128-row chunks), sums 2 c. Cooperative, at most the resident blocks ([`coop_blocks`]).
     unsafe { bld.launch_cooperative(coop_cfg(blocks)) }.w()?;
     Ok((CudaStorage::wrap_cuda_slice(sums, dev.clone()), CudaStorage::wrap_cuda_slice(dx, dev.clone())))
 }
 
 /// The BatchNorm backward (`op.sums` None: from the forward's statistics, weight and bias) in one cooperative
 /// launch (`bn_nhwc_train_bwd_v8_*`): (sums (2, c) f32 = [dbias, dweight], dx like x); bit for bit what
-/// [`grad`] without and then with the sums gives. None where the 8-channel kernels do not apply.
+/// [`grad`] without and then with the sums gives. With `partials` (the backward sums' partials a grad-input's
+/// epilogue wrote, [`super::tma::grad_sums_partials_len`]) the launch reduces those instead of computing them: bit
+/// for bit [`sums_from_partials`] then [`grad`] with the sums. None where the 8-channel kernels do not apply.
 pub fn train_backward(
     x: Arg,
     dy: Arg,
     op: &GradArgs,
+    partials: Option<Arg>,
     rows: usize,
     c: usize,
 ) -> Result<Option<(CudaStorage, CudaStorage)>> {
@@ -1028,7 +1058,8 @@ pub fn train_backward(
         return Ok(None);
     }
     let sp = Split::v8(rows, c, OP)?;
-    let out = cuda_float!(x.0.dtype(), OP, [F32: f32, BF16: bf16, F16: f16], |T| train_bwd_t::<T>(x, dy, op, sp))?;
+    let out =
+        cuda_float!(x.0.dtype(), OP, [F32: f32, BF16: bf16, F16: f16], |T| train_bwd_t::<T>(x, dy, op, sp, partials))?;
     Ok(Some(out))
 }
 

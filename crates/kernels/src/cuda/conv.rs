@@ -109,7 +109,7 @@ fn tma_conv<T: CudaDType + DeviceRepr + WithDType>(
             let ma = tma_im2col_map(pa, dt, x_dims, lo, up, g.stride, 128, op)?;
             let mb = tma_map(pb, dt, rsc, g.ko, tile.bn as u32, op)?;
             let name = if epi == Epi::Plain { "fwd" } else { "fwd_stats" };
-            tma_run(dev, tile, &func(name)?, (&ma, &mb), (g.n * p * q, g.ko, rsc), base, out, None, true, epi, op)?;
+            tma_run(dev, tile, (&func, name), (&ma, &mb), (g.n * p * q, g.ko, rsc), base, out, None, true, epi, op)?;
         }
         // dx[nhw][c] = im2col(dy, padding r - 1 - pad)[nhw][(r', s', k)] . w[k][flipped (r', s')][c]
         ConvPass::Dgrad if g.stride == 1 => {
@@ -118,13 +118,12 @@ fn tma_conv<T: CudaDType + DeviceRepr + WithDType>(
             let mb = tma_map(pb, dt, rsc, g.ko, 64, op)?;
             let mnk = (g.n * g.h * g.w, g.c, g.r * g.r * g.ko);
             let name = if epi == Epi::Plain { "dgrad" } else { "dgrad_gsums" };
-            tma_run(dev, tile, &func(name)?, (&ma, &mb), mnk, base, out, None, true, epi, op)?;
+            tma_run(dev, tile, (&func, name), (&ma, &mb), mnk, base, out, None, true, epi, op)?;
         }
         // Per phase class: dx[(n, hh, ww)][c] = im2col(dy, class corners)[..][(i', j', k)] . w[k][class tap][c],
         // stored to dx pixel (n, hh * stride + ph, ww * stride + pw).
         ConvPass::Dgrad => {
             let mb = tma_map(pb, dt, rsc, g.ko, 64, op)?;
-            let f = func("dgrads")?;
             for (m, sh) in classes.iter().filter(|(_, sh)| sh.k > 0) {
                 let (tr, ts) = (sh.tr as usize, sh.ts as usize);
                 // The class's window corners over dy: hh + (ph + pad - r0) / stride - (tr - 1), walked for mh rows.
@@ -136,7 +135,7 @@ fn tma_conv<T: CudaDType + DeviceRepr + WithDType>(
                 let (lw, uw) = corner(sh.pw, sh.s0, ts, sh.mw, q);
                 let ma = tma_im2col_map(pa, dt, (g.n, p, q, g.ko), (lh, lw), (uh, uw), 1, 128, op)?;
                 let mnk = (*m, g.c, tr * ts * g.ko);
-                tma_run(dev, tile, &f, (&ma, &mb), mnk, *sh, out, None, false, Epi::Plain, op)?;
+                tma_run(dev, tile, (&func, "dgrads"), (&ma, &mb), mnk, *sh, out, None, false, Epi::Plain, op)?;
             }
         }
         // Transposed (Ko <= 64, see wgrad_transposed): dw^T[(r, s, c)][ko] = im2col(x)^T[..][npq] . dy[npq][ko]
@@ -146,7 +145,7 @@ fn tma_conv<T: CudaDType + DeviceRepr + WithDType>(
             tma_run(
                 dev,
                 tile,
-                &func("wgradt")?,
+                (&func, "wgradt"),
                 (&ma, &mb),
                 (rsc, g.ko, g.n * p * q),
                 base,
@@ -164,7 +163,7 @@ fn tma_conv<T: CudaDType + DeviceRepr + WithDType>(
             tma_run(
                 dev,
                 tile,
-                &func("wgrad")?,
+                (&func, "wgrad"),
                 (&ma, &mb),
                 (g.ko, rsc, g.n * p * q),
                 base,

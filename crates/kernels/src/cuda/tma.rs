@@ -185,17 +185,22 @@ pub enum Epi {
     Join { mask: u64, b: u64 },
 }
 
-/// One launch of a TMA kernel `f` (tile x256, x128 or x64) over the m x n x k problem described by the tensor maps:
-/// the persistent grid, split-K through an FP32 workspace and gemm_splitk_reduce (which then adds the bias).
-/// `base` carries the convolution geometry (zero for matmuls); c is m x n row-major when `plain_c` (else the
-/// kernel places the rows itself, without split-K). `epi` other than Plain: `f` is the matching STATS / GSUMS
-/// kernel; no split-K, the partials' address goes in the workspace argument (and for GradSums z in the bias
-/// argument, the BatchNorm's tensors in the shape).
+/// A TMA kernel of one family by its tag ("nn", "nn_gsums", "dgrad", ..: the launcher's naming of
+/// `gemm_{tag}_{tile}_vec_{dtype}` or `conv_{tag}_{tile}_tma_{dtype}`), loaded.
+pub(crate) type KernelByTag<'a> = &'a dyn Fn(&str) -> Result<CudaFunction>;
+
+/// One launch of the TMA kernel `tag` of `kernel` (tile x256, x128 or x64) over the m x n x k problem described
+/// by the tensor maps: the persistent grid, split-K through an FP32 workspace and gemm_splitk_reduce (which then
+/// adds the bias). `base` carries the convolution geometry (zero for matmuls); c is m x n row-major when `plain_c`
+/// (else the kernel places the rows itself, without split-K). `epi` other than Plain: `tag` names the matching
+/// STATS / GSUMS kernel; no split-K, the partials' address goes in the workspace argument (and for GradSums z in
+/// the bias argument, the BatchNorm's tensors in the shape). A GSUMS launch on x128 or x64 whose C goes through
+/// map C runs the tag's statistics-warps kernel (`{tag}w`, `ig::tma_gsums_warps`) instead.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
     dev: &CudaDevice,
     tile: Tile,
-    f: &CudaFunction,
+    (kernel, tag): (KernelByTag, &str),
     (ma, mb): (&TmaDesc, &TmaDesc),
     (m, n, k): (usize, usize, usize),
     base: GemmShape,
@@ -244,6 +249,13 @@ pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
             );
         }
     }
+    // The GSUMS kernels' sums: in statistics warps of the producer warpgroup, which read the staged tile (map C
+    // needed) and a whole z tile (x128 and x64 only: x256's does not fit), under the next unit's MMAs; otherwise
+    // in the consumers' epilogue.
+    let f = match epi {
+        Epi::GradSums { .. } if tma_c && tile.bn <= 128 => kernel(&format!("{tag}w"))?,
+        _ => kernel(tag)?,
+    };
     let mc = if tma_c { tma_map(pc, T::DTYPE, n, m, 64, op)? } else { TmaDesc([0; 16]) };
     let mz = match z_addr {
         Some(z) if tma_c => tma_map(z, T::DTYPE, n, m, 64, op)?,
@@ -273,7 +285,7 @@ pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
         shared_mem_bytes: tile.smem,
     };
     let ws = splitk_workspace(dev, split.then_some(splits * m * n))?;
-    let mut bld = stream.launch_builder(f);
+    let mut bld = stream.launch_builder(&f);
     bld.arg(ma).arg(mb).arg(&mc).arg(&mz).arg(c);
     match &epi {
         Epi::Moments { part } | Epi::GradSums { part, .. } | Epi::Join { mask: part, .. } => bld.arg(part),
@@ -335,8 +347,8 @@ pub(crate) fn tma_gemm<T: CudaDType + DeviceRepr + WithDType>(
         (Epi::BnReluIn { .. }, GemmLayout::Tn) => "tn_bnin",
         _ => candle_core::bail!("{op} (cuda): no {epi:?} epilogue for the {layout:?} GEMM"),
     };
-    let f = function(dev, tile.gemm_module, &format!("gemm_{tag}_{}_vec_{sfx}", tile.name), tile.smem)?;
-    tma_run(dev, tile, &f, (&ma, &mb), (m, n, k), GemmShape::default(), c, bias, true, epi, op)?;
+    let kernel = |tag: &str| function(dev, tile.gemm_module, &format!("gemm_{tag}_{}_vec_{sfx}", tile.name), tile.smem);
+    tma_run(dev, tile, (&kernel, tag), (&ma, &mb), (m, n, k), GemmShape::default(), c, bias, true, epi, op)?;
     drop((ga, gb));
     Ok(())
 }

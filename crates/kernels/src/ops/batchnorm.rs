@@ -622,6 +622,24 @@ pub fn batch_norm_train2_add_relu(
 /// 8-channel kernels apply, in one cooperative launch (`bn_nhwc_train_bwd_v8_*`) instead of three, with the same
 /// results bit for bit; elsewhere [`BnGrad`] without, then with, the sums.
 pub fn batch_norm_train_backward(x: &Tensor, dy: &Tensor, grad: &BnGrad) -> Result<(Tensor, Tensor)> {
+    train_backward_with(x, dy, grad, None)
+}
+
+/// [`batch_norm_train_backward`] with the backward sums' partials that the grad-input's epilogue wrote for dy
+/// (`part`, [`crate::conv2d_nhwc_grad_input_sums`]'s [`crate::BwdSums::Partials`]): on CUDA, where the 8-channel
+/// kernels apply, one cooperative launch that reduces them and makes dx (`bn_nhwc_train_bwd_v8_*` with
+/// `have_sums`) instead of two; elsewhere [`grad_sums_from_partials`] then [`BnGrad`] with the sums. The same
+/// values bit for bit either way. CUDA only, as the partials are.
+pub fn batch_norm_train_backward_from_partials(
+    x: &Tensor,
+    dy: &Tensor,
+    grad: &BnGrad,
+    part: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    train_backward_with(x, dy, grad, Some(part))
+}
+
+fn train_backward_with(x: &Tensor, dy: &Tensor, grad: &BnGrad, part: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
     if grad.sums.is_some() {
         candle_core::bail!("batch_norm_train_backward: computes the sums itself (BnGrad::sums must be None)");
     }
@@ -635,14 +653,21 @@ pub fn batch_norm_train_backward(x: &Tensor, dy: &Tensor, grad: &BnGrad) -> Resu
             bias: &grad.bias,
             sums: None,
         };
-        let out = with_cuda(&[x, dy], "batch_norm_train_backward", |a| {
-            crate::cuda::bn::train_backward(a[0], a[1], &args, rows, c)
+        let ts: Vec<&Tensor> = [x, dy].into_iter().chain(part).collect();
+        let out = with_cuda(&ts, "batch_norm_train_backward", |a| {
+            crate::cuda::bn::train_backward(a[0], a[1], &args, a.get(2).copied(), rows, c)
         })?;
         if let Some((sums, dx)) = out {
             return Ok((from_cuda(sums, (2, c)), from_cuda(dx, x.shape().clone())));
         }
     }
-    let sums = x.apply_op2_no_bwd(dy, grad)?;
+    let sums = match part {
+        Some(part) => {
+            let (rows, c) = rows_c(x.dims())?;
+            grad_sums_from_partials(part, rows, c)?
+        }
+        None => x.apply_op2_no_bwd(dy, grad)?,
+    };
     let dx = x.apply_op2_no_bwd(dy, &BnGrad { sums: Some(sums.clone()), ..grad.clone() })?;
     Ok((sums, dx))
 }

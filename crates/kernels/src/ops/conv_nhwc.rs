@@ -121,22 +121,55 @@ pub fn conv2d_nhwc_grad_input(
 pub fn conv2d_nhwc_grad_input_sums(
     dy: &Tensor,
     w: &Tensor,
-    (stride, pad, in_hw): (usize, usize, (usize, usize)),
+    geom: (usize, usize, (usize, usize)),
     policy: &KernelPolicy,
     z: &Tensor,
     p: &crate::BnParams,
 ) -> Result<(Tensor, Tensor)> {
+    let (dx, sums) = conv2d_nhwc_grad_input_bwd_sums(dy, w, geom, policy, z, p)?;
+    let sums = match sums {
+        BwdSums::Sums(sums) => sums,
+        BwdSums::Partials(part) => {
+            let (rows, c) = (dx.elem_count() / z.dim(3)?, z.dim(3)?);
+            crate::ops::batchnorm::grad_sums_from_partials(&part, rows, c)?
+        }
+    };
+    Ok((dx, sums))
+}
+
+/// A BatchNorm's backward sums as [`conv2d_nhwc_grad_input_bwd_sums`] leaves them.
+#[derive(Debug, Clone)]
+pub enum BwdSums {
+    /// The sums (2, c) = [sum g, sum g * xhat] (the sums pass's).
+    Sums(Tensor),
+    /// The partials the grad-input's epilogue wrote (CUDA; [`crate::cuda::tma::grad_sums_partials_len`] floats,
+    /// 128-row chunks), which [`crate::ops::batchnorm::batch_norm_train_backward_from_partials`] reduces in the
+    /// same launch as dx, or [`crate::ops::batchnorm::grad_sums_from_partials`] on its own.
+    Partials(Tensor),
+}
+
+/// [`conv2d_nhwc_grad_input_sums`] with the epilogue's sums left as its partials ([`BwdSums::Partials`]), so that
+/// the BatchNorm backward reduces them in its own launch; the sums pass's sums where the epilogue did not run.
+pub fn conv2d_nhwc_grad_input_bwd_sums(
+    dy: &Tensor,
+    w: &Tensor,
+    (stride, pad, in_hw): (usize, usize, (usize, usize)),
+    policy: &KernelPolicy,
+    z: &Tensor,
+    p: &crate::BnParams,
+) -> Result<(Tensor, BwdSums)> {
     #[cfg(feature = "cuda")]
     if kernels_apply(dy) {
-        let (dx, sums) = cuda_ops::conv_nhwc_dgrad_sums(dy, w, stride, pad, in_hw, policy, z, p)?;
-        if let Some(sums) = sums {
-            return Ok((dx, sums));
+        let (dx, part) = cuda_ops::conv_nhwc_dgrad_partials(dy, w, stride, pad, in_hw, policy, z, p)?;
+        if let Some(part) = part {
+            return Ok((dx, BwdSums::Partials(part)));
         }
-        return Ok((dx.clone(), sums_pass(z, &dx, p)?));
+        let sums = sums_pass(z, &dx, p)?;
+        return Ok((dx, BwdSums::Sums(sums)));
     }
     let dx = conv2d_nhwc_grad_input(dy, w, stride, pad, in_hw, policy)?;
     let sums = sums_pass(z, &dx, p)?;
-    Ok((dx, sums))
+    Ok((dx, BwdSums::Sums(sums)))
 }
 
 /// [`conv2d_nhwc_grad_input`] of a 1x1 stride-1 convolution whose input is a residual block's output y = relu(s),
@@ -293,7 +326,8 @@ fn dgrad_reference(dy: &Tensor, w: &Tensor, g: ConvGeom) -> Result<Tensor> {
 
 #[cfg(feature = "cuda")]
 pub use cuda_ops::{
-    conv_nhwc_dgrad, conv_nhwc_dgrad_join, conv_nhwc_dgrad_sums, conv_nhwc_fwd, conv_nhwc_fwd_stats, conv_nhwc_wgrad,
+    conv_nhwc_dgrad, conv_nhwc_dgrad_join, conv_nhwc_dgrad_partials, conv_nhwc_dgrad_sums, conv_nhwc_fwd,
+    conv_nhwc_fwd_stats, conv_nhwc_wgrad,
 };
 
 /// The candle ops over the CUDA launchers.
@@ -635,6 +669,30 @@ mod cuda_ops {
         z: &Tensor,
         p: &crate::BnParams,
     ) -> Result<(Tensor, Option<Tensor>)> {
+        let (dx, part) = conv_nhwc_dgrad_partials(dy, w, stride, pad, in_hw, policy, z, p)?;
+        let sums = match part {
+            Some(part) => {
+                let c = w.dim(3)?;
+                Some(crate::ops::batchnorm::grad_sums_from_partials(&part, dx.elem_count() / c, c)?)
+            }
+            None => None,
+        };
+        Ok((dx, sums))
+    }
+
+    /// [`conv_nhwc_dgrad_sums`] with the epilogue's sums left as the partials it wrote
+    /// ([`crate::cuda::tma::grad_sums_partials_len`] floats): (dx, Some(partials)) where the epilogue ran.
+    #[allow(clippy::too_many_arguments)]
+    pub fn conv_nhwc_dgrad_partials(
+        dy: &Tensor,
+        w: &Tensor,
+        stride: usize,
+        pad: usize,
+        in_hw: (usize, usize),
+        policy: &KernelPolicy,
+        z: &Tensor,
+        p: &crate::BnParams,
+    ) -> Result<(Tensor, Option<Tensor>)> {
         let (n, _, _, ko) = dy.dims4()?;
         let (_, r, _, c) = w.dims4()?;
         let geom = ConvGeom { n, h: in_hw.0, w: in_hw.1, c, ko, r, stride, pad };
@@ -688,8 +746,7 @@ mod cuda_ops {
                 return Ok((dx, None));
             }
         }
-        let sums = crate::ops::batchnorm::grad_sums_from_partials(&part, rows, c)?;
-        Ok((dx, Some(sums)))
+        Ok((dx, Some(part)))
     }
 
     /// [`super::conv2d_nhwc_grad_input_join`] on CUDA: a 1x1 stride-1 grad-input with the joined store
