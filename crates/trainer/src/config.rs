@@ -442,10 +442,13 @@ pub struct KernelsSection {
     /// keeping its reduction in the epilogue only where the plain convolution and the pass were timed slower on
     /// first use (with `kernels.autotune`; remembered in the autotune cache, as `epilogue` or `pass`). With
     /// `kernels.bn_cooperative` each cooperative forward takes the epilogue's moments and skips its own moments
-    /// phase. The default is "forward" since 2026-12-07: the moments of a TMA conv's output are taken by three
-    /// warps of its producer warpgroup from the tile it stages for its store, under the next tile's MMAs, and
-    /// on an H100 ResNet-152 bf16 ran 3,302.5 img/s with "forward" against 3,233.7 with "pass" (+2.1%), and
-    /// 3,210.6 with "fused" (the backward sums still cost their grad-input epilogues more than they save)
+    /// phase, and each cooperative backward whose sums came from a grad-input epilogue reduces those partials in
+    /// its own launch. The default is "fused" since 2026-12-07 (evening): three warps of a TMA kernel's producer
+    /// warpgroup take both reductions from the tile its consumers stage for the store, under the next tile's
+    /// MMAs (the moments, and at x128 / x64 the backward sums with a z tile beside it), and on an H100
+    /// ResNet-152 at batch 256 ran 3,321.8 img/s bf16 with "fused" against 3,306.3 with "forward" (+0.47%;
+    /// fp16 3,317.5 against 3,300.2, +0.52%), 987 kernels a step; "forward" had been the default since that
+    /// morning (+2.2% over "pass")
     pub bn_stats: BnStatsChoice,
     /// The fused step on CUDA runs each BatchNorm (the backward of those whose sums are not fused) as one
     /// cooperative launch forward (moments, finaliser, normalisation + ReLU; with `kernels.bn_stats` moving the
