@@ -6,7 +6,7 @@
 # Each run: ResNet-152 (configs/resnet152.toml, no --set: the defaults) in DTYPE (default bf16) at BATCH (default
 # 256), WARMUP (3) + STEPS (10) steps. Prints one line per run (label, round, img/s, peak GiB, alloc GiB) and a
 # summary per label (mean img/s, against the first label); logs in $OUT (default .): ab-LABEL-ROUND.log.
-# AB_SET='key=value' adds one --set to every run (e.g. AB_SET='kernels.bn_stats="fused"': two builds on a
+# AB_SET='key=value' adds one --set to every run (e.g. AB_SET='kernels.bn_stats="forward"': two builds on a
 # non-default path). AB_CACHE: "label" (default) gives each label its own autotune file, fresh at the start (its
 # first run tunes, later rounds read it), so that a build is timed on the tiles it picks itself and not on picks
 # another build's kernels (or another path's runs) made; "shared" leaves every run on the machine's file.
