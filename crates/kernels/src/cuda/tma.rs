@@ -235,10 +235,11 @@ pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
         Epi::Join { b, .. } => Some(b),
         _ => None,
     };
-    // A STATS kernel with map C takes its moments from the staged tile in two warps of its producer warpgroup,
-    // which write the partials 16 bytes at a time (ig::tma_stats_warps); without map C its consumers do.
+    // A STATS kernel with map C takes its moments from the staged tile in three warps of its producer warpgroup,
+    // which write the partials 16 bytes at a time (ig::tma_stats_warps), and so does a GSUMS launch on x128 / x64
+    // (ig::tma_gsums_warps, below); without map C the consumers reduce and write them a float at a time.
     let part_ok = match epi {
-        Epi::Moments { part } => part % 16 == 0,
+        Epi::Moments { part } | Epi::GradSums { part, .. } => part % 16 == 0,
         _ => true,
     };
     let tma_c = plain_c && !split && n % 8 == 0 && pc % 16 == 0 && z_addr.is_none_or(|z| z % 16 == 0) && part_ok;
