@@ -211,7 +211,9 @@ fn maxpool_low_precision_matches_f32() {
 fn tiny_resnet_gradients_match_finite_differences() {
     let dev = Device::Cpu;
     let m = ResNet::new(cfg(Arch::ResNet18, 5, Stem::ImageNet), &dev).unwrap();
-    let x = Tensor::randn(0f32, 1., (4, 3, 64, 64), &dev).unwrap();
+    // A fixed input: drawn anew each run, a stem coordinate's ReLU or max-pool kink fell inside +-eps in two of the
+    // checked coordinates at once about one run in many (CI, 2026-12-07), and the test failed at random.
+    let x = integration_tests::seeded_randn(&[4, 3, 64, 64], 20261208);
     let labels = Tensor::new(&[0u32, 1, 2, 3], &dev).unwrap();
     let loss_fn = |m: &ResNet| -> Tensor {
         let logits = m.forward(&x, true, Precision::F32).unwrap();
@@ -257,6 +259,7 @@ fn tiny_resnet_gradients_match_finite_differences() {
         }
     }
     assert_eq!(checked, 14);
+    println!("finite differences: {checked} coordinates, outliers {outliers:?}");
     assert!(outliers.len() <= 1, "{outliers:?}");
 }
 
