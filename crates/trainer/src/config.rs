@@ -450,10 +450,10 @@ pub struct KernelsSection {
     /// fp16 3,317.5 against 3,300.2, +0.52%), 987 kernels a step; "forward" had been the default since that
     /// morning (+2.2% over "pass")
     pub bn_stats: BnStatsChoice,
-    /// The fused step on CUDA runs each BatchNorm (the backward of those whose sums are not fused) as one
-    /// cooperative launch forward (moments, finaliser, normalisation + ReLU; with `kernels.bn_stats` moving the
-    /// moments into the conv's epilogue, without the moments phase) and one backward (sums, finaliser,
-    /// grad-input), with grid-wide barriers
+    /// The fused step on CUDA runs each BatchNorm as one cooperative launch forward (moments, finaliser,
+    /// normalisation + ReLU; with `kernels.bn_stats` moving the moments into the conv's epilogue, without the
+    /// moments phase) and one backward (sums, finaliser, grad-input; with the sums from a grad-input's epilogue,
+    /// without the sums phase), with grid-wide barriers
     /// between the phases, instead of three launches each; a block's last BatchNorm with an identity shortcut
     /// also makes the block output relu(bn(z) + x) in its forward launch, and every block's last BatchNorm takes
     /// the block output's ReLU gradient into its backward launch, and a downsample block's two BatchNorms make
