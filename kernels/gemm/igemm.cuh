@@ -64,6 +64,14 @@ __device__ __forceinline__ uint32_t pack2(__half a, __half b) {
     __half2 v = __halves2half2(a, b);
     return *reinterpret_cast<uint32_t*>(&v);
 }
+// pack2's inverse: the two values of T in the 32-bit word w (the lower address first), as floats.
+template <typename T>
+__device__ __forceinline__ void unpack2(uint32_t w, float& a, float& b) {
+    T pair[2];
+    memcpy(pair, &w, 4);
+    a = to_f(pair[0]);
+    b = to_f(pair[1]);
+}
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));

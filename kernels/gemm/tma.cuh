@@ -620,12 +620,7 @@ __device__ __forceinline__ void tma_stats_warps(uint32_t epi, uint32_t staged, u
                      : "=r"(q[0]), "=r"(q[1]), "=r"(q[2]), "=r"(q[3])
                      : "r"(addr));  // ordered after mbar_wait's asm (both volatile)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            T pair[2];
-            memcpy(pair, &q[e], 4);
-            v[2 * e] = to_f(pair[0]);
-            v[2 * e + 1] = to_f(pair[1]);
-        }
+        for (int e = 0; e < 4; ++e) unpack2<T>(q[e], v[2 * e], v[2 * e + 1]);
     };
     int zu = 0;
     for (int u = blockIdx.x; u < units; u += gridDim.x, ++zu) {
@@ -718,12 +713,7 @@ __device__ __forceinline__ void tma_gsums_warps(uint32_t epi, uint32_t staged, u
         uint32_t q[2];
         asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(q[0]), "=r"(q[1]) : "r"(addr));
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            T pair[2];
-            memcpy(pair, &q[e], 4);
-            v[2 * e] = to_f(pair[0]);
-            v[2 * e + 1] = to_f(pair[1]);
-        }
+        for (int e = 0; e < 2; ++e) unpack2<T>(q[e], v[2 * e], v[2 * e + 1]);
     };
     int zu = 0;
     for (int u = blockIdx.x; u < units; u += gridDim.x, ++zu) {
@@ -847,10 +837,7 @@ __device__ __forceinline__ void tma_epilogue_grad_sums(const float (&acc)[BN / 2
                                                   (((j & 7) ^ (r & 7)) << 4) + ((lane & 3) << 2);
                             uint32_t v;
                             asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
-                            T pair[2];
-                            memcpy(pair, &v, 4);
-                            z0 = to_f(pair[0]);
-                            z1 = to_f(pair[1]);
+                            unpack2<T>(v, z0, z1);
                         } else {
                             load_pair(z + (size_t)(row + 8 * h) * N + col, z0, z1);
                         }

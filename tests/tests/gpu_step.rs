@@ -977,6 +977,25 @@ fn cooperative_batchnorm_step_matches_and_replays() -> Result<()> {
     Ok(())
 }
 
+/// One explicit ResNet-50 training step over (x, labels) with the fused BatchNorm reductions, `tile` forced (so
+/// that every conv that can runs its epilogue), in `prec`, with the cooperative BatchNorm launches or the separate
+/// ones (`coop`): the loss, and the gradients and running statistics. The compact shortcut gradient (cooperative
+/// only) is off: another kernel sums it, equal only to rounding.
+fn fused_reductions_step(
+    gpu: &Device,
+    (x, labels): (&Tensor, &Tensor),
+    tile: kernels::variants::Tile,
+    prec: Precision,
+    coop: bool,
+) -> Result<(f32, Vec<(String, Tensor)>)> {
+    let mut m = model(Arch::ResNet50, Stem::ImageNet, gpu)?;
+    let policy = m.config.kernels.clone().with_tuning(kernels::Tuning::Forced(tile)).with_fused_bn_reductions(true);
+    m.config.kernels = KernelPolicy { bn_cooperative: coop, compact_shortcut_grad: false, ..policy };
+    let o = m.train_step_explicit_with(x, labels, resnet::step::StepArgs::new(0.1, 1.0, prec))?;
+    let out = grads_and_running_stats(&m, &o)?;
+    Ok((o.loss.to_scalar::<f32>()?, out))
+}
+
 /// `kernels.bn_stats = "fused"` with `kernels.bn_cooperative = true`: a cooperative forward whose conv ran on a
 /// tile with the moments epilogue takes those moments and skips its own moments pass. A ResNet-50 step (64 px,
 /// batch 8, bf16; TMA tiles forced, so that every conv that can makes the moments: with the tuner's choices these
@@ -985,19 +1004,10 @@ fn cooperative_batchnorm_step_matches_and_replays() -> Result<()> {
 #[test]
 fn cooperative_batchnorm_takes_the_epilogue_moments() -> Result<()> {
     use kernels::variants::X256;
-    use kernels::Tuning;
     let gpu = cuda()?;
     let x = Tensor::randn(0f32, 1.0, (8, 3, 64, 64), &Device::Cpu)?.to_device(&gpu)?;
     let labels = Tensor::new((0..8u32).collect::<Vec<_>>().as_slice(), &gpu)?;
-    let step = |coop: bool| -> Result<(f32, Vec<(String, Tensor)>)> {
-        let mut m = model(Arch::ResNet50, Stem::ImageNet, &gpu)?;
-        let policy = m.config.kernels.clone().with_tuning(Tuning::Forced(X256)).with_fused_bn_reductions(true);
-        // The compact shortcut gradient (cooperative only) is summed by another kernel: equal only to rounding.
-        m.config.kernels = KernelPolicy { bn_cooperative: coop, compact_shortcut_grad: false, ..policy };
-        let o = m.train_step_explicit_with(&x, &labels, resnet::step::StepArgs::new(0.1, 1.0, Precision::Bf16))?;
-        let out = grads_and_running_stats(&m, &o)?;
-        Ok((o.loss.to_scalar::<f32>()?, out))
-    };
+    let step = |coop: bool| fused_reductions_step(&gpu, (&x, &labels), X256, Precision::Bf16, coop);
     let (lb, base) = step(false)?;
     let before = kernels::cuda::bn::cooperative_launches_from_moments();
     let (lc, coop) = step(true)?;
@@ -1021,20 +1031,11 @@ fn cooperative_batchnorm_takes_the_epilogue_moments() -> Result<()> {
 #[test]
 fn cooperative_batchnorm_takes_the_epilogue_sums() -> Result<()> {
     use kernels::variants::X128;
-    use kernels::Tuning;
     let gpu = cuda()?;
     let x = Tensor::randn(0f32, 1.0, (8, 3, 64, 64), &Device::Cpu)?.to_device(&gpu)?;
     let labels = Tensor::new((0..8u32).collect::<Vec<_>>().as_slice(), &gpu)?;
     for prec in [Precision::Bf16, Precision::F16] {
-        let step = |coop: bool| -> Result<(f32, Vec<(String, Tensor)>)> {
-            let mut m = model(Arch::ResNet50, Stem::ImageNet, &gpu)?;
-            let policy = m.config.kernels.clone().with_tuning(Tuning::Forced(X128)).with_fused_bn_reductions(true);
-            // The compact shortcut gradient (cooperative only) is summed by another kernel: equal only to rounding.
-            m.config.kernels = KernelPolicy { bn_cooperative: coop, compact_shortcut_grad: false, ..policy };
-            let o = m.train_step_explicit_with(&x, &labels, resnet::step::StepArgs::new(0.1, 1.0, prec))?;
-            let out = grads_and_running_stats(&m, &o)?;
-            Ok((o.loss.to_scalar::<f32>()?, out))
-        };
+        let step = |coop: bool| fused_reductions_step(&gpu, (&x, &labels), X128, prec, coop);
         let (lb, base) = step(false)?;
         let before = kernels::cuda::bn::cooperative_launches_from_sums();
         let (lc, coop) = step(true)?;
