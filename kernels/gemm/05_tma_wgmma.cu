@@ -44,3 +44,15 @@ GEMM_TMA_GSUMS_W(__nv_bfloat16, bf16, 128)
 GEMM_TMA_GSUMS_W(__half, f16, 128)
 GEMM_TMA_GSUMS_W(__nv_bfloat16, bf16, 64)
 GEMM_TMA_GSUMS_W(__half, f16, 64)
+
+// gemm_nn_joinsw_*: gemm_nn_join_* with the backward sums of the BatchNorm whose output gradient the joined value
+// is (the block before's last BatchNorm, input z3 through map Z3) taken by statistics warps from the joined chunks
+// (ig::tma_join_sums_warps; arguments: IG_TMA_KERNEL_JOIN_SUMS).
+#define GEMM_TMA_JOIN_SUMS(T, SUF, BN) \
+    IG_TMA_KERNEL_JOIN_SUMS(gemm_nn_joinsw_x##BN##_vec_##SUF, T, ig::TMA_GEMM, true, false, BN)
+GEMM_TMA_JOIN_SUMS(__nv_bfloat16, bf16, 256)
+GEMM_TMA_JOIN_SUMS(__half, f16, 256)
+GEMM_TMA_JOIN_SUMS(__nv_bfloat16, bf16, 128)
+GEMM_TMA_JOIN_SUMS(__half, f16, 128)
+GEMM_TMA_JOIN_SUMS(__nv_bfloat16, bf16, 64)
+GEMM_TMA_JOIN_SUMS(__half, f16, 64)

@@ -150,7 +150,11 @@ constexpr int TMA_EPI_WG_BYTES = 64 * 128 * 2, TMA_EPI_BYTES = 2 * TMA_EPI_WG_BY
 // EPI_JOIN: the stored value joined with a residual gradient under a ReLU mask (ig::tma_gemm_body's store).
 // EPI_GRAD_SUMS_W: the GRAD_SUMS sums taken by statistics warps from the staged tile (tma_gsums_warps; x128 and
 // x64; needs map C: the launcher runs them wherever C goes through it, the GRAD_SUMS kernels elsewhere).
-constexpr int EPI_PLAIN = 0, EPI_MOMENTS = 1, EPI_GRAD_SUMS = 2, EPI_JOIN = 3, EPI_GRAD_SUMS_W = 4;
+// EPI_JOIN_SUMS_W: EPI_JOIN, and the backward sums of the BatchNorm whose output gradient the joined value is (a
+// bottleneck's last BatchNorm, no ReLU of its own: its input z3 through a fifth tensor map) taken by statistics
+// warps from the joined chunks in the ring (tma_join_sums_warps).
+constexpr int EPI_PLAIN = 0, EPI_MOMENTS = 1, EPI_GRAD_SUMS = 2, EPI_JOIN = 3, EPI_GRAD_SUMS_W = 4,
+              EPI_JOIN_SUMS_W = 5;
 
 // Per block-tile width BN (256: tile x256, 128: tile x128, 64: tile x64) and epilogue: stages and dynamic shared
 // memory (alignment slack, the stages, the epilogue staging, the z buffers, 2 x STAGES barriers and 2 x Z_BUFS).
@@ -170,39 +174,55 @@ constexpr int EPI_PLAIN = 0, EPI_MOMENTS = 1, EPI_GRAD_SUMS = 2, EPI_JOIN = 3, E
 // load their b only once the unit before was stored: 11-19% slower than the staging build on an H100).
 // Every kernel of a tile is launched with the largest of these sizes (TmaLaunch; crates/kernels/src/variants.rs
 // repeats it), within the 227 KiB of a block.
+// The JOIN_SUMS_W kernels keep the join's ring (in 64-column chunks on every tile, so that x128 holds 2.5 units of
+// them) beside a ring of Z3_BUFS chunks of z3 that the statistics warps read with the joined chunk: x256 two
+// stages, five chunks of b and two of z3; x128 three stages, five and two; x64 five stages, four and two. A b
+// chunk is free again once both stores and the statistics warps have read it (Z_ARRIVALS = 3).
 template <int BN, int EPI = EPI_PLAIN>
 struct TmaCfg {
-    static constexpr bool Z_SMEM = EPI == EPI_GRAD_SUMS || EPI == EPI_JOIN;
-    static constexpr bool Z_IN_PLACE = EPI == EPI_JOIN;
+    static constexpr bool JOIN_SUMS = EPI == EPI_JOIN_SUMS_W;
+    static constexpr bool IS_JOIN = EPI == EPI_JOIN || JOIN_SUMS;
+    static constexpr bool Z_SMEM = EPI == EPI_GRAD_SUMS || IS_JOIN;
+    static constexpr bool Z_IN_PLACE = IS_JOIN;
     // MOMENTS: the statistics are taken from the staged tile by three warps of the producer warpgroup
     // (tma_stats_warps) while the consumers go on to the next unit; the staging holds the whole tile (x256: both
     // 128-column halves, 64 KB) until those warps have read it: a stage fewer on every tile.
     // GRAD_SUMS_W: the same for the backward sums, which also read z: a whole z tile in shared memory (Z_TILE_BYTES,
     // loaded by a statistics thread once the previous unit's is read), so x256 does not fit.
-    static constexpr bool STATS_WARPS = EPI == EPI_MOMENTS || EPI == EPI_GRAD_SUMS_W;
+    // JOIN_SUMS_W: warps 2-3 of the producer warpgroup (warp 1's first thread loads the b ring).
+    static constexpr bool STATS_WARPS = EPI == EPI_MOMENTS || EPI == EPI_GRAD_SUMS_W || JOIN_SUMS;
     static_assert(EPI != EPI_GRAD_SUMS_W || BN <= 128, "GRAD_SUMS_W: x128 and x64 only");
     static constexpr int Z_TILE_BYTES = EPI == EPI_GRAD_SUMS_W ? TMA_BM * BN * 2 : 0;
-    static constexpr int STAGES = EPI == EPI_JOIN    ? (BN == 256 ? 3 : BN == 128 ? 4 : 7)
+    static constexpr int STAGES = JOIN_SUMS         ? (BN == 256 ? 2 : BN == 128 ? 3 : 5)
+                                  : EPI == EPI_JOIN ? (BN == 256 ? 3 : BN == 128 ? 4 : 7)
                                   : Z_SMEM           ? (BN == 256 ? 3 : BN == 128 ? 4 : 6)
                                   : EPI == EPI_GRAD_SUMS_W ? (BN == 128 ? 4 : 7)
                                   : STATS_WARPS      ? (BN == 256 ? 3 : BN == 128 ? 5 : 7)
                                                      : (BN == 256 ? 4 : BN == 128 ? 6 : 8);
     static constexpr int B_BYTES = BN * TMA_KD * 2;
     static constexpr int STAGE_BYTES = TMA_A_BYTES + B_BYTES;
-    static constexpr int ZW = BN == 256 ? 64 : BN;
+    static constexpr int ZW = BN == 256 || JOIN_SUMS ? 64 : BN;
     static constexpr int ZCH = BN / ZW;
-    static constexpr int Z_BUFS = EPI == EPI_JOIN ? (BN == 256 ? 5 : 3) : EPI == EPI_GRAD_SUMS ? (BN == 256 ? 3 : 2) : 0;
+    static constexpr int Z_BUFS = JOIN_SUMS         ? (BN == 64 ? 4 : 5)
+                                  : EPI == EPI_JOIN ? (BN == 256 ? 5 : 3)
+                                  : EPI == EPI_GRAD_SUMS ? (BN == 256 ? 3 : 2)
+                                                         : 0;
     static constexpr int Z_CHUNK_BYTES = TMA_BM * ZW * 2;
+    // JOIN_SUMS_W: the z3 ring (chunks as the b ring's), after it.
+    static constexpr int Z3_BUFS = JOIN_SUMS ? 2 : 0;
+    static constexpr int Z3_BYTES = Z3_BUFS * Z_CHUNK_BYTES;
     // Arrivals that free a z buffer: every consumer thread once it holds its values (GRAD_SUMS), or the storing
     // thread of each consumer warpgroup once its TMA store has read the chunk (JOIN).
-    static constexpr int Z_ARRIVALS = Z_IN_PLACE ? 2 : 256;
+    static constexpr int Z_ARRIVALS = JOIN_SUMS ? 3 : Z_IN_PLACE ? 2 : 256;
     static constexpr int EPI_BYTES = Z_IN_PLACE ? 0 : (STATS_WARPS && BN == 256) ? 2 * TMA_EPI_BYTES : TMA_EPI_BYTES;
     // STATS_WARPS: 4 KB after the staging where two statistics warps hand their sums to the third.
     static constexpr int HAND_BYTES = STATS_WARPS ? 4096 : 0;
     // STATS_WARPS: two more barriers, staged (the consumers' 256 threads) and read (the 96 statistics threads).
+    // JOIN_SUMS_W: after those, the ztile slot, zjoined (per b buffer), z3 full (per z3 buffer).
     static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + EPI_BYTES + HAND_BYTES + Z_BUFS * Z_CHUNK_BYTES +
-                                      Z_TILE_BYTES + 2 * STAGES * 8 + 2 * Z_BUFS * 8 + (STATS_WARPS ? 16 : 0) +
-                                      (Z_TILE_BYTES > 0 ? 8 : 0);
+                                      Z_TILE_BYTES + Z3_BYTES + 2 * STAGES * 8 + 2 * Z_BUFS * 8 +
+                                      (STATS_WARPS ? 16 : 0) + (Z_TILE_BYTES > 0 || JOIN_SUMS ? 8 : 0) +
+                                      (JOIN_SUMS ? 8 * (Z_BUFS + Z3_BUFS) : 0);
     // Registers a thread (setmaxnreg) of the producer warpgroup and of the consumers: 128 x P + 256 x C <= 64,512.
     static constexpr int PRODUCER_REGS = STATS_WARPS ? 72 : 40, CONSUMER_REGS = STATS_WARPS ? 216 : 232;
 };
@@ -765,6 +785,123 @@ __device__ __forceinline__ void tma_gsums_warps(uint32_t epi, uint32_t staged, u
     }
 }
 
+// The JOIN_SUMS_W kernels' backward sums of the BatchNorm whose output gradient the joined value g is (a
+// bottleneck's last BatchNorm, without a ReLU of its own: the join's mask is the block output's ReLU): per column,
+// sum g and sum g xhat, xhat = (z3 - mean) invstd with the statistics (3, N) in Shape::bn_stats. Warps 2-3 of the
+// producer warpgroup (64 threads) walk the block's chunks (128 rows x 64 columns, the b ring's order q) as the
+// consumers join them: chunk q's joined values lie in b buffer q % ZB once zjoined + 8 (q % ZB) has completed
+// phase (q / ZB) & 1 (the storing thread of each consumer warpgroup arrives after its warpgroup's writes), and its
+// z3 in z3 buffer q % Z3B, loaded through map Z3 by thread 64 (the first Z3B chunks at the start, chunk q + Z3B as
+// soon as the warps have read chunk q). Thread t (0 .. 63) takes column quad t % 16 (8 bytes of each buffer a row:
+// a half warp reads one whole 128-byte row, conflict-free) and rows t / 16 + 4 i, clipped at M. After the reads
+// thread 64 frees the b buffer (the third arrival on its zempty), the lanes sharing a quad add their sums
+// (shuffle), warp 2 hands its sums to warp 3 through the 512 bytes at hand, and warp 3 writes
+// part[tm N + col] = sum g and part[(chunks + tm) N + col] = sum g xhat for the chunk's columns: the sums pass's
+// partial layout, in a fixed order.
+template <typename T, int BN, int ZB, int Z3B>
+__device__ __forceinline__ void tma_join_sums_warps(uint32_t zbuf, uint32_t z3buf, uint32_t zjoined, uint32_t z3full,
+                                                    uint32_t zempty, uint32_t hand, const TmaDesc* tz3,
+                                                    float* __restrict__ part, const Shape& sh, int units, int mt,
+                                                    int nt) {
+    constexpr int ZW = 64, ZCH = BN / ZW, CHUNK = TMA_BM * ZW * 2;
+    const int t = threadIdx.x - 64;
+    const int quad = t & 15, rg = t >> 4, jc = quad >> 1, sub = quad & 1;
+    const int M = sh.M, N = sh.N, chunks = (M + TMA_BM - 1) / TMA_BM;
+    const int mine = (int)blockIdx.x < units ? (units - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
+    const int nq = mine * ZCH;  // this block's chunks
+    // Chunk q -> its row tile and first column.
+    auto coords = [&](int q, int& tm, int& c0) {
+        int tn, ks;
+        tma_unit((int)blockIdx.x + (q / ZCH) * (int)gridDim.x, mt, nt, 1, tm, tn, ks);
+        c0 = tn * BN + ZW * (q % ZCH);
+    };
+    // Chunk q of z3 into its buffer (thread 64 only): two boxes of 64 rows.
+    auto load_z3 = [&](int q) {
+        int tm, c0;
+        coords(q, tm, c0);
+        const uint32_t bar = z3full + 8 * (q % Z3B), dst = z3buf + (q % Z3B) * CHUNK;
+        mbar_expect_tx(bar, CHUNK);
+        tma_load_2d(dst, tz3, c0, tm * TMA_BM, bar);
+        tma_load_2d(dst + 8192, tz3, c0, tm * TMA_BM + 64, bar);
+    };
+    if (threadIdx.x == 64)
+        for (int q = 0; q < Z3B && q < nq; ++q) load_z3(q);
+    for (int q = 0; q < nq; ++q) {
+        int tm, c0;
+        coords(q, tm, c0);
+        const int rows = min(TMA_BM, M - tm * TMA_BM);
+        const int gc = c0 + 4 * quad;
+        // This thread's 4 channels (N % 32 == 0: all in or all out; out: any finite constants, nothing written).
+        float mean[4], invstd[4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int ch = gc < N ? gc + c : 0;
+            mean[c] = sh.bn_stats[ch];
+            invstd[c] = sh.bn_stats[2 * N + ch];
+        }
+        const int zb = q % ZB, z3b = q % Z3B;
+        mbar_wait(zjoined + 8 * zb, (q / ZB) & 1);
+        mbar_wait(z3full + 8 * z3b, (q / Z3B) & 1);
+        const uint32_t gbase = zbuf + zb * CHUNK, zbase = z3buf + z3b * CHUNK;
+        float sg[4] = {0.f, 0.f, 0.f, 0.f}, sx[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+        for (int R = rg; R < rows; R += 4) {
+            const int r = R & 63;
+            const uint32_t off = (R >> 6) * 8192 + r * 128 + ((jc ^ (r & 7)) << 4) + (sub << 3);
+            uint32_t gq[2], zq[2];
+            asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(gq[0]), "=r"(gq[1]) : "r"(gbase + off));
+            asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(zq[0]), "=r"(zq[1]) : "r"(zbase + off));
+            float gv[4], zv[4];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                unpack2<T>(gq[e], gv[2 * e], gv[2 * e + 1]);
+                unpack2<T>(zq[e], zv[2 * e], zv[2 * e + 1]);
+            }
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                sg[c] += gv[c];
+                sx[c] = fmaf(gv[c], (zv[c] - mean[c]) * invstd[c], sx[c]);
+            }
+        }
+        // Every read of the two buffers done: the b buffer may be refilled, the z3 buffer takes chunk q + Z3B.
+        asm volatile("bar.sync 5, 64;\n" ::: "memory");
+        if (threadIdx.x == 64) {
+            mbar_arrive(zempty + 8 * zb);
+            if (q + Z3B < nq) load_z3(q + Z3B);
+        }
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            sg[c] += __shfl_xor_sync(0xffffffffu, sg[c], 16);
+            sx[c] += __shfl_xor_sync(0xffffffffu, sx[c], 16);
+        }
+        // (Warp 3 read the hand-over of chunk q - 1 before it arrived at the barrier above.)
+        if (t < 16) {
+            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(hand + 32 * t), "f"(sg[0]), "f"(sg[1]),
+                         "f"(sg[2]), "f"(sg[3])
+                         : "memory");
+            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(hand + 32 * t + 16), "f"(sx[0]),
+                         "f"(sx[1]), "f"(sx[2]), "f"(sx[3])
+                         : "memory");
+        }
+        asm volatile("bar.sync 5, 64;\n" ::: "memory");
+        if (t >= 32 && t < 48 && gc < N) {
+            float h[8];
+            asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=f"(h[0]), "=f"(h[1]), "=f"(h[2]), "=f"(h[3])
+                         : "r"(hand + 32 * quad)
+                         : "memory");
+            asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=f"(h[4]), "=f"(h[5]), "=f"(h[6]), "=f"(h[7])
+                         : "r"(hand + 32 * quad + 16)
+                         : "memory");
+            *reinterpret_cast<float4*>(part + (size_t)tm * N + gc) =
+                make_float4(h[0] + sg[0], h[1] + sg[1], h[2] + sg[2], h[3] + sg[3]);
+            *reinterpret_cast<float4*>(part + (size_t)(chunks + tm) * N + gc) =
+                make_float4(h[4] + sx[0], h[5] + sx[1], h[6] + sx[2], h[7] + sx[3]);
+        }
+    }
+}
+
 // Two consecutive values of T (4-byte aligned) as floats.
 template <typename T>
 __device__ __forceinline__ void load_pair(const T* p, float& a, float& b) {
@@ -1000,7 +1137,8 @@ __device__ __forceinline__ uint32_t join_pair(float a0, float a1, uint32_t m, in
 template <typename T, int CONV, bool A_KMAJOR, bool B_KMAJOR, int BN, int EPI = EPI_PLAIN, int XF = XF_NONE>
 __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* tb, const TmaDesc* tc,
                                               const TmaDesc* tz, T* C, float* ws, const T* bias, const Shape& sh,
-                                              unsigned char* smem_raw) {
+                                              unsigned char* smem_raw, const TmaDesc* tz3 = nullptr,
+                                              float* part = nullptr) {
     using Cfg = TmaCfg<BN, EPI>;
     constexpr int STAGES = Cfg::STAGES, STAGE_BYTES = Cfg::STAGE_BYTES;
     constexpr bool Z_SMEM = Cfg::Z_SMEM;
@@ -1010,8 +1148,10 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
     const uint32_t epi = s0 + STAGES * STAGE_BYTES;  // epilogue staging, Cfg::EPI_BYTES (none in place)
     constexpr int ZCH = Cfg::ZCH, ZW = Cfg::ZW, Z_BUFS = Cfg::Z_BUFS, Z_CHUNK = Cfg::Z_CHUNK_BYTES;
     const uint32_t zbuf = epi + Cfg::EPI_BYTES + Cfg::HAND_BYTES;  // the z buffers, Z_BUFS x Z_CHUNK
-    // GRAD_SUMS_W: the z tile (Cfg::Z_TILE_BYTES) where the ring would be.
-    const uint32_t bars = zbuf + Z_BUFS * Z_CHUNK + Cfg::Z_TILE_BYTES;  // full[s] at bars + 8 s, empty[s] at + 8 (S + s)
+    // GRAD_SUMS_W: the z tile (Cfg::Z_TILE_BYTES) where the ring would be. JOIN_SUMS_W: the z3 ring after the ring.
+    const uint32_t z3buf = zbuf + Z_BUFS * Z_CHUNK;
+    // full[s] at bars + 8 s, empty[s] at + 8 (S + s)
+    const uint32_t bars = zbuf + Z_BUFS * Z_CHUNK + Cfg::Z_TILE_BYTES + Cfg::Z3_BYTES;
     // Z_SMEM: zfull[b] at zfull + 8 b, zempty[b] at zempty + 8 b.
     const uint32_t zfull = bars + 16 * STAGES, zempty = zfull + 8 * Z_BUFS;
     // STATS_WARPS: staged (the consumers have staged the unit's tile: 256 arrivals) and read (the statistics warps
@@ -1019,6 +1159,8 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
     constexpr bool STATS_WARPS = Cfg::STATS_WARPS;
     const uint32_t staged = zempty + 8 * Z_BUFS, read = staged + 8;
     const uint32_t ztile = read + 8;  // GRAD_SUMS_W: the z tile has landed (1 arrival + its bytes)
+    // JOIN_SUMS_W: zjoined[b] (both consumer warpgroups have joined b buffer b's chunk: 2 arrivals) and z3full[b].
+    const uint32_t zjoined = ztile + 8, z3full = zjoined + 8 * Z_BUFS;
     // Z_SMEM with C stored through its map (the launcher's tma_c; its z map tz then covers z like C's): a producer
     // thread loads z; otherwise the epilogue reads z from global memory.
     const bool z_tma = Z_SMEM && sh.tma_c;
@@ -1041,6 +1183,10 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
             mbar_init(read, 96);
         }
         if constexpr (Cfg::Z_TILE_BYTES > 0) mbar_init(ztile, 1);
+        if constexpr (Cfg::JOIN_SUMS) {
+            for (int b = 0; b < Z_BUFS; ++b) mbar_init(zjoined + 8 * b, 2);
+            for (int b = 0; b < Cfg::Z3_BUFS; ++b) mbar_init(z3full + 8 * b, 1);
+        }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
@@ -1102,7 +1248,13 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
         }
         if constexpr (STATS_WARPS) {
             // ws is the statistics' partials (the launcher runs these kernels without split-K).
-            if (sh.tma_c && tid >= 32) {
+            if constexpr (Cfg::JOIN_SUMS) {
+                // Warps 2-3 (thread 32 is the b ring's loader); the hand-over right before the ring.
+                if (tid >= 64)
+                    tma_join_sums_warps<T, BN, Z_BUFS, Cfg::Z3_BUFS>(zbuf, z3buf, zjoined, z3full, zempty,
+                                                                     zbuf - Cfg::HAND_BYTES, tz3, part, sh, units,
+                                                                     mt, nt);
+            } else if (sh.tma_c && tid >= 32) {
                 if constexpr (EPI == EPI_MOMENTS) {
                     tma_stats_warps<T, BN, Cfg::EPI_BYTES>(epi, staged, read, ws, sh, units, mt, nt);
                 } else {
@@ -1159,7 +1311,7 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
         const int kts = tma_unit_ktiles(u, mt, nt, splits, sh, tm, tn, ks, k0);
 #pragma unroll
         for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
-        if constexpr (EPI == EPI_JOIN) {
+        if constexpr (Cfg::IS_JOIN) {
             // The ReLU mask bytes this thread's two rows need in the store (BN / 8 bytes a row, at most 32: one
             // sector), into L1 while the MMAs run. ws is the mask here.
             const int r0 = tm * TMA_BM + cw * 64 + warp * 16 + (lane >> 2);
@@ -1234,7 +1386,7 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
         // column 2 (lane % 4) + (e & 1).
         const int row0 = tm * TMA_BM + cw * 64 + warp * 16 + (lane >> 2);
         const int col0 = tn * BN + 2 * (lane & 3);
-        if constexpr (EPI == EPI_JOIN) {
+        if constexpr (Cfg::IS_JOIN) {
             // In place, a z chunk at a time (the launcher runs these kernels with map C only, without split-K):
             // each thread reads its pairs of b from the ring, writes the joined pairs over them (the ring's boxes
             // have the C staging's 128-byte swizzle), and the warpgroup TMA-stores its row half of the chunk
@@ -1287,6 +1439,8 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
                     for (int bx = 0; bx < ZBOXES; ++bx)
                         tma_store_2d(tc, zc + (ZBOXES * cw + bx) * 8192, c0 + 64 * bx, row);
                     bulk_commit();
+                    // JOIN_SUMS_W: the statistics warps may read the joined chunk (this warpgroup's half).
+                    if constexpr (Cfg::JOIN_SUMS) mbar_arrive(zjoined + 8 * zb);
                     bulk_wait_read_but_newest();
                     if (zpend >= 0) mbar_arrive(zempty + 8 * zpend);
                     zpend = zb;
@@ -1414,6 +1568,19 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
 // the mask, map Z covers the residual gradient as map C covers C (C must go through map C: the launcher's tma_c);
 // no split-K.
 #define IG_TMA_KERNEL_JOIN(NAME, T, MODE, AK, BKM, BN) IG_TMA_KERNEL_S(NAME, T, MODE, AK, BKM, BN, ig::EPI_JOIN)
+// The same with the backward sums of the BatchNorm whose output gradient the joined value is, taken by statistics
+// warps (ig::tma_join_sums_warps): two more arguments after map Z, map Z3 (that BatchNorm's input, C-shaped), and
+// after the mask, the partials (ig::tma_join_sums_warps' layout); that BatchNorm's statistics in Shape::bn_stats.
+#define IG_TMA_KERNEL_JOIN_SUMS(NAME, T, MODE, AK, BKM, BN)                                                       \
+    extern "C" __global__ void __launch_bounds__(ig::TMA_THREADS, 1)                                            \
+        NAME(const __grid_constant__ ig::TmaDesc ta, const __grid_constant__ ig::TmaDesc tb,                    \
+             const __grid_constant__ ig::TmaDesc tc, const __grid_constant__ ig::TmaDesc tz,                    \
+             const __grid_constant__ ig::TmaDesc tz3, T* __restrict__ c, float* __restrict__ ws,                 \
+             float* __restrict__ part, const T* __restrict__ bias, ig::Shape sh) {                               \
+        extern __shared__ __align__(1024) unsigned char ig_smem[];                                               \
+        ig::tma_gemm_body<T, MODE, AK, BKM, BN, ig::EPI_JOIN_SUMS_W, ig::XF_NONE>(&ta, &tb, &tc, &tz, c, ws, bias, \
+                                                                                  sh, ig_smem, &tz3, part);      \
+    }
 // The same with operand A (NT) or B (TN) normalised on its way to the tensor cores (ig::XF_A / XF_B, relu(bn(z))
 // with the BatchNorm in Shape::bn_*; split-K allowed).
 #define IG_TMA_KERNEL_XF(NAME, T, MODE, AK, BKM, BN, XF) IG_TMA_KERNEL_SX(NAME, T, MODE, AK, BKM, BN, ig::EPI_PLAIN, XF)

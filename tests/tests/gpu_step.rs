@@ -1203,6 +1203,150 @@ fn joined_grad_input_matches_the_join() -> Result<()> {
     Ok(())
 }
 
+/// The joined 1x1 grad-input that also takes the backward sums of the BatchNorm before (`gemm_nn_joinsw_*`,
+/// ig::tma_join_sums_warps; `KernelPolicy::join_sums`): the joined output bit for bit the join kernel's, and the
+/// partials, reduced, within 1e-4 of the sums pass (`BnGrad` without ReLU) over (z3, the joined g), in bf16 and
+/// fp16, every TMA tile forced, partials poisoned first; shapes as `joined_grad_input_matches_the_join`'s (rows
+/// not a multiple of 128, a channel count that is not a multiple of the tile); where the join falls back, no
+/// partials.
+#[test]
+fn joined_grad_input_sums_match_the_pass() -> Result<()> {
+    use kernels::ops::batchnorm::BnGrad;
+    use kernels::variants::{X128, X256, X64};
+    use kernels::Tuning;
+    let gpu = cuda()?;
+    let _poison = kernels::cuda::poison_outputs();
+    let mut worst = 0f64;
+    for dt in [DType::BF16, DType::F16] {
+        for (n, h, w, c, ko) in [
+            (32usize, 28usize, 28usize, 256usize, 64usize),
+            (16, 14, 14, 1024, 256),
+            (16, 14, 14, 512, 128),
+            (12, 28, 28, 96, 64),
+            (2, 5, 5, 256, 64),
+        ] {
+            let dy = Tensor::randn(0f32, 1.0, (n, h, w, ko), &gpu)?.to_dtype(dt)?;
+            let wt = (Tensor::randn(0f32, 1.0, (ko, 1, 1, c), &gpu)? * 0.2)?.to_dtype(dt)?;
+            let b = Tensor::randn(0f32, 1.0, (n, h, w, c), &gpu)?.to_dtype(dt)?;
+            let y = Tensor::randn(0f32, 1.0, (n, h, w, c), &gpu)?.relu()?.to_dtype(dt)?;
+            let mask = kernels::ops::batchnorm::relu_mask(&y)?;
+            let z3 = (Tensor::randn(0f32, 1.0, (n, h, w, c), &gpu)? + 0.2)?.to_dtype(dt)?;
+            let mean: Vec<f32> = (0..c).map(|i| 0.2 + 0.001 * i as f32).collect();
+            let var: Vec<f32> = (0..c).map(|i| 1.0 + 0.01 * (i % 5) as f32).collect();
+            let inv: Vec<f32> = var.iter().map(|v| 1.0 / (v + 1e-5f32).sqrt()).collect();
+            let p = kernels::BnParams {
+                stats: Tensor::from_vec([mean, var, inv].concat(), (3, c), &gpu)?,
+                weight: Tensor::ones(c, DType::F32, &gpu)?,
+                bias: Tensor::zeros(c, DType::F32, &gpu)?,
+            };
+            let fits = c % 32 == 0 && 2 * (n * h * w).div_ceil(128) * c.div_ceil(256) >= 132;
+            for tile in [X256, X128, X64] {
+                let policy = KernelPolicy::custom().with_tuning(Tuning::Forced(tile));
+                let what = format!("{dt:?} ({n}, {h}, {w}, {ko}) -> {c}, tile {}", tile.name);
+                let (g0, _) = kernels::conv2d_nhwc_grad_input_join(&dy, &wt, (h, w), &policy, &b, &mask)?;
+                let before = kernels::join_sums_launches();
+                let (g, joined, part) =
+                    kernels::conv2d_nhwc_grad_input_join_sums(&dy, &wt, (h, w), &policy, &b, &mask, Some((&z3, &p)))?;
+                let counted = kernels::join_sums_launches() - before;
+                ensure!(joined == fits, "{what}: joined {joined}, expected {fits}");
+                let differ = bits_differ(&g, &g0)?;
+                ensure!(differ == 0, "{what}: joined values differ from the join's in {differ} values");
+                let Some(part) = part else {
+                    ensure!(!fits && counted == 0, "{what}: no partials from a join that ran");
+                    continue;
+                };
+                ensure!(fits && counted == 1, "{what}: partials from a join that fell back ({counted} counted)");
+                let sums = kernels::ops::batchnorm::grad_sums_from_partials(&part, n * h * w, c)?;
+                let op = BnGrad {
+                    relu: false,
+                    stats: p.stats.clone(),
+                    weight: p.weight.clone(),
+                    bias: p.bias.clone(),
+                    sums: None,
+                };
+                let want = z3.apply_op2_no_bwd(&g, &op)?;
+                let e = rel_err(&sums, &want)?;
+                ensure!(e <= 1e-4, "{what}: backward sums rel err {e:.2e} against the pass");
+                worst = worst.max(e);
+            }
+        }
+    }
+    println!(
+        "joined grad-input + sums of the BatchNorm before: joined values bit for bit, sums worst rel err {worst:.1e}"
+    );
+    Ok(())
+}
+
+/// The explicit step with the joined conv1 grad-inputs taking the block before's last BatchNorm sums
+/// (`KernelPolicy::join_sums`, `kernels.bn_stats = "fused"`) against the same step with that BatchNorm's backward
+/// taking its own sums: a ResNet-50 step (224 px, batch 16, bf16 and fp16, cooperative BatchNorm, joins folded,
+/// TMA tile x128 forced). The forward is the same computation: the loss and every running statistic bit for bit,
+/// and the 10 folds (`join_in_conv_step_matches_bit_for_bit`) all take the sums. The sums are added in another
+/// order, and a low-precision dz rounded the other way now and then moves every gradient before it (a stem
+/// BatchNorm's bias gradient, a sum with much cancellation, by percents between the two runs), so the gradients
+/// are held to the FP32 explicit step: each within max(1.5 x the own-sums step's rel err, 2e-2 bf16 / 5e-3 fp16)
+/// of FP32's, the bound of `fused_step_matches_autograd_on_cuda`.
+#[test]
+fn join_sums_step_matches_own_sums() -> Result<()> {
+    use kernels::variants::X128;
+    use kernels::Tuning;
+    let gpu = cuda()?;
+    let x = integration_tests::seeded_randn(&[16, 3, 224, 224], 1208).to_device(&gpu)?;
+    let labels = Tensor::new((0..16u32).map(|i| i % 10).collect::<Vec<_>>().as_slice(), &gpu)?;
+    let m32 = model(Arch::ResNet50, Stem::ImageNet, &gpu)?;
+    let o32 = m32.train_step_explicit(&x, &labels, 0.1, 1.0, Precision::F32)?;
+    let ref32: std::collections::HashMap<String, Tensor> = named_grads(&m32, &o32)?.into_iter().collect();
+    for precision in [Precision::Bf16, Precision::F16] {
+        type Step = (f32, Vec<(String, Tensor)>, u64);
+        let step = |join_sums_in_conv: bool| -> Result<Step> {
+            let mut m = model(Arch::ResNet50, Stem::ImageNet, &gpu)?;
+            let policy = m.config.kernels.clone().with_tuning(Tuning::Forced(X128)).with_fused_bn_reductions(true);
+            m.config.kernels = KernelPolicy {
+                bn_cooperative: true,
+                join_relu_mask: true,
+                join_in_conv: true,
+                join_sums_in_conv,
+                ..policy
+            };
+            let before = kernels::join_sums_launches();
+            let args = resnet::step::StepArgs::new(0.1, 1.0, precision);
+            let o = m.train_step_explicit_with(&x, &labels, args)?;
+            let sums = kernels::join_sums_launches() - before;
+            let out = grads_and_running_stats(&m, &o)?;
+            Ok((o.loss.to_scalar::<f32>()?, out, sums))
+        };
+        let (lb, base, none) = step(false)?;
+        let (ls, summed, taken) = step(true)?;
+        let what = format!("{precision:?} join sums");
+        ensure!(none == 0 && taken == 10, "{what}: {taken} of 10 joins took the sums ({none} with the switch off)");
+        ensure!(lb.to_bits() == ls.to_bits(), "{what}: loss {ls} against {lb}");
+        ensure!(base.len() == summed.len(), "{what}: {} tensors against {}", summed.len(), base.len());
+        let floor = if precision == Precision::Bf16 { 2e-2 } else { 5e-3 };
+        let (mut closest, mut stats) = ((0f64, 0f64, 0f64, String::new()), 0usize);
+        for ((name, own), (_, got)) in base.iter().zip(&summed) {
+            if name.contains("running_") {
+                let differ = bits_differ(got, own)?;
+                ensure!(differ == 0, "{what}: {name} differs in {differ} of {} values", own.elem_count());
+                stats += 1;
+                continue;
+            }
+            let r = ref32.get(name).with_context(|| format!("{what}: no FP32 gradient for {name}"))?;
+            let (e, e_own) = (rel_err(got, r)?, rel_err(own, r)?);
+            let bound = f64::max(1.5 * e_own, floor);
+            ensure!(e <= bound, "{what}: {name} rel err {e:.2e} vs FP32 (own sums' {e_own:.2e}, bound {bound:.1e})");
+            if e / bound > closest.0 {
+                closest = (e / bound, e, e_own, name.clone());
+            }
+        }
+        println!(
+            "join sums, ResNet-50 {precision:?} step: loss and {stats} running statistics bit for bit; gradient \
+             closest to its bound: {} rel err {:.2e} vs FP32 (own sums' {:.2e}); {taken} joins took the sums",
+            closest.3, closest.1, closest.2
+        );
+    }
+    Ok(())
+}
+
 /// The explicit step with the block-output joins folded into the conv1 grad-inputs (`join_in_conv`) against the
 /// step with the joins as their own launches: a ResNet-50 step (224 px, batch 16, bf16 and fp16, cooperative
 /// BatchNorm with the ReLU masks, TMA tile x128 forced) must give the loss, every gradient and every running

@@ -470,6 +470,56 @@ fn join_in_conv_gives_the_same_step() {
     }
 }
 
+/// The joined conv1 grad-inputs taking the block before's last BatchNorm sums (`KernelPolicy::join_sums`: with
+/// `join_in_conv` and the fused backward sums; on the CPU the partials come from `grad_sums_partials` after the
+/// join's pass, in the CUDA epilogue's layout) against the same step with that BatchNorm taking its own sums: on
+/// ResNet-50 (12 folds, each with the sums) and with a frozen layer, the loss and the running statistics bit for
+/// bit, every gradient within 1e-5 relative L2 (the sums added in chunks of 128 rows, then over the chunks); the
+/// switch off takes none. This checks the step's plumbing (which BatchNorm's input, statistics and partials); the
+/// CUDA kernel is compared on the GPU: `joined_grad_input_sums_match_the_pass`, `join_sums_step_matches_own_sums`.
+#[test]
+fn join_sums_give_the_same_step_to_rounding() {
+    let dev = Device::Cpu;
+    let x = Tensor::randn(0f32, 1., (2, 3, 32, 32), &dev).unwrap();
+    let labels = Tensor::new(&[3u32, 8], &dev).unwrap();
+    for freeze in [None, Some("layer2")] {
+        let run = |join_sums: bool| {
+            let mut m = model(Arch::ResNet50, Stem::ImageNet);
+            m.config.kernels.bn_cooperative = true;
+            m.config.kernels.join_relu_mask = true;
+            m.config.kernels.join_in_conv = true;
+            m.config.kernels.bn_sums_in_backward = true;
+            m.config.kernels.join_sums_in_conv = join_sums;
+            let m = ResNet::new(m.config.clone(), &dev).unwrap();
+            if let Some(p) = freeze {
+                assert!(m.store().freeze_prefixes(&[p.to_string()]) > 0);
+            }
+            let before = kernels::join_sums_launches();
+            let args = resnet::step::StepArgs::new(0.1, 8.0, Precision::F32);
+            let v = step_values_with(&m, &x, &labels, args, |n| n.contains("running"));
+            (v, kernels::join_sums_launches() - before)
+        };
+        let what = format!("ResNet-50 freeze={freeze:?}");
+        let (base, none) = run(false);
+        assert_eq!(none, 0, "{what}: join sums with the switch off");
+        let (summed, n) = run(true);
+        assert_eq!(n, 12, "{what}: joins that took the sums");
+        assert_eq!(summed.0.to_bits(), base.0.to_bits(), "{what}: loss");
+        assert_eq!(summed.1.len(), base.1.len(), "{what}: values");
+        let mut worst = 0f64;
+        for ((name, got), (_, want)) in summed.1.iter().zip(&base.1) {
+            if name.contains("running") {
+                assert_eq!(got, want, "{what}: {name}");
+                continue;
+            }
+            let e = integration_tests::rel_l2(got, want);
+            assert!(e <= 1e-5, "{what}: {name} rel err {e:.2e}");
+            worst = worst.max(e);
+        }
+        println!("join sums, {what}: loss and running statistics bit for bit, gradients worst rel err {worst:.1e}");
+    }
+}
+
 /// A bottleneck's conv3 input normalised inside the conv (`KernelPolicy::bn_apply_in_conv`): "backward": conv3's
 /// grad-weight takes relu(bn2(z2)) through `conv2d_nhwc_grad_weight_bn_relu` and the forward keeps no
 /// activation; "both": also bn2's forward keeps its statistics only and conv3's forward goes through

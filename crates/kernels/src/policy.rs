@@ -202,6 +202,12 @@ pub struct KernelPolicy {
     /// cooperative BatchNorm backward. The same values bit for bit. Default: on, unless `KERNELS_JOIN_IN_CONV=0`
     /// in the environment.
     pub join_in_conv: bool,
+    /// With `join_in_conv` and `bn_sums_in_backward` (not `bn_epilogue_by_timing`): the conv1 grad-input that
+    /// joins also takes the backward sums of the block before's last BatchNorm from the joined values
+    /// (`gemm_nn_joinsw_*`, [`crate::conv2d_nhwc_grad_input_join_sums`]), so that BatchNorm's cooperative backward
+    /// reduces those partials instead of reading its input and gradient for its own sums. Default: on, unless
+    /// `KERNELS_JOIN_SUMS=0` in the environment.
+    pub join_sums_in_conv: bool,
 }
 
 impl Default for KernelPolicy {
@@ -223,6 +229,7 @@ impl Default for KernelPolicy {
             compact_shortcut_grad: crate::ops::batchnorm::compact_shortcut_grad(),
             bn_apply_in_conv: crate::ops::batchnorm::bn_apply_in_conv(),
             join_in_conv: crate::ops::batchnorm::join_in_conv(),
+            join_sums_in_conv: crate::ops::batchnorm::join_sums_in_conv(),
         }
     }
 }
@@ -239,6 +246,11 @@ impl KernelPolicy {
     /// The same policy with every fused BatchNorm reduction on (`kernels.bn_stats = "fused"`) or off.
     pub fn with_fused_bn_reductions(self, on: bool) -> Self {
         Self { bn_stats_in_conv: on, bn_sums_in_backward: on, ..self }
+    }
+    /// Whether a joining conv1 grad-input also takes the sums of the BatchNorm before
+    /// ([`Self::join_sums_in_conv`]'s conditions).
+    pub fn join_sums(&self) -> bool {
+        self.join_sums_in_conv && self.bn_sums_in_backward && !self.bn_epilogue_by_timing
     }
     /// Whether models under this policy run channels-last (the custom convolutions are NHWC).
     pub fn channels_last(&self) -> bool {
@@ -270,8 +282,9 @@ impl KernelPolicy {
         } else {
             ""
         };
+        let join_sums = if !join.is_empty() && self.join_sums() { " (with the last BatchNorm's sums)" } else { "" };
         format!(
-            "conv {}, matmul {}, {tiles}{stats}{sums}{timed}{coop}{bnin}{join}",
+            "conv {}, matmul {}, {tiles}{stats}{sums}{timed}{coop}{bnin}{join}{join_sums}",
             self.conv.name(),
             self.matmul.name()
         )

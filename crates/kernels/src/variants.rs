@@ -281,5 +281,14 @@ mod tests {
         assert_eq!(X64.smem, 230_528);
         // The plain layouts fit in them.
         assert!(tma_layout(256, 4, 2 * 64 * 128 * 2, 0, 64) <= 230_528);
+        // So do the joins with the sums of the BatchNorm before (ig::TmaCfg's JOIN_SUMS, static_asserted there
+        // too): `stages` stages, a 4 KB hand-over, `zb` b chunks and two z3 chunks of 128 x 64, and the barriers
+        // (stages, b ring, the statistics warps' two, the z tile's slot, zjoined per b chunk, z3 full per z3 chunk).
+        let joinsw = |bn: usize, stages: usize, zb: usize| {
+            tma_layout(bn, stages, 4096, zb + 2, 64) - 2 * 2 * 8 + 16 + 8 + 8 * (zb + 2)
+        };
+        assert!(joinsw(256, 2, 5) <= X256.smem as usize);
+        assert!(joinsw(128, 3, 5) <= X128.smem as usize);
+        assert!(joinsw(64, 5, 4) <= X64.smem as usize);
     }
 }

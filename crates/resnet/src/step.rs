@@ -213,8 +213,17 @@ struct BlockSaved {
 enum BlockGrad {
     /// The main path's gradient and the shortcut's, for the caller to join.
     Split(Tensor, Shortcut),
-    /// Already joined by the conv1 grad-input's store: the gradient at the previous block's pre-ReLU output.
-    Joined(Tensor),
+    /// Already joined by the conv1 grad-input's store: the gradient at the previous block's pre-ReLU output, and
+    /// where that store also took them ([`Fold::bn3`]), the partials of the previous block's last BatchNorm sums.
+    Joined(Tensor, Option<Tensor>),
+}
+
+/// The block before's join folded into a bottleneck's conv1 grad-input ([`Engine::join_fold`]): that block's
+/// output ReLU mask, and where the grad-input also takes the backward sums of that block's last BatchNorm
+/// (`KernelPolicy::join_sums`), that BatchNorm's saved input z3 and parameters.
+struct Fold<'s> {
+    mask: &'s Tensor,
+    bn3: Option<(&'s Tensor, BnParams)>,
 }
 
 /// A block's shortcut gradient at its input: full size, or a 1x1 stride-2 downsample's grad-input on its own grid
@@ -844,7 +853,8 @@ impl<'a> Engine<'a> {
     /// The ReLU mask of the block before `b` (saved state `prev`) when its join folds into `b`'s conv1
     /// grad-input (`policy.join_in_conv`, [`kernels::conv2d_nhwc_grad_input_join`]): the cooperative join with the
     /// block outputs' masks, `b` a bottleneck (conv1 1x1, stride 1, no padding) with an identity shortcut.
-    fn join_fold<'s>(&self, b: &Block, prev: &'s BlockSaved) -> Option<&'s Tensor> {
+    /// `prev_block` is the block before, whose saved state `prev` is.
+    fn join_fold<'s>(&self, b: &Block, prev_block: &Block, prev: &'s BlockSaved) -> Option<Fold<'s>> {
         let conv1 = b.convs.first()?;
         let k = conv1.weight.var().as_tensor().dims().last().copied();
         let applies = self.policy.join_in_conv
@@ -852,7 +862,16 @@ impl<'a> Engine<'a> {
             && b.downsample.is_none()
             && b.convs.len() == 3
             && (k, conv1.stride, conv1.padding) == (Some(1), 1, 0);
-        prev.mask.as_ref().filter(|_| applies)
+        let mask = prev.mask.as_ref().filter(|_| applies)?;
+        // The sums of the block before's last BatchNorm with the joined values (its output gradient), where its
+        // input is kept and its statistics are the batch's.
+        let bn3 = match (prev_block.bns.last(), prev.bns.last()) {
+            (Some(bn), Some(saved)) if self.policy.join_sums() && !frozen(bn) && saved.global_rows.is_none() => {
+                saved.z.as_ref().map(|z| (z, Self::bn_params(bn, &saved.stats)))
+            }
+            _ => None,
+        };
+        Some(Fold { mask, bn3 })
     }
 
     /// Backward of a block from the gradient `gp` at its output's pre-ReLU sum: the two gradient contributions at
@@ -865,7 +884,7 @@ impl<'a> Engine<'a> {
         s: BlockSaved,
         gp: &Tensor,
         mut pre: Option<Pre>,
-        fold: Option<&Tensor>,
+        fold: Option<Fold>,
     ) -> Result<BlockGrad> {
         let BlockSaved { x, mut bns, mut acts, down, out, mask, mut weights, down_weight } = s;
         drop((out, mask));
@@ -896,14 +915,17 @@ impl<'a> Engine<'a> {
             // the next conv's grad-input epilogue), or None.
             let dz = self.bn_backward(&saved, &g, &b.bns[i], i != last, pre.take())?;
             drop(saved);
-            let dx = match (bns.last(), fold.filter(|_| i == 0)) {
-                // The block input's join in the grad-input's store (identity shortcut: its gradient is gp).
-                (None, Some(mask)) => {
+            let dx = match (bns.last(), fold.as_ref().filter(|_| i == 0)) {
+                // The block input's join in the grad-input's store (identity shortcut: its gradient is gp), with
+                // the sums of the block before's last BatchNorm where the fold takes them.
+                (None, Some(f)) => {
                     self.record_grad_weight(&cw, &input, &dz)?;
                     let (_, h, w, _) = input.dims4()?;
-                    let (g, joined) = kernels::conv2d_nhwc_grad_input_join(&dz, &cw.w, (h, w), self.policy, gp, mask)?;
+                    let bn3 = f.bn3.as_ref().map(|(z, p)| (*z, p));
+                    let (g, joined, part) =
+                        kernels::conv2d_nhwc_grad_input_join_sums(&dz, &cw.w, (h, w), self.policy, gp, f.mask, bn3)?;
                     if joined {
-                        return Ok(BlockGrad::Joined(g));
+                        return Ok(BlockGrad::Joined(g, part));
                     }
                     g
                 }
@@ -1232,10 +1254,14 @@ impl ResNet {
         let mut g_stem = None;
         for (i, b) in blocks.iter().enumerate().rev() {
             let s = saved.pop().expect("one saved state per block");
-            let fold = if i > 0 { e.join_fold(b, &saved[i - 1]) } else { None };
+            let fold = if i > 0 { e.join_fold(b, blocks[i - 1], &saved[i - 1]) } else { None };
             match e.block_backward(b, s, &gp, pre.take(), fold)? {
-                // The join ran in the conv1 grad-input's store: the block before starts from its output gradient.
-                BlockGrad::Joined(g) => gp = g,
+                // The join ran in the conv1 grad-input's store: the block before starts from its output gradient
+                // (and the partials of its last BatchNorm's sums, where the store took them).
+                BlockGrad::Joined(g, part) => {
+                    gp = g;
+                    pre = part.map(Pre::Partials);
+                }
                 // The block input is the previous block's ReLU output: join and mask in one pass.
                 BlockGrad::Split(gm, gs) if i > 0 => {
                     (gp, pre) = e.block_output_grad(blocks[i - 1], &saved[i - 1], &gm, Some(gs))?;

@@ -477,8 +477,12 @@ pub struct KernelsSection {
     /// identity shortcut): its TMA GEMM's store adds the shortcut gradient and applies the block output's ReLU
     /// mask, so the block's last BatchNorm backward reads one joined gradient instead of two gradients and the
     /// mask. The same values bit for bit. Needs the cooperative BatchNorm (`kernels.bn_cooperative`); elsewhere,
-    /// and where the epilogue cannot run, the join stays its own pass. On by default; `KERNELS_JOIN_IN_CONV=0`
-    /// (or 1) in the environment overrides this value
+    /// and where the epilogue cannot run, the join stays its own pass. With `kernels.bn_stats` "fused" or
+    /// "backward" (not "auto") the same GEMM also takes that last BatchNorm's backward sums from the joined values
+    /// (statistics warps of its producer warpgroup, `gemm_nn_joinsw_*`), and the BatchNorm's cooperative backward
+    /// reduces those partials instead of running its own sums phase (equal to rounding: the sums are added in
+    /// another order); `KERNELS_JOIN_SUMS=0` in the environment keeps the sums phase. On by default;
+    /// `KERNELS_JOIN_IN_CONV=0` (or 1) in the environment overrides this value
     pub join_in_conv: bool,
     /// The fused step on CUDA in bf16/fp16 reads its conv weights from a copy in the activation dtype and the
     /// kernels' (k, r, s, c) layout that the optimizer's update writes as it updates the FP32 masters, instead of

@@ -26,6 +26,9 @@
 // plain kernel's output.
 // With ig::tma_gsums_warps (IG_TMA_KERNEL_GSUMS_W), the 1x1 grad-inputs with the backward sums taken by the
 // statistics warps, against the consumers' epilogue sums, x128 and x64, checked against FP64 on l3 / l4.
+// With IG_TMA_KERNEL_JOIN_SUMS, the joined conv1 grad-inputs with the backward sums of the block before's last
+// BatchNorm (no ReLU: sum g and sum g xhat3 over the joined g) taken by statistics warps (gemm_nn_joinsw_x*), against
+// the plain join; the joined output checked bit for bit against the join's, the partials against FP64 on l3 / l4.
 // The last lines weight each shape by its launches in one ResNet-152 step: milliseconds a step.
 #include "conv/05_tma_wgmma.cu"
 #include "gemm/05_tma_wgmma.cu"
@@ -146,7 +149,7 @@ static void check_stats(const T* y_d, const float* part_d, int m, int n, double&
 // invstd; relative to the sums of |g| and |g xhat|.
 static void check_sums(const T* dx_d, const T* z_d, const float* part_d, int m, int n, const std::vector<float>& st,
                        int stride, const std::vector<float>& w, const std::vector<float>& b, double& e_g,
-                       double& e_gx) {
+                       double& e_gx, bool relu = true) {
     const std::vector<T> dx = host(dx_d, (size_t)m * n), z = host(z_d, (size_t)m * n);
     const int chunks = (m + ig::TMA_BM - 1) / ig::TMA_BM;
     const std::vector<float> part = host(part_d, (size_t)2 * chunks * n);
@@ -154,7 +157,7 @@ static void check_sums(const T* dx_d, const T* z_d, const float* part_d, int m, 
     for (int r = 0; r < m; ++r)
         for (int c = 0; c < n; ++c) {
             const float mean = st[c], invstd = st[2 * stride + c], zv = bf(z[(size_t)r * n + c]);
-            if (!(std::fmaf(zv - mean, invstd * w[c], b[c]) >= 0.f)) continue;
+            if (relu && !(std::fmaf(zv - mean, invstd * w[c], b[c]) >= 0.f)) continue;
             const double g = bf(dx[(size_t)r * n + c]), xh = (double)(zv - mean) * invstd;
             sg[c] += g;
             sgx[c] += g * xh;
@@ -183,15 +186,23 @@ struct Shape1x1 {
 // One kernel launch: (map A, map B, map C, [map Z,] C, workspace / partials, bias / z, shape), as tma_run passes
 // them; map Z (z's tensor map, for GSUMS kernels that load z through TMA) only where the kernels take it
 // (IG_TMA_HAS_MAP_Z), so that the harness builds against trees with and without it.
+// A JOIN_SUMS launch (js) also takes map Z3 after map Z and the partials after the mask (IG_TMA_KERNEL_JOIN_SUMS).
 struct Launch {
     const void* f;
-    ig::TmaDesc ma, mb, mc, mz;
+    ig::TmaDesc ma, mb, mc, mz, mz3;
     T* c;
     float* ws;
+    float* part = nullptr;
+    bool js = false;
     const T* bias;
     ig::Shape sh;
     int grid, smem;
     void operator()() {
+        if (js) {
+            void* args[] = {&ma, &mb, &mc, &mz, &mz3, &c, &ws, &part, &bias, &sh};
+            CK(cudaLaunchKernel(f, dim3(grid), dim3(ig::TMA_THREADS), args, (size_t)smem, g_stream));
+            return;
+        }
 #ifdef IG_TMA_HAS_MAP_Z
         void* args[] = {&ma, &mb, &mc, &mz, &c, &ws, &bias, &sh};
 #else
@@ -508,6 +519,65 @@ int main(int argc, char** argv) {
         std::printf("per ResNet-152 step (the conv1 grad-inputs, launches weighted), ms: bgrad / +join\n");
         for (int ti = 0; ti < NT; ++ti)
             std::printf("  x%-3d %8.3f %8.3f\n", tiles[ti].bn, jstep[ti][0] / 1e3, jstep[ti][1] / 1e3);
+#ifdef IG_TMA_KERNEL_JOIN_SUMS
+        {
+            // z3 (the block before's last BatchNorm input, dx-shaped) in its own buffer; its statistics as set_bn
+            // lays them out. The joined values must be the join kernel's bit for bit.
+            T *z3, *dxs;
+            CK(cudaMalloc(&z3, max_mk * sizeof(T)));
+            CK(cudaMalloc(&dxs, max_mk * sizeof(T)));
+            fill_rand<<<1024, 256, 0, g_stream>>>(z3, (long long)max_mk, 7u, 1.0f, 0.05f);
+            const void* jsw[NT] = {(const void*)gemm_nn_joinsw_x256_vec_bf16, (const void*)gemm_nn_joinsw_x128_vec_bf16,
+                                   (const void*)gemm_nn_joinsw_x64_vec_bf16};
+            double sstep[NT][2] = {{0}};
+            std::printf("%-20s %4s | %9s %9s %7s | hash: sums\n", "conv1 join + sums", "tile", "+join", "+sums", "+%");
+            for (const Shape1x1& s : shapes) {
+                if (s.cin < s.cout) continue;
+                const int m = (int)s.m, n = s.cin;
+                set_bn(n);
+                for (int ti = 0; ti < NT; ++ti) {
+                    const int bn = tiles[ti].bn;
+                    const ig::TmaDesc ga = tma_map(dy, s.cout, m, 128), gb = tma_map(wt, s.cin, s.cout, 64);
+                    Launch bwd_j = make_bn(bn, joins[ti], ga, gb, dxj, reinterpret_cast<float*>(mask), nullptr, m, n,
+                                           s.cout, nullptr, nullptr, nullptr);
+                    bwd_j.mz = tma_map(z, n, m, 64);
+                    Launch bwd_s = make_bn(bn, jsw[ti], ga, gb, dxs, reinterpret_cast<float*>(mask), nullptr, m, n,
+                                           s.cout, stats, bw, bb);
+                    bwd_s.mz = tma_map(z, n, m, 64);
+                    bwd_s.mz3 = tma_map(z3, n, m, 64);
+                    bwd_s.part = part;
+                    bwd_s.js = true;
+                    bwd_j();
+                    bwd_s();
+                    CK(cudaStreamSynchronize(g_stream));
+                    const size_t rows = (m + ig::TMA_BM - 1) / ig::TMA_BM;
+                    const unsigned long long h_su = fnv(part, 2 * rows * n * sizeof(float));
+                    const bool same = fnv(dxj, (size_t)m * n * sizeof(T)) == fnv(dxs, (size_t)m * n * sizeof(T));
+                    const bool check = (size_t)m * n <= ((size_t)64 << 20);
+                    double e_g = 0, e_gx = 0;
+                    if (check) check_sums(dxs, z3, part, m, n, hs, n, hw, hb, e_g, e_gx, false);
+                    const double t[2] = {time_us(bwd_j), time_us(bwd_s)};
+                    std::printf("%-20s x%-3d | %9.1f %9.1f %+6.1f%% | %016llx\n", s.name, bn, t[0], t[1],
+                                100.0 * (t[1] / t[0] - 1.0), h_su);
+                    if (!same) std::printf("  the joined output differs from the join kernel's: FAIL\n");
+                    fails += !same;
+                    if (check) {
+                        const bool ok = e_g < 1e-5 && e_gx < 1e-5;
+                        std::printf("  check against FP64 on the host: sums g %.1e g xhat %.1e: %s\n", e_g, e_gx,
+                                    ok ? "ok" : "FAIL");
+                        fails += !ok;
+                    }
+                    sstep[ti][0] += t[0] * s.launches;
+                    sstep[ti][1] += t[1] * s.launches;
+                }
+            }
+            std::printf("per ResNet-152 step (the joined conv1 grad-inputs, launches weighted), ms: +join / +sums\n");
+            for (int ti = 0; ti < NT; ++ti)
+                std::printf("  x%-3d %8.3f %8.3f\n", tiles[ti].bn, sstep[ti][0] / 1e3, sstep[ti][1] / 1e3);
+            CK(cudaFree(z3));
+            CK(cudaFree(dxs));
+        }
+#endif
         CK(cudaFree(mask));
         CK(cudaFree(dxj));
     }

@@ -287,7 +287,8 @@ impl<T: CudaDType + DeviceRepr + WithDType + ValidAsZeroBits + 'static> Pass<'_,
     /// runs without epilogues (a ResNet-152 bf16 step on an H200 ran cp.async convolutions after a first run with
     /// `bn_stats = "fused"` had filled the autotune file). Whether the epilogue pays is
     /// [`super::autotune::epilogue_pays`]'s question, not the tile's. The joined store ([`Epi::Join`]) likewise
-    /// runs on the TMA tiles only, under `+join`.
+    /// runs on the TMA tiles only, under `+join` (with the sums of the BatchNorm before, [`Epi::JoinSums`], under
+    /// `+join-sums`).
     fn pick_epi(
         &self,
         tag: Option<&str>,
@@ -470,7 +471,7 @@ impl<T: CudaDType + DeviceRepr + WithDType + ValidAsZeroBits + 'static> Pass<'_,
         // The joined store: the plain pass (a 1x1 stride-1 GEMM).
         let gsums = self.cl.stats.filter(|s| match s.epi {
             Epi::GradSums { .. } => g.is_plain() || g.stride == 1,
-            Epi::Join { .. } => g.is_plain(),
+            Epi::Join { .. } | Epi::JoinSums { .. } => g.is_plain(),
             _ => false,
         });
         let epi = gsums.map_or(Epi::Plain, |s| s.epi);
@@ -513,6 +514,7 @@ impl<T: CudaDType + DeviceRepr + WithDType + ValidAsZeroBits + 'static> Pass<'_,
         let tag = match (gsums.is_some() && self.tma_ok, epi) {
             (false, _) => None,
             (true, Epi::Join { .. }) => Some("+join"),
+            (true, Epi::JoinSums { .. }) => Some("+join-sums"),
             (true, _) => Some("+bn-epilogue"),
         };
         let tile = self.pick_epi(tag, true, choose(m_class, g.c, self.sms, false), &mut run)?;

@@ -183,6 +183,12 @@ pub enum Epi {
     /// `ig::join_pair`; NN only). Needs C through map C (n % 32 == 0, C, b 16-byte and the mask 4-byte aligned:
     /// the launcher refuses otherwise); no split-K.
     Join { mask: u64, b: u64 },
+    /// [`Epi::Join`], and the backward sums of the BatchNorm whose output gradient the joined value is (a
+    /// bottleneck's last BatchNorm, no ReLU of its own: sum g and sum g xhat, xhat = (z3 - mean) invstd with the
+    /// statistics at `bn.stats`) into the partials at `part` ([`grad_sums_partials_len`]): `z3` is that
+    /// BatchNorm's input (C-shaped, row-major, read through map Z3), taken by statistics warps from the joined
+    /// chunks (the JOINSW kernels, `ig::tma_join_sums_warps`). As Join, and `part` and `z3` 16-byte aligned.
+    JoinSums { mask: u64, b: u64, z3: u64, part: u64, bn: BnAddrs },
 }
 
 /// A TMA kernel of one family by its tag ("nn", "nn_gsums", "dgrad", ..: the launcher's naming of
@@ -232,7 +238,7 @@ pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
     // (TmaCfg::Z_SMEM), so z must be 16-byte aligned as well.
     let z_addr = match epi {
         Epi::GradSums { z, .. } => Some(z),
-        Epi::Join { b, .. } => Some(b),
+        Epi::Join { b, .. } | Epi::JoinSums { b, .. } => Some(b),
         _ => None,
     };
     // A STATS kernel with map C takes its moments from the staged tile in three warps of its producer warpgroup,
@@ -240,13 +246,15 @@ pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
     // (ig::tma_gsums_warps, below); without map C the consumers reduce and write them a float at a time.
     let part_ok = match epi {
         Epi::Moments { part } | Epi::GradSums { part, .. } => part % 16 == 0,
+        Epi::JoinSums { part, z3, .. } => part % 16 == 0 && z3 % 16 == 0,
         _ => true,
     };
     let tma_c = plain_c && !split && n % 8 == 0 && pc % 16 == 0 && z_addr.is_none_or(|z| z % 16 == 0) && part_ok;
-    if let Epi::Join { mask, .. } = epi {
+    if let Epi::Join { mask, .. } | Epi::JoinSums { mask, .. } = epi {
         if !tma_c || n % 32 != 0 || mask % 4 != 0 {
             candle_core::bail!(
-                "{op} (cuda): the joined store needs C through its tensor map, n % 32 == 0 and a 4-byte aligned mask"
+                "{op} (cuda): the joined store needs C through its tensor map, n % 32 == 0, a 4-byte aligned mask \
+                 (and with the sums 16-byte aligned partials and z3)"
             );
         }
     }
@@ -262,6 +270,11 @@ pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
         Some(z) if tma_c => tma_map(z, T::DTYPE, n, m, 64, op)?,
         _ => TmaDesc([0; 16]),
     };
+    // JOINSW: map Z3 covers the BatchNorm input z3 as map C covers C.
+    let mz3 = match epi {
+        Epi::JoinSums { z3, .. } => Some(tma_map(z3, T::DTYPE, n, m, 64, op)?),
+        _ => None,
+    };
     drop(gc);
     let sh = GemmShape {
         m: i32_of(m, op, "M")?,
@@ -274,7 +287,7 @@ pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
         ..base
     };
     let sh = match epi {
-        Epi::GradSums { bn, .. } | Epi::BnReluIn { bn } => {
+        Epi::GradSums { bn, .. } | Epi::BnReluIn { bn } | Epi::JoinSums { bn, .. } => {
             GemmShape { bn_stats: bn.stats, bn_weight: bn.weight, bn_bias: bn.bias, ..sh }
         }
         _ => sh,
@@ -287,11 +300,19 @@ pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
     };
     let ws = splitk_workspace(dev, split.then_some(splits * m * n))?;
     let mut bld = stream.launch_builder(&f);
-    bld.arg(ma).arg(mb).arg(&mc).arg(&mz).arg(c);
+    bld.arg(ma).arg(mb).arg(&mc).arg(&mz);
+    if let Some(mz3) = &mz3 {
+        bld.arg(mz3);
+    }
+    bld.arg(c);
     match &epi {
-        Epi::Moments { part } | Epi::GradSums { part, .. } | Epi::Join { mask: part, .. } => bld.arg(part),
+        Epi::Moments { part } | Epi::GradSums { part, .. } => bld.arg(part),
+        Epi::Join { mask, .. } | Epi::JoinSums { mask, .. } => bld.arg(mask),
         Epi::Plain | Epi::BnReluIn { .. } => bld.arg(&*ws),
     };
+    if let Epi::JoinSums { part, .. } = &epi {
+        bld.arg(part);
+    }
     match (bias, &epi) {
         (Some(v), _) => bld.arg(v),
         (None, Epi::GradSums { z, .. }) => bld.arg(z),
@@ -303,6 +324,8 @@ pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
     // a GSUMS kernel), c holds m*n elements, ws splits*m*n when split, or the caller's stats_partials_len(m, n) /
     // grad_sums_partials_len(m, n) floats for a STATS / GSUMS kernel (GSUMS: z holds m*n elements, the BatchNorm's tensors 3n / n / n, checked by the caller;
     // JOIN: b holds m*n elements and the mask m*n/8 bytes, checked by the caller, map Z covers b;
+    // JOINSW: (map A, map B, map C, map Z, map Z3, c, mask, partials, bias, shape), as JOIN and z3 m*n elements
+    // (map Z3), the partials grad_sums_partials_len(m, n) floats, the statistics 3n, checked by the caller;
     // BNIN: the BatchNorm's tensors 3c / c / c for the c channels of the normalised operand, K for NT, N for TN,
     // 16-byte aligned with c % 8 == 0, checked by the caller).
     unsafe { bld.launch(cfg) }.w()?;
@@ -344,6 +367,7 @@ pub(crate) fn tma_gemm<T: CudaDType + DeviceRepr + WithDType>(
         (Epi::Moments { .. }, GemmLayout::Nt) => "nt_stats",
         (Epi::GradSums { .. }, GemmLayout::Nn) => "nn_gsums",
         (Epi::Join { .. }, GemmLayout::Nn) => "nn_join",
+        (Epi::JoinSums { .. }, GemmLayout::Nn) => "nn_joinsw",
         (Epi::BnReluIn { .. }, GemmLayout::Nt) => "nt_bnin",
         (Epi::BnReluIn { .. }, GemmLayout::Tn) => "tn_bnin",
         _ => candle_core::bail!("{op} (cuda): no {epi:?} epilogue for the {layout:?} GEMM"),

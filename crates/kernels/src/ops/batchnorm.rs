@@ -486,6 +486,13 @@ pub fn join_in_conv() -> bool {
     join_in_conv_env().unwrap_or(true)
 }
 
+/// Whether a joining conv1 grad-input also takes the sums of the BatchNorm before
+/// ([`crate::KernelPolicy::join_sums_in_conv`]'s default): on unless `KERNELS_JOIN_SUMS=0` is in the environment.
+pub fn join_sums_in_conv() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("KERNELS_JOIN_SUMS").is_none_or(|v| v != "0"))
+}
+
 /// Where the explicit step normalises a bottleneck's conv3 input ([`crate::KernelPolicy::bn_apply_in_conv`]'s
 /// default): `KERNELS_BN_APPLY_IN_CONV=backward` in the grad-weight, `both` (or 1) in the conv and its
 /// grad-weight; off otherwise (scripts/gpu-step.sh's `fused-bnin`, `fused-bninbwd`).
@@ -984,14 +991,43 @@ impl CustomOp3 for JoinGradSums {
 }
 
 /// The backward sums (2, c) of a BatchNorm from the partials a grad-input's epilogue wrote
-/// ([`crate::conv2d_nhwc_grad_input_sums`]; CUDA only).
+/// ([`crate::conv2d_nhwc_grad_input_sums`], [`crate::conv2d_nhwc_grad_input_join_sums`]; on the CPU the partials of
+/// [`grad_sums_partials`]): the (2, chunks, c) partials, chunks of 128 rows, summed over the chunks.
 pub fn grad_sums_from_partials(part: &Tensor, rows: usize, c: usize) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if part.device().is_cuda() {
         return part.apply_op1_no_bwd(&SumsFromPartials { rows, c });
     }
-    let _ = part;
-    candle_core::bail!("grad_sums_from_partials: the epilogue sums exist on CUDA only ({rows} x {c})")
+    let chunks = rows.div_ceil(PARTIAL_ROWS);
+    if part.elem_count() != 2 * chunks * c {
+        candle_core::bail!("grad_sums_from_partials: {} partials for {rows} rows x {c}", part.elem_count());
+    }
+    part.reshape((2, chunks, c))?.sum(1)
+}
+
+/// Rows per chunk of the backward sums' partials (the TMA kernels' 128-row tiles).
+const PARTIAL_ROWS: usize = 128;
+
+/// The partials of the backward sums of a BatchNorm without ReLU (sum g and sum g xhat per channel, xhat =
+/// (z - mean) invstd with `stats` (3, c) = [mean, var, invstd]) over chunks of 128 rows of z and g (rows, c), in
+/// the layout the joined grad-input's epilogue writes on CUDA ((2, chunks, c) f32, flat): the CPU's
+/// [`crate::conv2d_nhwc_grad_input_join_sums`], so that the step takes the same path on either device.
+pub fn grad_sums_partials(z: &Tensor, g: &Tensor, stats: &Tensor) -> Result<Tensor> {
+    let c = z.dims().last().copied().unwrap_or(1).max(1);
+    let rows = z.elem_count() / c;
+    if g.dims() != z.dims() || stats.elem_count() != 3 * c {
+        candle_core::bail!("grad_sums_partials: z {:?}, g {:?}, statistics {:?}", z.dims(), g.dims(), stats.dims());
+    }
+    let chunks = rows.div_ceil(PARTIAL_ROWS);
+    let stats = stats.to_dtype(DType::F32)?.reshape((3, c))?;
+    let (mean, invstd) = (stats.get(0)?, stats.get(2)?);
+    let g = g.to_dtype(DType::F32)?.reshape((rows, c))?;
+    let xhat = z.to_dtype(DType::F32)?.reshape((rows, c))?.broadcast_sub(&mean)?.broadcast_mul(&invstd)?;
+    let gx = (&g * xhat)?;
+    let pad = chunks * PARTIAL_ROWS - rows;
+    let per_chunk =
+        |t: Tensor| -> Result<Tensor> { t.pad_with_zeros(0, 0, pad)?.reshape((chunks, PARTIAL_ROWS, c))?.sum(1) };
+    Tensor::stack(&[per_chunk(g)?, per_chunk(gx)?], 0)?.flatten_all()
 }
 
 /// [`grad_sums_from_partials`] as a candle op over the partials.

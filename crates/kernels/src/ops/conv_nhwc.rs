@@ -188,9 +188,32 @@ pub fn conv2d_nhwc_grad_input_join(
     b: &Tensor,
     mask: &Tensor,
 ) -> Result<(Tensor, bool)> {
+    let (g, joined, _) = conv2d_nhwc_grad_input_join_sums(dy, w, in_hw, policy, b, mask, None)?;
+    Ok((g, joined))
+}
+
+/// [`conv2d_nhwc_grad_input_join`], and with `bn3` = (z3, p) the backward sums of the BatchNorm `p` over z3 (dx's
+/// shape) whose output gradient the joined g is (the block before's last BatchNorm: no ReLU of its own, so
+/// sum g and sum g xhat over every element), taken from the joined values in the same launch where it runs on a
+/// TMA tile (`gemm_nn_joinsw_*`, z3 and the statistics aligned), and on the CPU after the join's pass
+/// ([`crate::ops::batchnorm::grad_sums_partials`]): (g, true, Some(partials)), the partials (2, chunks of 128 rows,
+/// c) f32 (reduced by [`crate::ops::batchnorm::grad_sums_from_partials`] or the cooperative backward). Otherwise
+/// no partials: the caller's BatchNorm backward takes its own sums.
+pub fn conv2d_nhwc_grad_input_join_sums(
+    dy: &Tensor,
+    w: &Tensor,
+    in_hw: (usize, usize),
+    policy: &KernelPolicy,
+    b: &Tensor,
+    mask: &Tensor,
+    bn3: Option<(&Tensor, &crate::BnParams)>,
+) -> Result<(Tensor, bool, Option<Tensor>)> {
     #[cfg(feature = "cuda")]
-    let out =
-        if kernels_apply(dy) { Some(cuda_ops::conv_nhwc_dgrad_join(dy, w, in_hw, policy, b, mask)?) } else { None };
+    let out = if kernels_apply(dy) {
+        Some(cuda_ops::conv_nhwc_dgrad_join(dy, w, in_hw, policy, b, mask, bn3)?)
+    } else {
+        None
+    };
     #[cfg(not(feature = "cuda"))]
     let out = None;
     let out = match out {
@@ -200,14 +223,26 @@ pub fn conv2d_nhwc_grad_input_join(
             // The pass's gate is made on the host: on the CPU only (a GPU would synchronise, and a captured graph
             // break); elsewhere the caller's join runs.
             if dy.device().is_cpu() {
-                (crate::ops::batchnorm::join_masked(&dx, b, mask)?, true)
+                let g = crate::ops::batchnorm::join_masked(&dx, b, mask)?;
+                let part = match bn3 {
+                    Some((z3, p)) => Some(crate::ops::batchnorm::grad_sums_partials(z3, &g, &p.stats)?),
+                    None => None,
+                };
+                (g, true, part)
             } else {
-                (dx, false)
+                (dx, false, None)
             }
         }
     };
     JOINED_GRAD_INPUTS.with(|k| k.set(k.get() + u64::from(out.1)));
+    JOIN_SUMS.with(|k| k.set(k.get() + u64::from(out.2.is_some())));
     Ok(out)
+}
+
+/// Joined grad-inputs of this thread that also took the sums of the BatchNorm before
+/// ([`conv2d_nhwc_grad_input_join_sums`] returning partials): tests check that the fold happened.
+pub fn join_sums_launches() -> u64 {
+    JOIN_SUMS.with(|k| k.get())
 }
 
 /// The BatchNorm + ReLU backward sums over (z, g) as their own pass.
@@ -230,6 +265,7 @@ pub fn joined_grad_inputs() -> u64 {
 
 thread_local! {
     static JOINED_GRAD_INPUTS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    static JOIN_SUMS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
     /// Launches of this thread whose activation operand was normalised inside the convolution
     /// ([`conv2d_nhwc_forward_bn_relu`], [`conv2d_nhwc_grad_weight_bn_relu`] on a TMA tile): tests check that the
     /// fused path ran.
@@ -749,9 +785,10 @@ mod cuda_ops {
         Ok((dx, Some(part)))
     }
 
-    /// [`super::conv2d_nhwc_grad_input_join`] on CUDA: a 1x1 stride-1 grad-input with the joined store
-    /// ([`Epi::Join`]) where it runs (TMA tiles, c % 32 == 0, contiguous aligned operands, enough tiles that the
-    /// plain pass would not split K); else the plain grad-input and false.
+    /// [`super::conv2d_nhwc_grad_input_join_sums`] on CUDA: a 1x1 stride-1 grad-input with the joined store
+    /// ([`Epi::Join`]; with `bn3` and z3 fit for map Z3, [`Epi::JoinSums`] and the partials) where it runs (TMA
+    /// tiles, c % 32 == 0, contiguous aligned operands, enough tiles that the plain pass would not split K); else
+    /// the plain grad-input and false.
     pub fn conv_nhwc_dgrad_join(
         dy: &Tensor,
         w: &Tensor,
@@ -759,12 +796,13 @@ mod cuda_ops {
         policy: &KernelPolicy,
         b: &Tensor,
         mask: &Tensor,
-    ) -> Result<(Tensor, bool)> {
+        bn3: Option<(&Tensor, &crate::BnParams)>,
+    ) -> Result<(Tensor, bool, Option<Tensor>)> {
         let (n, _, _, ko) = dy.dims4()?;
         let (_, r, _, c) = w.dims4()?;
         let geom = ConvGeom { n, h: in_hw.0, w: in_hw.1, c, ko, r, stride: 1, pad: 0 };
         let rows = n * in_hw.0 * in_hw.1;
-        let plain = || Ok((dgrad_geom(&aligned(dy)?, w, geom, policy)?, false));
+        let plain = || Ok((dgrad_geom(&aligned(dy)?, w, geom, policy)?, false, None));
         let fits = r == 1
             && c.is_multiple_of(32)
             && ko.is_multiple_of(8)
@@ -789,12 +827,39 @@ mod cuda_ops {
         if ba % 16 != 0 || ma % 4 != 0 {
             return plain();
         }
+        // The sums: z3 read through map Z3 (16-byte base), the statistics a float at a time, the partials 16 bytes.
+        let sums = match bn3 {
+            Some((z3, p))
+                if z3.dims() == b.dims()
+                    && z3.dtype() == dy.dtype()
+                    && z3.is_contiguous()
+                    && p.stats.dtype() == DType::F32
+                    && p.stats.is_contiguous()
+                    && p.stats.elem_count() == 3 * c =>
+            {
+                let za = half_addr(z3, rows * c, "BatchNorm input")?;
+                let sa = crate::cuda::addr_of::<f32>(&p.stats, 3 * c, "BatchNorm statistics")?;
+                za.filter(|za| za % 16 == 0).map(|za| (za, sa))
+            }
+            _ => None,
+        };
         let wrote = Arc::new(AtomicBool::new(false));
-        let epi = Epi::Join { mask: ma, b: ba };
+        let (epi, part) = match sums {
+            Some((z3, stats)) => {
+                let len = crate::cuda::tma::grad_sums_partials_len(rows, c);
+                let part = crate::cuda::empty_f32(dy, len)?;
+                let pa = crate::cuda::addr_of::<f32>(&part, len, "backward sums")?;
+                // Only the statistics are read (no ReLU: weight and bias do not enter the sums).
+                let bn = crate::cuda::tma::BnAddrs { stats, weight: stats, bias: stats };
+                (Epi::JoinSums { mask: ma, b: ba, z3, part: pa, bn }, Some(part))
+            }
+            None => (Epi::Join { mask: ma, b: ba }, None),
+        };
         let op = ConvOp { stats: Some((epi, wrote.clone())), ..ConvOp::new(geom, ConvPass::Dgrad, policy) };
         let (dy, w) = (aligned(dy)?, aligned(w)?);
         let dx = dy.apply_op2_no_bwd(&w, &op)?;
-        Ok((dx, wrote.load(Ordering::Relaxed)))
+        let joined = wrote.load(Ordering::Relaxed);
+        Ok((dx, joined, part.filter(|_| joined)))
     }
 
     /// Grad-weight: dy (n, p, q, ko), x (n, h, w, c) -> dw (ko, r, r, c); small channel counts take the im2col
