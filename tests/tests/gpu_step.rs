@@ -766,6 +766,19 @@ fn joined_relu_grad_sums_match_the_two_passes() -> Result<()> {
     Ok(())
 }
 
+/// The rel err of backward sums (2, c) against the sums pass (`BnGrad`, with or without the ReLU) of the
+/// BatchNorm `p` over its input z and output gradient g.
+fn sums_vs_pass(sums: &Tensor, z: &Tensor, g: &Tensor, p: &kernels::BnParams, relu: bool) -> Result<f64> {
+    let op = kernels::ops::batchnorm::BnGrad {
+        relu,
+        stats: p.stats.clone(),
+        weight: p.weight.clone(),
+        bias: p.bias.clone(),
+        sums: None,
+    };
+    rel_err(sums, &z.apply_op2_no_bwd(g, &op)?)
+}
+
 /// `kernels.bn_stats = "fused"`, backward: the BatchNorm + ReLU backward sums computed in the epilogue of the
 /// grad-input passes (`gemm_nn_gsums_*` for 1x1, `conv_dgrad_gsums_*` for stride-1 convolutions; on x128 and x64
 /// their statistics-warps kernels `*_gsumsw_*`, as these outputs go through map C) against the sums pass (`BnGrad`
@@ -773,7 +786,6 @@ fn joined_relu_grad_sums_match_the_two_passes() -> Result<()> {
 /// 3x3 (whose grad-input scatters its rows) must leave the sums to the pass.
 #[test]
 fn grad_input_epilogue_sums_match_the_pass() -> Result<()> {
-    use kernels::ops::batchnorm::BnGrad;
     use kernels::ops::conv_nhwc::conv_nhwc_dgrad_sums;
     use kernels::variants::{X128, X256, X64};
     use kernels::Tuning;
@@ -807,15 +819,7 @@ fn grad_input_epilogue_sums_match_the_pass() -> Result<()> {
                     continue;
                 }
                 let sums = sums.with_context(|| format!("{tag}: no epilogue sums"))?;
-                let op = BnGrad {
-                    relu: true,
-                    stats: p.stats.clone(),
-                    weight: p.weight.clone(),
-                    bias: p.bias.clone(),
-                    sums: None,
-                };
-                let want = z.apply_op2_no_bwd(&dx, &op)?;
-                let e = rel_err(&sums, &want)?;
+                let e = sums_vs_pass(&sums, &z, &dx, &p, true)?;
                 ensure!(e <= 1e-4, "{tag}: backward sums rel err {e:.2e} against the pass");
                 worst = worst.max(e);
             }
@@ -1211,7 +1215,6 @@ fn joined_grad_input_matches_the_join() -> Result<()> {
 /// partials.
 #[test]
 fn joined_grad_input_sums_match_the_pass() -> Result<()> {
-    use kernels::ops::batchnorm::BnGrad;
     use kernels::variants::{X128, X256, X64};
     use kernels::Tuning;
     let gpu = cuda()?;
@@ -1257,15 +1260,7 @@ fn joined_grad_input_sums_match_the_pass() -> Result<()> {
                 };
                 ensure!(fits && counted == 1, "{what}: partials from a join that fell back ({counted} counted)");
                 let sums = kernels::ops::batchnorm::grad_sums_from_partials(&part, n * h * w, c)?;
-                let op = BnGrad {
-                    relu: false,
-                    stats: p.stats.clone(),
-                    weight: p.weight.clone(),
-                    bias: p.bias.clone(),
-                    sums: None,
-                };
-                let want = z3.apply_op2_no_bwd(&g, &op)?;
-                let e = rel_err(&sums, &want)?;
+                let e = sums_vs_pass(&sums, &z3, &g, &p, false)?;
                 ensure!(e <= 1e-4, "{what}: backward sums rel err {e:.2e} against the pass");
                 worst = worst.max(e);
             }
