@@ -5,7 +5,9 @@
 #   2. an ab-bench.sh A/B of ResNet-152 bf16 batch 256 (ROUNDS rounds while time is left, default 2): the
 #      defaults, KERNELS_JOIN_IN_CONV=1, kernels.bn_stats = "fused", and both (VARIANTS picks among
 #      main join fused fusedjoin, and nojoin fusednojoin: KERNELS_JOIN_IN_CONV=0, the join being on by default
-#      since 7a6e428); a round starts only if AB_RESERVE seconds (default 0) are left after it;
+#      since 7a6e428; nosums: KERNELS_JOIN_SUMS=0, the joined GEMMs without the sums of the BatchNorm before, on by
+#      default since d73a6b1; DTYPE=fp16 times fp16); a round starts only if AB_RESERVE seconds (default 0) are
+#      left after it;
 #   3. with KTRACE=DIR (ktrace.c, ktrace_report.py): kernel timelines of the bf16 step, default and with each
 #      KTRACE_VARIANTS (default "join fusedjoin");
 #   4. with SWEEP=B: `trainer sweep --max` of ResNet-152 bf16 from batch B (granularity 128, heuristic tiles);
@@ -50,6 +52,7 @@ declare -A spec=(
     [fusedjoin]="KERNELS_JOIN_IN_CONV=1 $bin/trainer-fused"
     [nojoin]="KERNELS_JOIN_IN_CONV=0 $bin/trainer"
     [fusednojoin]="KERNELS_JOIN_IN_CONV=0 $bin/trainer-fused"
+    [nosums]="KERNELS_JOIN_SUMS=0 $bin/trainer"
 )
 
 echo "== 1. the join tests ($(left) s left)" | tee -a "$sum"
