@@ -1207,6 +1207,27 @@ fn joined_grad_input_matches_the_join() -> Result<()> {
     Ok(())
 }
 
+/// A step's loss, gradients and running statistics (named), and a launch count.
+type CountedStep = (f32, Vec<(String, Tensor)>, u64);
+
+/// One explicit ResNet-50 step over (x, labels) in `prec` under `policy` with the cooperative BatchNorm and the
+/// block outputs' ReLU masks (what the joins need): the loss, the gradients and running statistics, and how far
+/// `counter` (a thread's launch counter) moved.
+fn join_step(
+    gpu: &Device,
+    (x, labels): (&Tensor, &Tensor),
+    prec: Precision,
+    policy: KernelPolicy,
+    counter: fn() -> u64,
+) -> Result<CountedStep> {
+    let mut m = model(Arch::ResNet50, Stem::ImageNet, gpu)?;
+    m.config.kernels = KernelPolicy { bn_cooperative: true, join_relu_mask: true, ..policy };
+    let before = counter();
+    let o = m.train_step_explicit_with(x, labels, resnet::step::StepArgs::new(0.1, 1.0, prec))?;
+    let counted = counter() - before;
+    Ok((o.loss.to_scalar::<f32>()?, grads_and_running_stats(&m, &o)?, counted))
+}
+
 /// The joined 1x1 grad-input that also takes the backward sums of the BatchNorm before (`gemm_nn_joinsw_*`,
 /// ig::tma_join_sums_warps; `KernelPolicy::join_sums`): the joined output bit for bit the join kernel's, and the
 /// partials, reduced, within 1e-4 of the sums pass (`BnGrad` without ReLU) over (z3, the joined g), in bf16 and
@@ -1292,23 +1313,10 @@ fn join_sums_step_matches_own_sums() -> Result<()> {
     let o32 = m32.train_step_explicit(&x, &labels, 0.1, 1.0, Precision::F32)?;
     let ref32: std::collections::HashMap<String, Tensor> = named_grads(&m32, &o32)?.into_iter().collect();
     for precision in [Precision::Bf16, Precision::F16] {
-        type Step = (f32, Vec<(String, Tensor)>, u64);
-        let step = |join_sums_in_conv: bool| -> Result<Step> {
-            let mut m = model(Arch::ResNet50, Stem::ImageNet, &gpu)?;
-            let policy = m.config.kernels.clone().with_tuning(Tuning::Forced(X128)).with_fused_bn_reductions(true);
-            m.config.kernels = KernelPolicy {
-                bn_cooperative: true,
-                join_relu_mask: true,
-                join_in_conv: true,
-                join_sums_in_conv,
-                ..policy
-            };
-            let before = kernels::join_sums_launches();
-            let args = resnet::step::StepArgs::new(0.1, 1.0, precision);
-            let o = m.train_step_explicit_with(&x, &labels, args)?;
-            let sums = kernels::join_sums_launches() - before;
-            let out = grads_and_running_stats(&m, &o)?;
-            Ok((o.loss.to_scalar::<f32>()?, out, sums))
+        let step = |join_sums_in_conv: bool| {
+            let policy = KernelPolicy::custom().with_tuning(Tuning::Forced(X128)).with_fused_bn_reductions(true);
+            let policy = KernelPolicy { join_in_conv: true, join_sums_in_conv, ..policy };
+            join_step(&gpu, (&x, &labels), precision, policy, kernels::join_sums_launches)
         };
         let (lb, base, none) = step(false)?;
         let (ls, summed, taken) = step(true)?;
@@ -1355,18 +1363,9 @@ fn join_in_conv_step_matches_bit_for_bit() -> Result<()> {
     let x = Tensor::randn(0f32, 1.0, (16, 3, 224, 224), &Device::Cpu)?.to_device(&gpu)?;
     let labels = Tensor::new((0..16u32).map(|i| i % 10).collect::<Vec<_>>().as_slice(), &gpu)?;
     for precision in [Precision::Bf16, Precision::F16] {
-        // (loss, gradients and running statistics, joins folded)
-        type Step = (f32, Vec<(String, Tensor)>, u64);
-        let step = |join_in_conv: bool| -> Result<Step> {
-            let mut m = model(Arch::ResNet50, Stem::ImageNet, &gpu)?;
-            let policy = m.config.kernels.clone().with_tuning(Tuning::Forced(X128));
-            m.config.kernels = KernelPolicy { bn_cooperative: true, join_relu_mask: true, join_in_conv, ..policy };
-            let before = kernels::ops::conv_nhwc::joined_grad_inputs();
-            let args = resnet::step::StepArgs::new(0.1, 1.0, precision);
-            let o = m.train_step_explicit_with(&x, &labels, args)?;
-            let folds = kernels::ops::conv_nhwc::joined_grad_inputs() - before;
-            let out = grads_and_running_stats(&m, &o)?;
-            Ok((o.loss.to_scalar::<f32>()?, out, folds))
+        let step = |join_in_conv: bool| {
+            let policy = KernelPolicy { join_in_conv, ..KernelPolicy::custom().with_tuning(Tuning::Forced(X128)) };
+            join_step(&gpu, (&x, &labels), precision, policy, kernels::ops::conv_nhwc::joined_grad_inputs)
         };
         let (lb, base, none) = step(false)?;
         let (lf, folded, folds) = step(true)?;

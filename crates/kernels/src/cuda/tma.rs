@@ -143,8 +143,9 @@ pub fn stats_partials_len(m: usize, n: usize) -> usize {
     (2 * m.div_ceil(STATS_ROWS) + 1) * n
 }
 
-/// Rows per chunk of the epilogue statistics (the TMA row tile).
-pub const STATS_ROWS: usize = 128;
+/// Rows per chunk of the epilogue statistics (the TMA row tile; the CPU's partials use the same,
+/// [`crate::ops::batchnorm::PARTIAL_ROWS`]).
+pub const STATS_ROWS: usize = crate::ops::batchnorm::PARTIAL_ROWS;
 
 /// Elements of the BatchNorm backward sums that a GSUMS kernel writes for an m x n output: 2 ceil(m / 128) x n
 /// FP32, the sums pass's partial layout with 128 rows per chunk (reduced by bn_nhwc_bwd_final_v8).
@@ -185,10 +186,10 @@ pub enum Epi {
     Join { mask: u64, b: u64 },
     /// [`Epi::Join`], and the backward sums of the BatchNorm whose output gradient the joined value is (a
     /// bottleneck's last BatchNorm, no ReLU of its own: sum g and sum g xhat, xhat = (z3 - mean) invstd with the
-    /// statistics at `bn.stats`) into the partials at `part` ([`grad_sums_partials_len`]): `z3` is that
+    /// statistics (3, n) at `stats`) into the partials at `part` ([`grad_sums_partials_len`]): `z3` is that
     /// BatchNorm's input (C-shaped, row-major, read through map Z3), taken by statistics warps from the joined
     /// chunks (the JOINSW kernels, `ig::tma_join_sums_warps`). As Join, and `part` and `z3` 16-byte aligned.
-    JoinSums { mask: u64, b: u64, z3: u64, part: u64, bn: BnAddrs },
+    JoinSums { mask: u64, b: u64, z3: u64, part: u64, stats: u64 },
 }
 
 /// A TMA kernel of one family by its tag ("nn", "nn_gsums", "dgrad", ..: the launcher's naming of
@@ -287,9 +288,11 @@ pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
         ..base
     };
     let sh = match epi {
-        Epi::GradSums { bn, .. } | Epi::BnReluIn { bn } | Epi::JoinSums { bn, .. } => {
+        Epi::GradSums { bn, .. } | Epi::BnReluIn { bn } => {
             GemmShape { bn_stats: bn.stats, bn_weight: bn.weight, bn_bias: bn.bias, ..sh }
         }
+        // No ReLU: the sums read the statistics only.
+        Epi::JoinSums { stats, .. } => GemmShape { bn_stats: stats, ..sh },
         _ => sh,
     };
     let units = m.div_ceil(tile.bm) * n.div_ceil(tile.bn) * splits;

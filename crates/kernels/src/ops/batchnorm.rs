@@ -1005,8 +1005,9 @@ pub fn grad_sums_from_partials(part: &Tensor, rows: usize, c: usize) -> Result<T
     part.reshape((2, chunks, c))?.sum(1)
 }
 
-/// Rows per chunk of the backward sums' partials (the TMA kernels' 128-row tiles).
-const PARTIAL_ROWS: usize = 128;
+/// Rows per chunk of the BatchNorm partials, on the CPU and in the CUDA kernels' epilogues (their 128-row tiles:
+/// `cuda::tma::STATS_ROWS`).
+pub const PARTIAL_ROWS: usize = 128;
 
 /// The partials of the backward sums of a BatchNorm without ReLU (sum g and sum g xhat per channel, xhat =
 /// (z - mean) invstd with `stats` (3, c) = [mean, var, invstd]) over chunks of 128 rows of z and g (rows, c), in

@@ -849,9 +849,7 @@ mod cuda_ops {
                 let len = crate::cuda::tma::grad_sums_partials_len(rows, c);
                 let part = crate::cuda::empty_f32(dy, len)?;
                 let pa = crate::cuda::addr_of::<f32>(&part, len, "backward sums")?;
-                // Only the statistics are read (no ReLU: weight and bias do not enter the sums).
-                let bn = crate::cuda::tma::BnAddrs { stats, weight: stats, bias: stats };
-                (Epi::JoinSums { mask: ma, b: ba, z3, part: pa, bn }, Some(part))
+                (Epi::JoinSums { mask: ma, b: ba, z3, part: pa, stats }, Some(part))
             }
             None => (Epi::Join { mask: ma, b: ba }, None),
         };
