@@ -17,6 +17,8 @@
 // through map Z into the same ring). gemm_nt_bnin_* / gemm_tn_bnin_*: nt with A,
 // tn with B taken as relu(bn(z)) of what the map reads (the BatchNorm in the shape; ig::XF_A / XF_B): a 1x1
 // convolution's forward and grad-weight over the previous BatchNorm + ReLU's input, which is never materialised.
+// gemm_nt_bnin_stats_*: both, nt_bnin's normalised A and nt_stats's moments of C (a bottleneck conv3's forward under
+// kernels.bn_apply_in_conv = "both": bn2's output never written, bn3's moments from the epilogue).
 #include "gemm/tma.cuh"
 
 #define GEMM_TMA_ALL(T, SUF, BN)                                                                \
@@ -27,7 +29,8 @@
     IG_TMA_KERNEL_JOIN(gemm_nn_join_x##BN##_vec_##SUF, T, ig::TMA_GEMM, true, false, BN)        \
     IG_TMA_KERNEL(gemm_tn_x##BN##_vec_##SUF, T, ig::TMA_GEMM, false, false, BN)                 \
     IG_TMA_KERNEL_XF(gemm_nt_bnin_x##BN##_vec_##SUF, T, ig::TMA_GEMM, true, true, BN, ig::XF_A)  \
-    IG_TMA_KERNEL_XF(gemm_tn_bnin_x##BN##_vec_##SUF, T, ig::TMA_GEMM, false, false, BN, ig::XF_B)
+    IG_TMA_KERNEL_XF(gemm_tn_bnin_x##BN##_vec_##SUF, T, ig::TMA_GEMM, false, false, BN, ig::XF_B)  \
+    IG_TMA_KERNEL_SX(gemm_nt_bnin_stats_x##BN##_vec_##SUF, T, ig::TMA_GEMM, true, true, BN, ig::EPI_MOMENTS, ig::XF_A)
 
 GEMM_TMA_ALL(__nv_bfloat16, bf16, 256)
 GEMM_TMA_ALL(__half, f16, 256)

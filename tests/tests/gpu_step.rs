@@ -1061,8 +1061,10 @@ fn cooperative_batchnorm_takes_the_epilogue_sums() -> Result<()> {
 /// `gemm_nt_bnin_*` for the forward, `gemm_tn_bnin_*` for the grad-weight, ig::bnin_a / bnin_b) against the
 /// same convolution of the materialised relu(bn(z)) on the same tile: bit for bit in bf16 and fp16, every TMA
 /// tile forced, bottleneck conv3 shapes with a row count that is not a multiple of 128 and a BatchNorm with
-/// negative weights (a ReLU that zeroes about half); the grad-weight with its split-K. The fused path must have
-/// run (the launch counter).
+/// negative weights (a ReLU that zeroes about half); the grad-weight with its split-K. The forward with the
+/// moments of its output (`gemm_nt_bnin_stats_*`, `conv2d_nhwc_forward_bn_relu_stats`) gives the same output and
+/// the moment partials of `conv2d_nhwc_forward_stats` over the materialised input, bit for bit. The fused path
+/// must have run (the launch counter).
 #[test]
 fn bn_relu_operand_matches_the_materialised_input() -> Result<()> {
     use kernels::variants::{X128, X256, X64};
@@ -1095,15 +1097,24 @@ fn bn_relu_operand_matches_the_materialised_input() -> Result<()> {
                 let y_ref = kernels::conv2d_nhwc_forward(&x, &wt, 1, 0, &policy)?;
                 let dw = kernels::conv2d_nhwc_grad_weight_bn_relu(&dy, &z, &p, 1, 1, 0, &policy)?;
                 let dw_ref = kernels::conv2d_nhwc_grad_weight(&dy, &x, 1, 1, 0, &policy)?;
+                let (ys, part) = kernels::conv2d_nhwc_forward_bn_relu_stats(&z, &p, &wt, 1, 0, &policy)?;
+                let (ys_ref, part_ref) = kernels::conv2d_nhwc_forward_stats(&x, &wt, 1, 0, &policy)?;
                 let ran = kernels::bn_relu_in_launches() - before;
-                ensure!(ran == 2, "{what}: {ran} of 2 passes normalised their operand in the kernel");
+                ensure!(ran == 3, "{what}: {ran} of 3 passes normalised their operand in the kernel");
                 let (dy_n, dw_n) = (bits_differ(&y, &y_ref)?, bits_differ(&dw, &dw_ref)?);
                 ensure!(dy_n == 0, "{what}: forward differs in {dy_n} of {} values", y.elem_count());
                 ensure!(dw_n == 0, "{what}: grad-weight differs in {dw_n} of {} values", dw.elem_count());
+                let ys_n = bits_differ(&ys, &ys_ref)?;
+                ensure!(ys_n == 0, "{what}: forward with moments differs in {ys_n} of {} values", ys.elem_count());
+                let (Some(part), Some(part_ref)) = (part, part_ref) else {
+                    anyhow::bail!("{what}: a forward on a TMA tile made no epilogue moments");
+                };
+                let part_n = bits_differ(&part, &part_ref)?;
+                ensure!(part_n == 0, "{what}: moment partials differ in {part_n} of {} values", part.elem_count());
             }
             println!(
-                "bn_relu operand, {dt:?} ({n}, {h}, {w}, {c}) -> {ko}: forward and grad-weight bit for bit on x256, \
-                 x128, x64 ({:.0}% of the operand zeroed by the ReLU)",
+                "bn_relu operand, {dt:?} ({n}, {h}, {w}, {c}) -> {ko}: forward, forward + moments and grad-weight bit \
+                 for bit on x256, x128, x64 ({:.0}% of the operand zeroed by the ReLU)",
                 100.0 * zeros as f64 / x.elem_count() as f64
             );
         }

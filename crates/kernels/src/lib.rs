@@ -27,10 +27,11 @@ pub use ops::avgpool::global_avg_pool_nhwc;
 pub use ops::batchnorm::batch_norm_nhwc_train;
 pub use ops::conv::conv2d;
 pub use ops::conv_nhwc::{
-    bn_relu_in_launches, conv2d_nhwc, conv2d_nhwc_forward, conv2d_nhwc_forward_bn_relu, conv2d_nhwc_forward_stats,
-    conv2d_nhwc_grad_input, conv2d_nhwc_grad_input_bwd_sums, conv2d_nhwc_grad_input_join,
-    conv2d_nhwc_grad_input_join_sums, conv2d_nhwc_grad_input_sums, conv2d_nhwc_grad_weight,
-    conv2d_nhwc_grad_weight_bn_relu, conv2d_nhwc_reference, join_sums_launches, BwdSums,
+    bn_relu_in_launches, conv2d_nhwc, conv2d_nhwc_forward, conv2d_nhwc_forward_bn_relu,
+    conv2d_nhwc_forward_bn_relu_stats, conv2d_nhwc_forward_stats, conv2d_nhwc_grad_input,
+    conv2d_nhwc_grad_input_bwd_sums, conv2d_nhwc_grad_input_join, conv2d_nhwc_grad_input_join_sums,
+    conv2d_nhwc_grad_input_sums, conv2d_nhwc_grad_weight, conv2d_nhwc_grad_weight_bn_relu, conv2d_nhwc_reference,
+    join_sums_launches, BwdSums,
 };
 pub use ops::input;
 pub use ops::linear::linear;

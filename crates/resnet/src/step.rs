@@ -615,13 +615,15 @@ impl<'a> Engine<'a> {
 
     /// A conv's output for a cooperative BatchNorm, with its moments from the epilogue under
     /// `policy.bn_stats_in_conv` when the conv ran on a TMA tile that makes them (None: the launch reduces them).
-    /// A normalised input ([`ConvIn::BnRelu`]) takes the pass: its kernels have no moments epilogue.
+    /// A normalised input ([`ConvIn::BnRelu`], `bn_apply_in_conv = "both"`) takes them from the normalising GEMM's
+    /// epilogue (`gemm_nt_bnin_stats_*`).
     fn conv_moments(&self, x: &ConvIn, cw: &ConvW) -> Result<(Tensor, Option<Tensor>)> {
-        let x = match x {
-            ConvIn::Act(t) if self.policy.bn_stats_in_conv => t,
-            _ => return Ok((self.conv_in(x, cw)?, None)),
-        };
-        kernels::conv2d_nhwc_forward_stats(x, &cw.w, cw.conv.stride, cw.conv.padding, self.policy)
+        let (stride, pad) = (cw.conv.stride, cw.conv.padding);
+        match x {
+            _ if !self.policy.bn_stats_in_conv => Ok((self.conv_in(x, cw)?, None)),
+            ConvIn::Act(t) => kernels::conv2d_nhwc_forward_stats(t, &cw.w, stride, pad, self.policy),
+            ConvIn::BnRelu(z, p) => kernels::conv2d_nhwc_forward_bn_relu_stats(z, p, &cw.w, stride, pad, self.policy),
+        }
     }
 
     /// Whether the ImageNet stem's BatchNorm + ReLU + max-pool forward runs fused (`policy.stem_pool_fused`): its

@@ -325,12 +325,12 @@ impl<T: CudaDType + DeviceRepr + WithDType + ValidAsZeroBits + 'static> Pass<'_,
         Ok((CudaStorage::wrap_cuda_slice(out, self.dev.clone()), shape))
     }
 
-    /// A 1x1 stride-1 pass whose activation operand is relu(bn(z)) ([`Epi::BnReluIn`]): the TMA GEMM in `layout`
-    /// (NT forward: A = z; TN grad-weight: B = z) on a TMA tile (tuned under its own key; a forced or heuristic
-    /// cp.async tile stands for the TMA tile of its width).
+    /// A 1x1 stride-1 pass whose activation operand is relu(bn(z)) ([`Epi::BnReluIn`], or with the forward's
+    /// moments [`Epi::BnReluInMoments`]): the TMA GEMM in `layout` (NT forward: A = z; TN grad-weight: B = z) on a
+    /// TMA tile (tuned under its own key; a forced or heuristic cp.async tile stands for the TMA tile of its width).
     fn bn_relu_in_gemm(
         &self,
-        bn: BnAddrs,
+        epi: Epi,
         layout: GemmLayout,
         (m, n, k): (usize, usize, usize),
         a: &CudaView<T>,
@@ -344,10 +344,11 @@ impl<T: CudaDType + DeviceRepr + WithDType + ValidAsZeroBits + 'static> Pass<'_,
         let heuristic = if n <= 64 { X64 } else { X128 };
         let run = |tile: Tile| {
             let tile = if tile.is_tma() { tile } else { heuristic };
-            tma_gemm(dev, tile, layout, (m, n, k), a, b, out, None, Epi::BnReluIn { bn }, op)
+            tma_gemm(dev, tile, layout, (m, n, k), a, b, out, None, epi, op)
         };
         let mut run = run;
-        let key = || format!("{} bnin", self.key());
+        let moments = matches!(epi, Epi::BnReluInMoments { .. });
+        let key = || format!("{} bnin{}", self.key(), if moments { "+bn-epilogue" } else { "" });
         let tile = pick(dev, self.cl.tuning, key, true, &self.tma_tiles(), heuristic, &mut run)?;
         run(tile)
     }
@@ -355,10 +356,18 @@ impl<T: CudaDType + DeviceRepr + WithDType + ValidAsZeroBits + 'static> Pass<'_,
     fn fwd(&self) -> Result<(CudaStorage, Shape)> {
         let (g, op, dev) = (&self.cl.geom, self.op, self.dev);
         if let Some(bn) = self.cl.bn_in {
-            // 1x1, stride 1: y[npq][ko] = relu(bn(z))[npq][c] w[ko][c]^T
+            // 1x1, stride 1: y[npq][ko] = relu(bn(z))[npq][c] w[ko][c]^T, with the moments of y when asked (always
+            // a TMA tile here: they are written).
             let (m, n, k) = (g.n * g.p() * g.q(), g.ko, g.c);
             let y = alloc_out::<T>(dev, m * n)?;
-            self.bn_relu_in_gemm(bn, GemmLayout::Nt, (m, n, k), &self.v1, &self.v2, &y.as_view())?;
+            let epi = match self.cl.stats {
+                Some(StatsOut { epi: Epi::Moments { part }, wrote }) => {
+                    wrote.store(true, std::sync::atomic::Ordering::Relaxed);
+                    Epi::BnReluInMoments { bn, part }
+                }
+                _ => Epi::BnReluIn { bn },
+            };
+            self.bn_relu_in_gemm(epi, GemmLayout::Nt, (m, n, k), &self.v1, &self.v2, &y.as_view())?;
             return Ok((CudaStorage::wrap_cuda_slice(y, dev.clone()), Shape::from((g.n, g.p(), g.q(), g.ko))));
         }
         let (m, n, k) = (g.n * g.p() * g.q(), g.ko, g.r * g.r * g.c);
@@ -558,7 +567,7 @@ impl<T: CudaDType + DeviceRepr + WithDType + ValidAsZeroBits + 'static> Pass<'_,
         let dw = alloc_out::<T>(dev, m * n)?;
         if let Some(bn) = self.cl.bn_in {
             // 1x1, stride 1: dw[ko][c] = dy[npq][ko]^T relu(bn(z))[npq][c]
-            self.bn_relu_in_gemm(bn, GemmLayout::Tn, (m, n, k), &self.v1, &self.v2, &dw.as_view())?;
+            self.bn_relu_in_gemm(Epi::BnReluIn { bn }, GemmLayout::Tn, (m, n, k), &self.v1, &self.v2, &dw.as_view())?;
             return Ok((CudaStorage::wrap_cuda_slice(dw, dev.clone()), Shape::from((g.ko, g.r, g.r, g.c))));
         }
         let stream = dev.cuda_stream();

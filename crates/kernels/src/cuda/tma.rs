@@ -178,6 +178,9 @@ pub enum Epi {
     /// memory on its way to the tensor cores (the BNIN kernels, `ig::bnin_a` / `ig::bnin_b`): the products of the
     /// materialised activation, bit for bit, without writing or reading it. Split-K allowed.
     BnReluIn { bn: BnAddrs },
+    /// [`Epi::BnReluIn`] on A (NT only) and [`Epi::Moments`] of C into the partials at `part` (the BNIN_STATS
+    /// kernels: a bottleneck conv3's forward whose input bn2 never writes, with bn3's moments); no split-K.
+    BnReluInMoments { bn: BnAddrs, part: u64 },
     /// C joined with the residual gradient at `b` (C-shaped, row-major, read through map Z into the z ring) under
     /// the ReLU mask at `mask` (rows x n / 8 bytes, bit k of byte (row, c / 8) for column c = 8 (c / 8) + k): each
     /// element mask ? round(round(c) + b) : 0, the block-output join's value bit for bit (the JOIN kernels,
@@ -246,7 +249,7 @@ pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
     // which write the partials 16 bytes at a time (ig::tma_stats_warps), and so does a GSUMS launch on x128 / x64
     // (ig::tma_gsums_warps, below); without map C the consumers reduce and write them a float at a time.
     let part_ok = match epi {
-        Epi::Moments { part } | Epi::GradSums { part, .. } => part % 16 == 0,
+        Epi::Moments { part } | Epi::GradSums { part, .. } | Epi::BnReluInMoments { part, .. } => part % 16 == 0,
         Epi::JoinSums { part, z3, .. } => part % 16 == 0 && z3 % 16 == 0,
         _ => true,
     };
@@ -288,7 +291,7 @@ pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
         ..base
     };
     let sh = match epi {
-        Epi::GradSums { bn, .. } | Epi::BnReluIn { bn } => {
+        Epi::GradSums { bn, .. } | Epi::BnReluIn { bn } | Epi::BnReluInMoments { bn, .. } => {
             GemmShape { bn_stats: bn.stats, bn_weight: bn.weight, bn_bias: bn.bias, ..sh }
         }
         // No ReLU: the sums read the statistics only.
@@ -309,7 +312,7 @@ pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
     }
     bld.arg(c);
     match &epi {
-        Epi::Moments { part } | Epi::GradSums { part, .. } => bld.arg(part),
+        Epi::Moments { part } | Epi::GradSums { part, .. } | Epi::BnReluInMoments { part, .. } => bld.arg(part),
         Epi::Join { mask, .. } | Epi::JoinSums { mask, .. } => bld.arg(mask),
         Epi::Plain | Epi::BnReluIn { .. } => bld.arg(&*ws),
     };
@@ -330,7 +333,7 @@ pub(crate) fn tma_run<T: CudaDType + DeviceRepr + WithDType>(
     // JOINSW: (map A, map B, map C, map Z, map Z3, c, mask, partials, bias, shape), as JOIN and z3 m*n elements
     // (map Z3), the partials grad_sums_partials_len(m, n) floats, the statistics 3n, checked by the caller;
     // BNIN: the BatchNorm's tensors 3c / c / c for the c channels of the normalised operand, K for NT, N for TN,
-    // 16-byte aligned with c % 8 == 0, checked by the caller).
+    // 16-byte aligned with c % 8 == 0, checked by the caller; BNIN_STATS: as BNIN on A and STATS).
     unsafe { bld.launch(cfg) }.w()?;
     if split {
         splitk_reduce(dev, &ws, c, bias, (m, n, splits), op)?;
@@ -373,6 +376,7 @@ pub(crate) fn tma_gemm<T: CudaDType + DeviceRepr + WithDType>(
         (Epi::JoinSums { .. }, GemmLayout::Nn) => "nn_joinsw",
         (Epi::BnReluIn { .. }, GemmLayout::Nt) => "nt_bnin",
         (Epi::BnReluIn { .. }, GemmLayout::Tn) => "tn_bnin",
+        (Epi::BnReluInMoments { .. }, GemmLayout::Nt) => "nt_bnin_stats",
         _ => candle_core::bail!("{op} (cuda): no {epi:?} epilogue for the {layout:?} GEMM"),
     };
     let kernel = |tag: &str| function(dev, tile.gemm_module, &format!("gemm_{tag}_{}_vec_{sfx}", tile.name), tile.smem);

@@ -298,12 +298,35 @@ pub fn conv2d_nhwc_forward_bn_relu(
     check_nhwc(z, w, stride, pad)?;
     #[cfg(feature = "cuda")]
     if kernels_apply(z) {
-        if let Some(y) = cuda_ops::conv_nhwc_bn_relu_in(z, p, w, (stride, pad), None, policy)? {
+        if let Some((y, _)) = cuda_ops::conv_nhwc_bn_relu_in(z, p, w, (stride, pad), None, false, policy)? {
             BN_RELU_IN.with(|n| n.set(n.get() + 1));
             return Ok(y);
         }
     }
     conv2d_nhwc_forward(&bn_relu(z, p)?, w, stride, pad, policy)
+}
+
+/// [`conv2d_nhwc_forward_bn_relu`] with the BatchNorm moments of its output, as [`conv2d_nhwc_forward_stats`]
+/// gives them: on CUDA from the epilogue of the normalising GEMM (`gemm_nt_bnin_stats_*`, always where that GEMM
+/// runs, also under `policy.bn_epilogue_by_timing`) or of the convolution over the materialised input; None
+/// elsewhere (the caller's BatchNorm reduces them).
+pub fn conv2d_nhwc_forward_bn_relu_stats(
+    z: &Tensor,
+    p: &crate::BnParams,
+    w: &Tensor,
+    stride: usize,
+    pad: usize,
+    policy: &KernelPolicy,
+) -> Result<(Tensor, Option<Tensor>)> {
+    check_nhwc(z, w, stride, pad)?;
+    #[cfg(feature = "cuda")]
+    if kernels_apply(z) {
+        if let Some(out) = cuda_ops::conv_nhwc_bn_relu_in(z, p, w, (stride, pad), None, true, policy)? {
+            BN_RELU_IN.with(|n| n.set(n.get() + 1));
+            return Ok(out);
+        }
+    }
+    conv2d_nhwc_forward_stats(&bn_relu(z, p)?, w, stride, pad, policy)
 }
 
 /// [`conv2d_nhwc_grad_weight`] of a convolution over x = relu(bn(z)), with x normalised inside the kernel where
@@ -321,7 +344,7 @@ pub fn conv2d_nhwc_grad_weight_bn_relu(
     #[cfg(feature = "cuda")]
     if kernels_apply(dy) && r == 1 {
         let w_like = (dy.dim(3)?, r);
-        if let Some(dw) = cuda_ops::conv_nhwc_bn_relu_in(z, p, dy, (stride, pad), Some(w_like), policy)? {
+        if let Some((dw, _)) = cuda_ops::conv_nhwc_bn_relu_in(z, p, dy, (stride, pad), Some(w_like), false, policy)? {
             BN_RELU_IN.with(|n| n.set(n.get() + 1));
             return Ok(dw);
         }
@@ -614,15 +637,19 @@ mod cuda_ops {
     /// A 1x1 stride-1 pass over x = relu(bn(z)) with x normalised inside the TMA GEMM ([`Epi::BnReluIn`]): the
     /// forward (`other` = the weight (ko, 1, 1, c), `wgrad` None) or the grad-weight (`other` = dy (n, h, w, ko),
     /// `wgrad` = Some((ko, r))). None where it does not apply (another geometry or dtype, no wgmma, a transposed
-    /// grad-weight, tensors the kernel cannot read in place): the caller materialises x.
+    /// grad-weight, tensors the kernel cannot read in place): the caller materialises x. `moments` (forward only):
+    /// also the BatchNorm moments of the output from the epilogue ([`Epi::BnReluInMoments`]), as
+    /// [`conv_nhwc_fwd_stats`]'s partials; the second element is None otherwise.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn conv_nhwc_bn_relu_in(
         z: &Tensor,
         p: &crate::BnParams,
         other: &Tensor,
         (stride, pad): (usize, usize),
         wgrad: Option<(usize, usize)>,
+        moments: bool,
         policy: &KernelPolicy,
-    ) -> Result<Option<Tensor>> {
+    ) -> Result<Option<(Tensor, Option<Tensor>)>> {
         let dev = cuda_device(z)?;
         let (n, h, wd, c) = z.dims4()?;
         let (ko, r) = match wgrad {
@@ -658,11 +685,20 @@ mod cuda_ops {
         let pass = if wgrad.is_some() { ConvPass::Wgrad } else { ConvPass::Fwd };
         let op = ConvOp { bn_in: Some(bn), ..ConvOp::new(geom, pass, policy) };
         let (z, other) = (aligned(z)?, aligned(other)?);
+        if let (true, None) = (moments, wgrad) {
+            let len = crate::cuda::tma::stats_partials_len(n * h * wd, ko);
+            let part = crate::cuda::empty_f32(&z, len)?;
+            let addr = crate::cuda::addr_of::<f32>(&part, len, "epilogue statistics")?;
+            let wrote = Arc::new(AtomicBool::new(false));
+            let op = ConvOp { stats: Some((Epi::Moments { part: addr }, wrote.clone())), ..op };
+            let y = z.apply_op2_no_bwd(&other, &op)?;
+            return Ok(Some((y, wrote.load(Ordering::Relaxed).then_some(part))));
+        }
         let out = match wgrad {
             Some(_) => other.apply_op2_no_bwd(&z, &op)?,
             None => z.apply_op2_no_bwd(&other, &op)?,
         };
-        Ok(Some(out))
+        Ok(Some((out, None)))
     }
 
     /// Grad-input: dy (n, p, q, ko), w (ko, r, r, c) -> dx (n, h, w, c) for an input of `in_hw`.
