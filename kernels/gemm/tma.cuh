@@ -1115,6 +1115,50 @@ __device__ __forceinline__ void bnin_b(uint32_t sb, const BnIn8& k) {
     for (int i = 0; i < 64 / STEP; ++i) bnin_chunk<T>(base + (r0 + STEP * i) * 128, k);
 }
 
+// XF_W: the operand normalised by warps 1-3 of the producer warpgroup instead of the consumers (the kernels
+// without statistics warps: nt_bnin, tn_bnin), so that a stage is normalised while the tensor cores run the stages
+// before it and the consumers only queue wgmmas. Each of the 96 threads keeps one 8-channel group, so one set of
+// constants: XF_A, group g = t % 8 of the stage's 64 channels (reloaded each stage, k0 + 64 kt + 8 g) over rows
+// t / 8 + 12 i of the 128; XF_B, panel p and group g of (p, g) = t % (BN / 8) (once per unit) over k-rows
+// t / (BN / 8) + (768 / BN) i of the 64. A row's chunk of group g sits at position g ^ (r & 7) (the 128-byte
+// swizzle); the 8 threads of a quarter warp cover one row's 128 bytes (no bank conflicts). Once a stage is
+// normalised the warps fence their stores for the async proxy and arrive on named barrier XF_BAR0 + s (stage s),
+// where the consumers wait instead of on full[s] (up to 8 stages: barriers 6-13; 0-5 are taken).
+constexpr int XF_BAR0 = 6;
+
+__device__ __forceinline__ void xf_arrive(int s) {
+    asm volatile("bar.arrive %0, 352;\n" ::"r"(XF_BAR0 + s) : "memory");
+}
+__device__ __forceinline__ void xf_sync(int s) { asm volatile("bar.sync %0, 352;\n" ::"r"(XF_BAR0 + s) : "memory"); }
+
+template <typename T, int BN, int XF, int STAGES, int STAGE_BYTES>
+__device__ __forceinline__ void tma_xf_warps(uint32_t s0, uint32_t bars, const Shape& sh, int units, int mt, int nt,
+                                             int splits) {
+    static_assert(STAGES <= 8, "named barriers 6-13");
+    const int t = threadIdx.x - 32;
+    constexpr int NC = XF == XF_A ? 8 : BN / 8, J = 96 / NC, ROWS = XF == XF_A ? TMA_BM : TMA_KD;
+    const int combo = t % NC, j = t / NC, g = combo & 7;
+    // XF_B: the panel's offset in the B stage (after A).
+    const uint32_t off = XF == XF_A ? 0u : (uint32_t)(TMA_A_BYTES + (combo >> 3) * 8192);
+    int it = 0;
+    for (int u = blockIdx.x; u < units; u += gridDim.x) {
+        int tm, tn, ks, k0;
+        const int kts = tma_unit_ktiles(u, mt, nt, splits, sh, tm, tn, ks, k0);
+        BnIn8 k;
+        if constexpr (XF == XF_B) bnin_consts(sh, tn * BN + 8 * combo, sh.N, k);
+        for (int kt = 0; kt < kts; ++kt, ++it) {
+            const int s = it % STAGES;
+            if constexpr (XF == XF_A) bnin_consts(sh, k0 + kt * TMA_KD + 8 * g, sh.K, k);
+            mbar_wait(bars + 8 * s, (it / STAGES) & 1);
+            const uint32_t base = s0 + s * STAGE_BYTES + off;
+#pragma unroll 4
+            for (int r = j; r < ROWS; r += J) bnin_chunk<T>(base + r * 128 + ((g ^ (r & 7)) << 4), k);
+            fence_async_smem();
+            xf_arrive(s);
+        }
+    }
+}
+
 // The JOIN kernels' store (the grad-input of a bottleneck's first 1x1 convolution, joined as the block-output
 // join of kernels/batchnorm would join it): for the pair of columns (col, col + 1) of an output row, with a0, a1
 // the accumulators as the plain store takes them, g = mask ? a + b : 0 per element, a rounded to T first (the
@@ -1141,6 +1185,10 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
                                               float* part = nullptr) {
     using Cfg = TmaCfg<BN, EPI>;
     constexpr int STAGES = Cfg::STAGES, STAGE_BYTES = Cfg::STAGE_BYTES;
+    // The operand normalised by producer warps (tma_xf_warps) where they are free, else by the consumers.
+    constexpr bool XF_W = XF != XF_NONE && !Cfg::STATS_WARPS;
+    constexpr bool XF_C = XF != XF_NONE && !XF_W;
+    constexpr int PRODUCER_REGS = XF_W ? 72 : Cfg::PRODUCER_REGS, CONSUMER_REGS = XF_W ? 216 : Cfg::CONSUMER_REGS;
     constexpr bool Z_SMEM = Cfg::Z_SMEM;
     static_assert(Cfg::SMEM_BYTES <= TmaLaunch<BN>::SMEM_BYTES, "the launcher passes TmaLaunch's size");
     unsigned char* smem = align1k<unsigned char>(smem_raw);
@@ -1192,7 +1240,7 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
     __syncthreads();
 
     if (wg == 0) {
-        setmaxnreg_dec<Cfg::PRODUCER_REGS>();
+        setmaxnreg_dec<PRODUCER_REGS>();
         if (tid == 0) {
             int it = 0;
             for (int u = blockIdx.x; u < units; u += gridDim.x) {
@@ -1263,10 +1311,13 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
                 }
             }
         }
+        if constexpr (XF_W) {
+            if (tid >= 32) tma_xf_warps<T, BN, XF, STAGES, STAGE_BYTES>(s0, bars, sh, units, mt, nt, splits);
+        }
         return;
     }
 
-    setmaxnreg_inc<Cfg::CONSUMER_REGS>();
+    setmaxnreg_inc<CONSUMER_REGS>();
     if constexpr (EPI == EPI_GRAD_SUMS_W) {
         if (!sh.tma_c) __trap();  // the statistics warps read the staged tile
     }
@@ -1277,7 +1328,7 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
     // XF_A: the constants of the next stage to normalise (its channels k0 + 64 kt depend on the stage), loaded a
     // stage ahead of their use.
     BnIn8 ka;
-    if constexpr (XF == XF_A) {
+    if constexpr (XF_C && XF == XF_A) {
         if (blockIdx.x < units) {
             int tm, tn, ks, k0;
             tma_unit_ktiles(blockIdx.x, mt, nt, splits, sh, tm, tn, ks, k0);
@@ -1326,7 +1377,7 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
         }
         // XF_B: this thread's 8 channels of B are the same in every stage of the unit.
         BnIn8 kb;
-        if constexpr (XF == XF_B) bnin_b_consts<BN>(tn * BN, sh, kb);
+        if constexpr (XF_C && XF == XF_B) bnin_b_consts<BN>(tn * BN, sh, kb);
         // XF_A: the channels of the stage after stage kt of this unit: the unit's next k-tile, or the first k-tile
         // of this block's next unit (-1: none).
         auto kc_after = [&](int kt) {
@@ -1336,13 +1387,14 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
             tma_unit_ktiles(u + gridDim.x, mt, nt, splits, sh, tm2, tn2, ks2, k02);
             return k02;
         };
-        if constexpr (XF != XF_NONE) {
+        if constexpr (XF_C) {
             if (kts > 0) prepare(it, XF == XF_A ? kc_after(0) : -1, kb);
         }
         int prev = 0;
         for (int kt = 0; kt < kts; ++kt, ++it) {
             const int s = it % STAGES;
             if constexpr (XF == XF_NONE) mbar_wait(bars + 8 * s, (it / STAGES) & 1);
+            if constexpr (XF_W) xf_sync(s);
             const uint32_t sa = s0 + s * STAGE_BYTES, sb = sa + TMA_A_BYTES;
             fence_regs(acc);
             wg_fence();
@@ -1354,7 +1406,7 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
                 tma_wgmma<BN, A_KMAJOR ? 0 : 1, B_KMAJOR ? 0 : 1>(acc, da, db, T());
             }
             wg_commit();
-            if constexpr (XF != XF_NONE) {
+            if constexpr (XF_C) {
                 if (kt + 1 < kts) prepare(it + 1, XF == XF_A ? kc_after(kt + 1) : -1, kb);
             }
             wg_wait<1>();
