@@ -3,7 +3,7 @@
 // an epilogue change is timed and checked in seconds on the GPU machine (nvcc there; no Rust build):
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I kernels -o tmabench kernels/dev/gemm/tmabench.cu
 // (-I another checkout's kernels/ times that checkout's kernels with this harness.)
-//   ./tmabench [batch (256)]
+//   ./tmabench [batch (256)] [table: main | gsumsw | join | bnin | 3x3 (default: all)]
 // For each shape and tile (x256, x128, x64) it times, in bf16:
 //   - the forward 1x1 convolution as the NT GEMM, plain (gemm_nt_x*) and with the BatchNorm moments of its output
 //     in the epilogue (gemm_nt_stats_x*);
@@ -29,6 +29,8 @@
 // With IG_TMA_KERNEL_JOIN_SUMS, the joined conv1 grad-inputs with the backward sums of the block before's last
 // BatchNorm (no ReLU: sum g and sum g xhat3 over the joined g) taken by statistics warps (gemm_nn_joinsw_x*), against
 // the plain join; the joined output checked bit for bit against the join's, the partials against FP64 on l3 / l4.
+// The conv3 forwards over relu(bn(z)) normalised in the kernel (gemm_nt_bnin_x*, gemm_nt_bnin_stats_x*) against
+// the plain and stats kernels over the materialised input: bit for bit, and their cost.
 // The last lines weight each shape by its launches in one ResNet-152 step: milliseconds a step.
 #include "conv/05_tma_wgmma.cu"
 #include "gemm/05_tma_wgmma.cu"
@@ -98,6 +100,16 @@ static ig::TmaDesc im2col_map(const void* p, int n, int h, int w, int c, int lo,
 __global__ void fill_rand(T* p, long long n, unsigned seed, float scale, float offset) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         p[i] = __float2bfloat16_rn(hash_unit(i, seed) * scale + offset);
+    }
+}
+
+// relu(bn(z)) of an (.., c) tensor as kernels/batchnorm's apply8 and ig::bnin_chunk compute it:
+// fmaf(z - mean, invstd * weight, bias), ReLU, rounded once; stats (3, c) = [mean, var, invstd].
+__global__ void bn_relu_ref(const T* z, T* x, long long n, int c, const float* stats, const float* w, const float* b) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const int ch = (int)(i % c);
+        const float v = fmaf(__bfloat162float(z[i]) - stats[ch], stats[2 * c + ch] * w[ch], b[ch]);
+        x[i] = __float2bfloat16_rn(v > 0.0f ? v : 0.0f);
     }
 }
 
@@ -277,6 +289,9 @@ int main(int argc, char** argv) {
         return 1;
     }
     std::printf("tmabench: %s, %d SMs, batch %lld, bf16, no split-K\n", prop.name, g_sms, batch);
+    // An optional second argument runs one table only: main, gsumsw, join (with the join sums), bnin or 3x3.
+    const char* only = argc > 2 ? argv[2] : nullptr;
+    auto run = [&](const char* table) { return only == nullptr || std::strcmp(only, table) == 0; };
 
     // ResNet-152's bottleneck 1x1 convolutions (conv1: 4c -> c, conv3: c -> 4c; the first block of each stage
     // has conv1 from the previous stage's width, counted with the rest here, and the downsample convolutions are
@@ -356,6 +371,7 @@ int main(int argc, char** argv) {
     std::printf("%-20s %4s | %9s %9s %7s | %9s %9s %7s | hashes: fwd C, stats, bwd C, sums\n", "shape", "tile",
                 "fwd", "+stats", "+%", "bgrad", "+sums", "+%");
     for (const Shape1x1& s : shapes) {
+        if (!run("main")) break;
         const int m = (int)s.m;
         for (int ti = 0; ti < NT; ++ti) {
             const Kernels& kt = tiles[ti];
@@ -410,7 +426,7 @@ int main(int argc, char** argv) {
                     step[ti][2] / 1e3, step[ti][3] / 1e3);
 
 #ifdef IG_TMA_KERNEL_GSUMS_W
-    {
+    if (run("gsumsw")) {
         // The 1x1 grad-inputs with the backward sums taken by the statistics warps (gsumsw), against the sums in
         // the consumers' epilogue (gsums) and the plain kernel, x128 and x64; the partials checked against FP64
         // on the l3 / l4 shapes, as above.
@@ -464,7 +480,7 @@ int main(int argc, char** argv) {
 #endif
 
 #ifdef IG_TMA_KERNEL_JOIN
-    {
+    if (run("join")) {
         // b (the shortcut gradient, dx-shaped) in z's buffer; the mask (1 bit an element, element i at bit i % 32
         // of word i / 32) in a buffer of its own, filled with the bits of pseudo-random bf16 values (both 0s and 1s
         // in every word, not uniformly: enough for the check and the timing).
@@ -583,6 +599,72 @@ int main(int argc, char** argv) {
     }
 #endif
 
+#ifdef IG_TMA_KERNEL_SX
+    if (run("bnin")) {
+        // The conv3 forwards with their input relu(bn2(z)) normalised in the kernel (kernels.bn_apply_in_conv):
+        // gemm_nt_bnin_x* (producer warps 1-3 normalise each stage, ig::tma_xf_warps) against gemm_nt_x* over the
+        // materialised input, and gemm_nt_bnin_stats_x* (the consumers normalise, the statistics warps take the
+        // moments) against gemm_nt_stats_x*; each pair's C (and partials) must hash alike (bit for bit).
+        struct BTile {
+            int bn;
+            const void *nt, *nt_bnin, *nt_stats, *nt_bnin_stats;
+        };
+        const BTile btiles[] = {
+            {256, (const void*)gemm_nt_x256_vec_bf16, (const void*)gemm_nt_bnin_x256_vec_bf16,
+             (const void*)gemm_nt_stats_x256_vec_bf16, (const void*)gemm_nt_bnin_stats_x256_vec_bf16},
+            {128, (const void*)gemm_nt_x128_vec_bf16, (const void*)gemm_nt_bnin_x128_vec_bf16,
+             (const void*)gemm_nt_stats_x128_vec_bf16, (const void*)gemm_nt_bnin_stats_x128_vec_bf16},
+            {64, (const void*)gemm_nt_x64_vec_bf16, (const void*)gemm_nt_bnin_x64_vec_bf16,
+             (const void*)gemm_nt_stats_x64_vec_bf16, (const void*)gemm_nt_bnin_stats_x64_vec_bf16},
+        };
+        constexpr int NB = sizeof(btiles) / sizeof(btiles[0]);
+        double bstep[NB][4] = {{0}};
+        T* xm;
+        CK(cudaMalloc(&xm, max_mk * sizeof(T)));
+        std::printf("\n%-20s %4s | %9s %9s %7s | %9s %9s %7s | same bits: fwd, +stats (C, partials)\n",
+                    "conv3 bnin", "tile", "fwd", "bnin", "+%", "+stats", "bnin+st", "+%");
+        for (const Shape1x1& s : shapes) {
+            if (s.cout != 4 * s.cin) continue;  // the conv3 shapes
+            const int m = (int)s.m;
+            set_bn(s.cin);
+            bn_relu_ref<<<1024, 256, 0, g_stream>>>(z, xm, (long long)m * s.cin, s.cin, stats, bw, bb);
+            for (int ti = 0; ti < NB; ++ti) {
+                const BTile& kt = btiles[ti];
+                const ig::TmaDesc fx = tma_map(xm, s.cin, m, 128), fz = tma_map(z, s.cin, m, 128);
+                const ig::TmaDesc fb = tma_map(wt, s.cin, s.cout, kt.bn);
+                Launch l[4] = {
+                    make_bn(kt.bn, kt.nt, fx, fb, y, part, nullptr, m, s.cout, s.cin, nullptr, nullptr, nullptr),
+                    make_bn(kt.bn, kt.nt_bnin, fz, fb, y, part, nullptr, m, s.cout, s.cin, stats, bw, bb),
+                    make_bn(kt.bn, kt.nt_stats, fx, fb, y, part, nullptr, m, s.cout, s.cin, nullptr, nullptr,
+                            nullptr),
+                    make_bn(kt.bn, kt.nt_bnin_stats, fz, fb, y, part, nullptr, m, s.cout, s.cin, stats, bw, bb),
+                };
+                const size_t rows = (s.m + ig::TMA_BM - 1) / ig::TMA_BM;
+                unsigned long long h[4], hp[4] = {0, 0, 0, 0};
+                for (int v = 0; v < 4; ++v) {
+                    l[v]();
+                    CK(cudaStreamSynchronize(g_stream));
+                    h[v] = fnv(y, (size_t)m * s.cout * sizeof(T));
+                    if (v >= 2) hp[v] = fnv(part, 2 * rows * s.cout * sizeof(float));
+                }
+                const bool same_f = h[0] == h[1], same_s = h[2] == h[3] && hp[2] == hp[3];
+                fails += !same_f + !same_s;
+                double t[4];
+                for (int v = 0; v < 4; ++v) t[v] = time_us(l[v]);
+                std::printf("%-20s x%-3d | %9.1f %9.1f %+6.1f%% | %9.1f %9.1f %+6.1f%% | %s, %s\n", s.name, kt.bn,
+                            t[0], t[1], 100.0 * (t[1] / t[0] - 1.0), t[2], t[3], 100.0 * (t[3] / t[2] - 1.0),
+                            same_f ? "yes" : "NO", same_s ? "yes" : "NO");
+                for (int v = 0; v < 4; ++v) bstep[ti][v] += t[v] * s.launches;
+            }
+        }
+        std::printf("per ResNet-152 step (the conv3 forwards, launches weighted), ms: fwd / bnin / +stats / bnin+stats\n");
+        for (int ti = 0; ti < NB; ++ti)
+            std::printf("  x%-3d %8.3f %8.3f %8.3f %8.3f\n", btiles[ti].bn, bstep[ti][0] / 1e3, bstep[ti][1] / 1e3,
+                        bstep[ti][2] / 1e3, bstep[ti][3] / 1e3);
+        CK(cudaFree(xm));
+    }
+#endif
+
     // The stride-1 3x3 grad-input (pad 1, c -> c): dx (n h w x c) = im2col(dy, corners of padding r - 1 - pad = 1)
     // . w read as K x N = (tap, ko) x c; z (the BatchNorm + ReLU's input before this conv) is dx-shaped.
     struct Conv3x3 {
@@ -612,6 +694,7 @@ int main(int argc, char** argv) {
     double cstep[NC][2] = {{0}};
     std::printf("%-20s %4s | %9s %9s %7s | hashes: bwd C, sums\n", "shape", "tile", "bgrad", "+sums", "+%");
     for (const Conv3x3& cv : convs) {
+        if (!run("3x3")) break;
         const int m = (int)(batch * cv.hw * cv.hw), c = cv.c, k = 9 * c;
         if ((size_t)m * c > max_mk || (size_t)m * c > max_mn) {
             std::fprintf(stderr, "tmabench: %s does not fit the buffers\n", cv.name);
