@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # Runs ON the GPU machine: the owed checks of one build in one call, figures first, each step only while LIMIT
 # (seconds, default 560) leaves room for it:
-#   1. gpu-step-tests `join` (the joined conv1 grad-inputs and the join_in_conv step, bit for bit);
+#   1. gpu-step-tests FIRST_TESTS (default `join`: the joined conv1 grad-inputs and the join_in_conv step, bit for
+#      bit; `bn_relu_operand bn_apply_in_conv join_sums` for the normalised conv3 operands);
 #   2. an ab-bench.sh A/B of ResNet-152 bf16 batch 256 (ROUNDS rounds while time is left, default 2): the
 #      defaults, KERNELS_JOIN_IN_CONV=1, kernels.bn_stats = "fused", and both (VARIANTS picks among
 #      main join fused fusedjoin, and nojoin fusednojoin: KERNELS_JOIN_IN_CONV=0, the join being on by default
 #      since 7a6e428; nosums: KERNELS_JOIN_SUMS=0, the joined GEMMs without the sums of the BatchNorm before, on by
-#      default since d73a6b1; DTYPE=fp16 times fp16); a round starts only if AB_RESERVE seconds (default 0) are
-#      left after it;
+#      default since d73a6b1; both: KERNELS_BN_APPLY_IN_CONV=both, conv3's input normalised in its forward and
+#      grad-weight; with OLD=DIR, old and oldboth: DIR's trainer, default and both; DTYPE=fp16 times fp16); a round
+#      starts only if AB_RESERVE seconds (default 0) are left after it;
 #   3. with KTRACE=DIR (ktrace.c, ktrace_report.py): kernel timelines of the bf16 step, default and with each
 #      KTRACE_VARIANTS (default "join fusedjoin");
 #   4. with SWEEP=B: `trainer sweep --max` of ResNet-152 bf16 from batch B (granularity 128, heuristic tiles);
 #   5. the other gpu-step tests and the gpu-kernel tests;
-#   6. with TMABENCH=FILE: that tmabench binary (the TMA GEMMs with and without their epilogues, joins included).
+#   6. with TMABENCH=FILE: that tmabench binary (the TMA GEMMs with and without their epilogues, joins included;
+#      TMABENCH_TABLE=bnin (or main, gsumsw, join, 3x3) runs one table).
 #   usage: bash scripts/gpu-owed.sh DIST   (DIST holds trainer, gpu-step-tests, gpu-kernel-tests as .gz or .xz)
 # Writes $OUT/owed.txt (the summary), the test and ktrace logs, and logs.tgz (every bench log).
 set -uo pipefail
@@ -28,6 +31,10 @@ gpu_libs
 bin="$(mktemp -d /tmp/gpu-owed.XXXXXX)"
 mkdir -p "$bin/logs"
 unpack_bin "$dist" "$bin" trainer gpu-step-tests gpu-kernel-tests || exit 2
+if [ -n "${OLD:-}" ]; then
+    mkdir -p "$bin/old"
+    unpack_bin "$OLD" "$bin/old" trainer || exit 2
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv,noheader | tee -a "$sum"
 fails=0
 left() { echo $((limit - SECONDS)); }
@@ -53,10 +60,15 @@ declare -A spec=(
     [nojoin]="KERNELS_JOIN_IN_CONV=0 $bin/trainer"
     [fusednojoin]="KERNELS_JOIN_IN_CONV=0 $bin/trainer-fused"
     [nosums]="KERNELS_JOIN_SUMS=0 $bin/trainer"
+    [both]="KERNELS_BN_APPLY_IN_CONV=both $bin/trainer"
+    [old]="$bin/old/trainer"
+    [oldboth]="KERNELS_BN_APPLY_IN_CONV=both $bin/old/trainer"
 )
 
-echo "== 1. the join tests ($(left) s left)" | tee -a "$sum"
-tests gpu-step-tests step-join.log 180 join
+first="${FIRST_TESTS:-join}"
+echo "== 1. the $first tests ($(left) s left)" | tee -a "$sum"
+read -r -a first_words <<< "$first"
+tests gpu-step-tests step-first.log 200 "${first_words[@]}"
 
 variants=()
 for v in ${VARIANTS:-main join fused fusedjoin}; do variants+=("$v:${spec[$v]}"); done
@@ -127,13 +139,15 @@ fi
 
 if [ "$(left)" -gt 60 ]; then
     echo "== 5. the other gpu-step tests, the gpu-kernel tests ($(left) s left)" | tee -a "$sum"
-    tests gpu-step-tests step-all.log "$(( $(left) > 200 ? 180 : $(left) - 20 ))" --skip join
+    skips=()
+    for f in "${first_words[@]}"; do skips+=(--skip "$f"); done
+    tests gpu-step-tests step-all.log "$(( $(left) > 200 ? 180 : $(left) - 20 ))" "${skips[@]}"
     [ "$(left)" -gt 40 ] && tests gpu-kernel-tests kernel-tests.log "$(( $(left) - 20 ))"
 fi
 if [ -n "${TMABENCH:-}" ] && [ "$(left)" -gt 30 ]; then
     echo "== 6. tmabench ($(left) s left)" | tee -a "$sum"
-    timeout "$(( $(left) - 10 ))" "$TMABENCH" > "$out/tmabench.txt" 2>&1
-    grep -iE "join|total|step" "$out/tmabench.txt" | head -30 | tee -a "$sum"
+    timeout "$(( $(left) - 10 ))" "$TMABENCH" 256 ${TMABENCH_TABLE:-} > "$out/tmabench.txt" 2>&1
+    grep -iE "join|bnin|conv3|total|step|  x" "$out/tmabench.txt" | head -40 | tee -a "$sum"
 fi
 (cd "$bin" && tar czf "$out/logs.tgz" logs)
 rm -rf "$bin"

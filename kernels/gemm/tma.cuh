@@ -1394,7 +1394,12 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
         for (int kt = 0; kt < kts; ++kt, ++it) {
             const int s = it % STAGES;
             if constexpr (XF == XF_NONE) mbar_wait(bars + 8 * s, (it / STAGES) & 1);
-            if constexpr (XF_W) xf_sync(s);
+            if constexpr (XF_W) {
+                // The stage normalised (its operand's stores fenced for the async proxy before the arrivals); the
+                // stage's own barrier, complete by then, also orders the other operand's TMA bytes for this thread.
+                xf_sync(s);
+                mbar_wait(bars + 8 * s, (it / STAGES) & 1);
+            }
             const uint32_t sa = s0 + s * STAGE_BYTES, sb = sa + TMA_A_BYTES;
             fence_regs(acc);
             wg_fence();
