@@ -295,15 +295,7 @@ pub fn conv2d_nhwc_forward_bn_relu(
     pad: usize,
     policy: &KernelPolicy,
 ) -> Result<Tensor> {
-    check_nhwc(z, w, stride, pad)?;
-    #[cfg(feature = "cuda")]
-    if kernels_apply(z) {
-        if let Some((y, _)) = cuda_ops::conv_nhwc_bn_relu_in(z, p, w, (stride, pad), None, false, policy)? {
-            BN_RELU_IN.with(|n| n.set(n.get() + 1));
-            return Ok(y);
-        }
-    }
-    conv2d_nhwc_forward(&bn_relu(z, p)?, w, stride, pad, policy)
+    Ok(forward_bn_relu(z, p, w, (stride, pad), false, policy)?.0)
 }
 
 /// [`conv2d_nhwc_forward_bn_relu`] with the BatchNorm moments of its output, as [`conv2d_nhwc_forward_stats`]
@@ -318,15 +310,31 @@ pub fn conv2d_nhwc_forward_bn_relu_stats(
     pad: usize,
     policy: &KernelPolicy,
 ) -> Result<(Tensor, Option<Tensor>)> {
+    forward_bn_relu(z, p, w, (stride, pad), true, policy)
+}
+
+/// The two above: with `moments`, the moments as [`conv2d_nhwc_forward_stats`] gives them; else None.
+fn forward_bn_relu(
+    z: &Tensor,
+    p: &crate::BnParams,
+    w: &Tensor,
+    (stride, pad): (usize, usize),
+    moments: bool,
+    policy: &KernelPolicy,
+) -> Result<(Tensor, Option<Tensor>)> {
     check_nhwc(z, w, stride, pad)?;
     #[cfg(feature = "cuda")]
     if kernels_apply(z) {
-        if let Some(out) = cuda_ops::conv_nhwc_bn_relu_in(z, p, w, (stride, pad), None, true, policy)? {
+        if let Some(out) = cuda_ops::conv_nhwc_bn_relu_in(z, p, w, (stride, pad), None, moments, policy)? {
             BN_RELU_IN.with(|n| n.set(n.get() + 1));
             return Ok(out);
         }
     }
-    conv2d_nhwc_forward_stats(&bn_relu(z, p)?, w, stride, pad, policy)
+    let x = bn_relu(z, p)?;
+    if moments {
+        return conv2d_nhwc_forward_stats(&x, w, stride, pad, policy);
+    }
+    Ok((conv2d_nhwc_forward(&x, w, stride, pad, policy)?, None))
 }
 
 /// [`conv2d_nhwc_grad_weight`] of a convolution over x = relu(bn(z)), with x normalised inside the kernel where
