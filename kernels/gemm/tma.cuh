@@ -1131,15 +1131,49 @@ __device__ __forceinline__ void xf_arrive(int s) {
 }
 __device__ __forceinline__ void xf_sync(int s) { asm volatile("bar.sync %0, 352;\n" ::"r"(XF_BAR0 + s) : "memory"); }
 
+// tma_xf_warps's split of a stage among its 96 threads, one place for the kernel and the compile-time check below:
+// thread t keeps channel group combo(t) (XF_B: panel combo / 8, group combo % 8 of it) and normalises k-rows
+// first_row(t), + J, .. < ROWS; chunk(t, r) is the byte offset of its chunk of row r in the stage.
+template <int XF, int BN>
+struct XfMap {
+    static constexpr int NC = XF == XF_A ? 8 : BN / 8, J = 96 / NC, ROWS = XF == XF_A ? TMA_BM : TMA_KD;
+    static constexpr int PANELS = XF == XF_A ? 1 : BN / 64;
+    __host__ __device__ static constexpr int combo(int t) { return t % NC; }
+    __host__ __device__ static constexpr int first_row(int t) { return t / NC; }
+    __host__ __device__ static constexpr int chunk(int t, int r) {
+        return (XF == XF_A ? 0 : TMA_A_BYTES + (combo(t) >> 3) * 8192) + r * 128 + (((combo(t) & 7) ^ (r & 7)) << 4);
+    }
+    // Every chunk of the stage's operand (PANELS x ROWS x 8, 16 bytes each: panels of ROWS 128-byte rows) taken by
+    // exactly one thread, and its 8 channels (the 128-byte swizzle: position p of row r holds group p ^ (r & 7)) the
+    // ones whose constants that thread holds (8 combo(t) from the operand's first channel).
+    static constexpr bool covers_once() {
+        if (96 % NC != 0) return false;
+        int seen[PANELS * ROWS * 8] = {};
+        const int base = XF == XF_A ? 0 : TMA_A_BYTES;
+        for (int t = 0; t < 96; ++t)
+            for (int r = first_row(t); r < ROWS; r += J) {
+                const int off = chunk(t, r) - base, panel = off / (ROWS * 128), row = off % (ROWS * 128) / 128;
+                const int pos = off % 128 / 16;
+                if (off % 16 != 0 || row != r) return false;
+                if (8 * (8 * panel + (pos ^ (row & 7))) != 8 * combo(t)) return false;
+                ++seen[(panel * ROWS + row) * 8 + pos];
+            }
+        for (int i = 0; i < PANELS * ROWS * 8; ++i)
+            if (seen[i] != 1) return false;
+        return true;
+    }
+};
+static_assert(XfMap<XF_A, 256>::covers_once() && XfMap<XF_A, 128>::covers_once() && XfMap<XF_A, 64>::covers_once(),
+              "tma_xf_warps: A's chunks once each");
+static_assert(XfMap<XF_B, 256>::covers_once() && XfMap<XF_B, 128>::covers_once() && XfMap<XF_B, 64>::covers_once(),
+              "tma_xf_warps: B's chunks once each");
+
 template <typename T, int BN, int XF, int STAGES, int STAGE_BYTES>
 __device__ __forceinline__ void tma_xf_warps(uint32_t s0, uint32_t bars, const Shape& sh, int units, int mt, int nt,
                                              int splits) {
     static_assert(STAGES <= 8, "named barriers 6-13");
-    const int t = threadIdx.x - 32;
-    constexpr int NC = XF == XF_A ? 8 : BN / 8, J = 96 / NC, ROWS = XF == XF_A ? TMA_BM : TMA_KD;
-    const int combo = t % NC, j = t / NC, g = combo & 7;
-    // XF_B: the panel's offset in the B stage (after A).
-    const uint32_t off = XF == XF_A ? 0u : (uint32_t)(TMA_A_BYTES + (combo >> 3) * 8192);
+    using Map = XfMap<XF, BN>;
+    const int t = threadIdx.x - 32, combo = Map::combo(t), j = Map::first_row(t);
     int it = 0;
     for (int u = blockIdx.x; u < units; u += gridDim.x) {
         int tm, tn, ks, k0;
@@ -1148,11 +1182,11 @@ __device__ __forceinline__ void tma_xf_warps(uint32_t s0, uint32_t bars, const S
         if constexpr (XF == XF_B) bnin_consts(sh, tn * BN + 8 * combo, sh.N, k);
         for (int kt = 0; kt < kts; ++kt, ++it) {
             const int s = it % STAGES;
-            if constexpr (XF == XF_A) bnin_consts(sh, k0 + kt * TMA_KD + 8 * g, sh.K, k);
+            if constexpr (XF == XF_A) bnin_consts(sh, k0 + kt * TMA_KD + 8 * combo, sh.K, k);
             mbar_wait(bars + 8 * s, (it / STAGES) & 1);
-            const uint32_t base = s0 + s * STAGE_BYTES + off;
+            const uint32_t base = s0 + s * STAGE_BYTES;
 #pragma unroll 4
-            for (int r = j; r < ROWS; r += J) bnin_chunk<T>(base + r * 128 + ((g ^ (r & 7)) << 4), k);
+            for (int r = j; r < Map::ROWS; r += Map::J) bnin_chunk<T>(base + Map::chunk(t, r), k);
             fence_async_smem();
             xf_arrive(s);
         }
