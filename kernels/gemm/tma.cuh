@@ -1125,6 +1125,9 @@ __device__ __forceinline__ void bnin_b(uint32_t sb, const BnIn8& k) {
 // normalised the warps fence their stores for the async proxy and arrive on named barrier XF_BAR0 + s (stage s),
 // where the consumers wait instead of on full[s] (up to 8 stages: barriers 6-13; 0-5 are taken).
 constexpr int XF_BAR0 = 6;
+#ifndef IG_XF_IN_PRODUCER
+#define IG_XF_IN_PRODUCER 1
+#endif
 
 __device__ __forceinline__ void xf_arrive(int s) {
     asm volatile("bar.arrive %0, 352;\n" ::"r"(XF_BAR0 + s) : "memory");
@@ -1219,8 +1222,9 @@ __device__ __forceinline__ void tma_gemm_body(const TmaDesc* ta, const TmaDesc* 
                                               float* part = nullptr) {
     using Cfg = TmaCfg<BN, EPI>;
     constexpr int STAGES = Cfg::STAGES, STAGE_BYTES = Cfg::STAGE_BYTES;
-    // The operand normalised by producer warps (tma_xf_warps) where they are free, else by the consumers.
-    constexpr bool XF_W = XF != XF_NONE && !Cfg::STATS_WARPS;
+    // The operand normalised by producer warps (tma_xf_warps) where they are free, else by the consumers (and by
+    // the consumers everywhere in a build with -DIG_XF_IN_PRODUCER=0: the dev harnesses' A/B of the two).
+    constexpr bool XF_W = XF != XF_NONE && !Cfg::STATS_WARPS && IG_XF_IN_PRODUCER;
     constexpr bool XF_C = XF != XF_NONE && !XF_W;
     constexpr int PRODUCER_REGS = XF_W ? 72 : Cfg::PRODUCER_REGS, CONSUMER_REGS = XF_W ? 216 : Cfg::CONSUMER_REGS;
     constexpr bool Z_SMEM = Cfg::Z_SMEM;

@@ -30,7 +30,8 @@
 // BatchNorm (no ReLU: sum g and sum g xhat3 over the joined g) taken by statistics warps (gemm_nn_joinsw_x*), against
 // the plain join; the joined output checked bit for bit against the join's, the partials against FP64 on l3 / l4.
 // The conv3 forwards over relu(bn(z)) normalised in the kernel (gemm_nt_bnin_x*, gemm_nt_bnin_stats_x*) against
-// the plain and stats kernels over the materialised input: bit for bit, and their cost.
+// the plain and stats kernels over the materialised input: bit for bit, and their cost (built with
+// -DIG_XF_IN_PRODUCER=0, gemm_nt_bnin_x* normalises in its consumers, as before the producer warps took it).
 // The last lines weight each shape by its launches in one ResNet-152 step: milliseconds a step.
 #include "conv/05_tma_wgmma.cu"
 #include "gemm/05_tma_wgmma.cu"
