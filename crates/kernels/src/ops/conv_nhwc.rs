@@ -617,12 +617,7 @@ mod cuda_ops {
             return Ok((x.apply_op2_no_bwd(&w, &plain)?, None));
         }
         let (rows, c) = (geom.n * geom.p() * geom.q(), geom.ko);
-        let len = crate::cuda::tma::stats_partials_len(rows, c);
-        let part = crate::cuda::empty_f32(&x, len)?;
-        let addr = crate::cuda::addr_of::<f32>(&part, len, "epilogue statistics")?;
-        let wrote = Arc::new(AtomicBool::new(false));
-        let epi = Epi::Moments { part: addr };
-        let op = ConvOp { stats: Some((epi, wrote.clone())), ..plain.clone() };
+        let (op, part, wrote) = with_moments(plain.clone(), &x, rows, c)?;
         let y = x.apply_op2_no_bwd(&w, &op)?;
         if !wrote.load(Ordering::Relaxed) {
             return Ok((y, None));
@@ -640,6 +635,17 @@ mod cuda_ops {
             }
         }
         Ok((y, Some(part)))
+    }
+
+    /// `op` (a forward of `rows` x `c` outputs) with the moments of its output asked of the epilogue: the op, the
+    /// fresh partials ([`crate::cuda::tma::stats_partials_len`] floats, on `like`'s device) and the flag the launch
+    /// sets when it wrote them.
+    fn with_moments(op: ConvOp, like: &Tensor, rows: usize, c: usize) -> Result<(ConvOp, Tensor, Arc<AtomicBool>)> {
+        let len = crate::cuda::tma::stats_partials_len(rows, c);
+        let part = crate::cuda::empty_f32(like, len)?;
+        let addr = crate::cuda::addr_of::<f32>(&part, len, "epilogue statistics")?;
+        let wrote = Arc::new(AtomicBool::new(false));
+        Ok((ConvOp { stats: Some((Epi::Moments { part: addr }, wrote.clone())), ..op }, part, wrote))
     }
 
     /// A 1x1 stride-1 pass over x = relu(bn(z)) with x normalised inside the TMA GEMM ([`Epi::BnReluIn`]): the
@@ -694,11 +700,7 @@ mod cuda_ops {
         let op = ConvOp { bn_in: Some(bn), ..ConvOp::new(geom, pass, policy) };
         let (z, other) = (aligned(z)?, aligned(other)?);
         if let (true, None) = (moments, wgrad) {
-            let len = crate::cuda::tma::stats_partials_len(n * h * wd, ko);
-            let part = crate::cuda::empty_f32(&z, len)?;
-            let addr = crate::cuda::addr_of::<f32>(&part, len, "epilogue statistics")?;
-            let wrote = Arc::new(AtomicBool::new(false));
-            let op = ConvOp { stats: Some((Epi::Moments { part: addr }, wrote.clone())), ..op };
+            let (op, part, wrote) = with_moments(op, &z, n * h * wd, ko)?;
             let y = z.apply_op2_no_bwd(&other, &op)?;
             return Ok(Some((y, wrote.load(Ordering::Relaxed).then_some(part))));
         }
