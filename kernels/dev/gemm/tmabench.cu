@@ -292,6 +292,13 @@ int main(int argc, char** argv) {
     std::printf("tmabench: %s, %d SMs, batch %lld, bf16, no split-K\n", prop.name, g_sms, batch);
     // An optional second argument runs one table only: main, gsumsw, join (with the join sums), bnin or 3x3.
     const char* only = argc > 2 ? argv[2] : nullptr;
+    if (only != nullptr) {
+        const char* tables[] = {"main", "gsumsw", "join", "bnin", "3x3"};
+        if (std::none_of(std::begin(tables), std::end(tables), [&](const char* t) { return std::strcmp(t, only) == 0; })) {
+            std::fprintf(stderr, "tmabench: unknown table '%s' (main, gsumsw, join, bnin or 3x3)\n", only);
+            return 2;
+        }
+    }
     auto run = [&](const char* table) { return only == nullptr || std::strcmp(only, table) == 0; };
 
     // ResNet-152's bottleneck 1x1 convolutions (conv1: 4c -> c, conv3: c -> 4c; the first block of each stage
